@@ -1,0 +1,71 @@
+"""Gradient-norm clipping across a tensor x pipeline parallel model."""
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import parallel_state as ps
+
+
+def param_is_shared(param):
+    """A copy of a parameter owned by another stage (tied embedding on the last stage)."""
+    return bool(getattr(param, "shared", False) or getattr(param, "ds_pipe_replicated", False))
+
+
+def _counted_grads(parameters, tp_rank):
+    """Gradients that count toward the norm: each distinct parameter exactly once."""
+    grads = []
+    for p in parameters:
+        if p.grad is None or param_is_shared(p):
+            continue
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            grads.append(p.grad.detach())
+    return grads
+
+
+def _local_norm_pow(grads, norm_type, device):
+    """Sum of |g|^p over this rank's counted gradients (max |g| for the inf-norm), fp32."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)])
+    if math.isinf(norm_type):
+        return norms.max()
+    return norms.pow(norm_type).sum()
+
+
+def clip_grad_norm(parameters, max_norm, norm_type=2, group=None):
+    """Clip gradients by their global norm over the whole model replica (in place).
+
+    Split parameters count on every tensor-parallel rank; replicated ones only on tp
+    rank 0; parameters marked ``shared`` (or DeepSpeed's ``ds_pipe_replicated``) are
+    skipped because their owner counts them. The sum runs over the model-parallel
+    (tensor x pipeline) group, so every rank gets the norm of the serial model.
+
+    Args:
+        parameters: iterable of parameters (or one tensor).
+        max_norm: largest allowed norm; gradients are scaled by max_norm / norm if above.
+        norm_type: p of the p-norm; ``float('inf')`` for the max norm.
+        group: group to reduce over (default: mpu's model-parallel group).
+
+    Returns:
+        The total norm (float) before clipping.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    group = ps.get_model_parallel_group() if group is None else group
+    grads = _counted_grads(parameters, ps.get_tensor_model_parallel_rank())
+    device = parameters[0].grad.device if parameters else torch.device("cpu")
+    total = _local_norm_pow(grads, norm_type, device)
+    if dist.get_world_size(group) > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=group)
+    if not math.isinf(norm_type):
+        total = total.pow(1.0 / norm_type)
+    # Scale unconditionally by min(1, coef): no host sync to decide whether to clip.
+    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    all_grads = [p.grad.detach() for p in parameters]
+    if all_grads:
+        torch._foreach_mul_(all_grads, clip_coef.to(all_grads[0].device))
+    return float(total)

@@ -1,0 +1,226 @@
+"""Tensor-parallel layers: VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear.
+
+Initialisation is layout-invariant: each layer draws its *full* (master) weight on the
+CPU from the default generator, which holds the same state on every tensor-parallel
+rank, and keeps its own slice. The gathered weight is therefore the same for any tp.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn import init
+
+from . import parallel_state as ps
+from .mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from .utils import VocabUtility, divide, get_device
+
+_TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1,
+                          "partition_stride": 1}
+
+
+def set_tensor_model_parallel_attributes(tensor, is_parallel, dim, stride):
+    """Mark a parameter as split (or not) across tensor-parallel ranks along ``dim``."""
+    tensor.tensor_model_parallel = is_parallel
+    tensor.model_parallel = is_parallel  # Megatron v1 / DeepSpeed spelling
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor):
+    for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def param_is_not_tensor_parallel_duplicate(param):
+    """True for a split parameter, and for a replicated one on tp rank 0 only."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or \
+        ps.get_tensor_model_parallel_rank() == 0
+
+
+def _tp_info(group):
+    group = ps.get_tensor_model_parallel_group() if group is None else group
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _init_partitioned(weight, full_shape, partition_dim, init_method, tp_rank, tp_size,
+                      stride=1, return_master=False):
+    """Draw the full weight on the CPU, copy this rank's slice(s) into ``weight``.
+
+    With ``stride`` s the partition dimension is cut into tp*s chunks and rank r keeps
+    chunks r, r+tp, ... (for fused weights such as QKV laid out per projection).
+    """
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    chunk = divide(full_shape[partition_dim], tp_size * stride, "partitioned dimension",
+                   f"tensor-model-parallel size x stride ({tp_size} x {stride})")
+    chunks = torch.split(master, chunk, dim=partition_dim)
+    mine = torch.cat(chunks[tp_rank::tp_size], dim=partition_dim)
+    with torch.no_grad():
+        weight.copy_(mine)
+    return master if return_master else None
+
+
+def _factory(params_dtype, device):
+    return {"dtype": params_dtype or torch.get_default_dtype(),
+            "device": get_device() if device is None else device}
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary dimension is split across the tensor-parallel ranks.
+
+    Each rank looks up the ids in its own vocabulary slice, zeroes the others, and the
+    partial embeddings are summed with one all-reduce.
+
+    Args:
+        num_embeddings: vocabulary size (must divide by the tensor-parallel size).
+        embedding_dim: hidden size.
+        init_method: in-place initialiser applied to the full weight.
+        params_dtype: parameter dtype (default: torch's default dtype).
+        device: parameter device (default: the current CUDA device, else CPU).
+        group: tensor-parallel group (default: mpu's).
+        perform_initialization: False leaves the weight uninitialised (to be loaded).
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, init_method=init.xavier_normal_, *,
+                 params_dtype=None, device=None, group=None, perform_initialization=True):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, tp_rank, self.tp_size = _tp_info(group)
+        self.vocab_start_index, self.vocab_end_index = \
+            VocabUtility.vocab_range_from_global_vocab_size(num_embeddings, tp_rank, self.tp_size)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
+                                               **_factory(params_dtype, device)))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        if perform_initialization:
+            _init_partitioned(self.weight, (num_embeddings, embedding_dim), 0, init_method,
+                              tp_rank, self.tp_size)
+
+    def forward(self, input_):  # [*] ids -> [*, h]
+        if self.tp_size == 1:
+            return F.embedding(input_, self.weight)
+        outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+        local_ids = (input_ - self.vocab_start_index).masked_fill_(outside, 0)
+        output_parallel = F.embedding(local_ids, self.weight)
+        output_parallel.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(output_parallel, self.group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer ``Y = XA + b`` with A split along its output (column) dimension.
+
+    Forward: ``f`` (identity; all-reduce of the input grad backward), local matmul, and
+    an all-gather of the output when ``gather_output``.
+
+    Args:
+        input_size: first dimension of A.
+        output_size: second dimension of A (must divide by the tensor-parallel size).
+        bias: add a (split) bias.
+        gather_output: all-gather Y so every rank has all of it; otherwise each rank
+            keeps its ``output_size / tp`` columns.
+        init_method: in-place initialiser applied to the full ``[output, input]`` weight.
+        stride: interleaving of fused weights (see :func:`_init_partitioned`).
+        keep_master_weight_for_test: keep the full weight as ``self.master_weight``.
+        skip_bias_add: return the bias instead of adding it (for fusing it later).
+        params_dtype, device, group, perform_initialization: as in VocabParallelEmbedding.
+
+    Returns (forward):
+        ``(output, bias)``: ``bias`` is the bias parameter when ``skip_bias_add``, else None.
+    """
+
+    def __init__(self, input_size, output_size, bias=True, gather_output=True,
+                 init_method=init.xavier_normal_, stride=1, keep_master_weight_for_test=False,
+                 skip_bias_add=False, *, params_dtype=None, device=None, group=None,
+                 perform_initialization=True):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.group, tp_rank, self.tp_size = _tp_info(group)
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output size",
+                                                "tensor-model-parallel size")
+        factory = _factory(params_dtype, device)
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                               **factory))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        self.master_weight = None
+        if perform_initialization:
+            self.master_weight = _init_partitioned(
+                self.weight, (output_size, input_size), 0, init_method, tp_rank, self.tp_size,
+                stride, return_master=keep_master_weight_for_test)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, **factory))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_):  # [*, in] -> [*, out] or [*, out/tp]
+        input_parallel = copy_to_tensor_model_parallel_region(input_, self.group)
+        bias = None if self.skip_bias_add else self.bias
+        output_parallel = F.linear(input_parallel, self.weight, bias)
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output_parallel, self.group)
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer ``Y = XA + b`` with A split along its input (row) dimension.
+
+    Forward: split X unless it already is (``input_is_parallel``), local matmul, ``g``
+    (all-reduce of the partial sums), then the bias, which is replicated on every rank.
+
+    Args:
+        input_size: first dimension of A (must divide by the tensor-parallel size).
+        output_size: second dimension of A.
+        bias: add a bias (replicated, not split).
+        input_is_parallel: the input is already split (it comes from a
+            ColumnParallelLinear with ``gather_output=False``).
+        init_method, stride, keep_master_weight_for_test, skip_bias_add, params_dtype,
+            device, group, perform_initialization: as in ColumnParallelLinear.
+
+    Returns (forward):
+        ``(output, bias)`` as ColumnParallelLinear.
+    """
+
+    def __init__(self, input_size, output_size, bias=True, input_is_parallel=False,
+                 init_method=init.xavier_normal_, stride=1, keep_master_weight_for_test=False,
+                 skip_bias_add=False, *, params_dtype=None, device=None, group=None,
+                 perform_initialization=True):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.group, tp_rank, self.tp_size = _tp_info(group)
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input size",
+                                               "tensor-model-parallel size")
+        factory = _factory(params_dtype, device)
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                               **factory))
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        self.master_weight = None
+        if perform_initialization:
+            self.master_weight = _init_partitioned(
+                self.weight, (output_size, input_size), 1, init_method, tp_rank, self.tp_size,
+                stride, return_master=keep_master_weight_for_test)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, **factory))
+            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_):  # [*, in] or [*, in/tp] -> [*, out]
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, self.group)
+        output_parallel = F.linear(input_parallel, self.weight)
+        output = reduce_from_tensor_model_parallel_region(output_parallel, self.group)
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None

@@ -1,0 +1,204 @@
+"""Random-number streams for tensor parallelism, and activation checkpointing that replays them.
+
+Two streams, as in Megatron-LM:
+
+- the *default* generator, seeded identically on every tensor-parallel rank: dropout on
+  replicated activations (hidden states) draws the same mask on every rank;
+- the *model-parallel* stream, a per-tp-rank seed kept by :class:`RNGStatesTracker`:
+  dropout on split activations (attention probabilities) differs between ranks, as it
+  would across the columns of the serial model.
+
+The tracker forks the generator of the compute device: the CUDA generator on a GPU,
+the CPU generator otherwise (so everything here works on CPU with gloo).
+"""
+import contextlib
+
+import torch
+
+from . import parallel_state as ps
+from .utils import get_device
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+#: Offset between the data-parallel seed and the model-parallel seeds (Megatron's value).
+MODEL_PARALLEL_SEED_OFFSET = 2718
+
+
+def _uses_cuda():
+    return get_device().type == "cuda"
+
+
+def _get_device_rng_state():
+    return torch.cuda.get_rng_state() if _uses_cuda() else torch.get_rng_state()
+
+
+def _set_device_rng_state(state):
+    if _uses_cuda():
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named generator states that can be swapped in for a block of code.
+
+    ``fork(name)`` swaps the device generator to the tracked state, runs the block, saves
+    the advanced state back, and restores the original generator state.
+    """
+
+    def __init__(self):
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def reset(self):
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        """A copy of the name -> state dict (for checkpoints and recompute)."""
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states):
+        self.states_ = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name, seed):
+        """Track a new stream ``name`` seeded with ``seed``.
+
+        Raises:
+            ValueError: the name or the seed is already tracked.
+        """
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} is already tracked")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} is already tracked")
+        self.seeds_.add(seed)
+        original = _get_device_rng_state()
+        if _uses_cuda():
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.states_[name] = _get_device_rng_state()
+        _set_device_rng_state(original)
+
+    @contextlib.contextmanager
+    def fork(self, name=_MODEL_PARALLEL_RNG_TRACKER_NAME):
+        """Run the block with stream ``name`` as the device generator."""
+        if name not in self.states_:
+            raise KeyError(f"RNG state {name!r} is not tracked: call "
+                           "model_parallel_cuda_manual_seed(seed) first")
+        original = _get_device_rng_state()
+        _set_device_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = _get_device_rng_state()
+            _set_device_rng_state(original)
+
+
+_RNG_TRACKER = RNGStatesTracker()
+
+
+def get_cuda_rng_tracker():
+    """The process-wide tracker (Megatron's name; it tracks the CPU generator without CUDA)."""
+    return _RNG_TRACKER
+
+
+def model_parallel_cuda_manual_seed(seed):
+    """Seed both streams for this rank.
+
+    The default generator gets ``seed`` (the same on every tensor-parallel rank); the
+    model-parallel stream gets ``seed + 2718 + tp_rank``.
+
+    Args:
+        seed: base seed; must be the same on all ranks of a tensor-parallel group.
+    """
+    tp_seed = seed + MODEL_PARALLEL_SEED_OFFSET + ps.get_tensor_model_parallel_rank()
+    torch.manual_seed(seed)  # CPU and every CUDA device
+    _RNG_TRACKER.reset()
+    _RNG_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, tp_seed)
+
+
+# Device-neutral names.
+get_rng_tracker = get_cuda_rng_tracker
+model_parallel_manual_seed = model_parallel_cuda_manual_seed
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Drop a block's activations in forward and recompute them in backward.
+
+    The CPU, device and tracker RNG states are captured before the forward and restored
+    for the recompute, so dropout draws the same masks and gradients are bit-identical
+    to a run without recompute. Autocast state is replayed as well.
+    """
+
+    @staticmethod
+    def forward(ctx, run_function, *args):
+        ctx.run_function = run_function
+        ctx.rng = _capture_rng()
+        ctx.autocast = _capture_autocast()
+        ctx.tensor_slots = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_slots))
+        with torch.no_grad():
+            return run_function(*args)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("activation checkpointing does not work with "
+                               "torch.autograd.grad(); use .backward()")
+        args = list(ctx.others)
+        for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
+            args[slot] = tensor.detach().requires_grad_(tensor.requires_grad)
+        saved = _capture_rng()
+        _restore_rng(ctx.rng)
+        try:
+            with torch.enable_grad(), _autocast_from(ctx.autocast):
+                outputs = ctx.run_function(*args)
+        finally:
+            _restore_rng(saved)
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = tuple(a.grad if torch.is_tensor(a) else None for a in args)
+        return (None,) + grads
+
+
+def _capture_rng():
+    return (torch.get_rng_state(),
+            torch.cuda.get_rng_state() if _uses_cuda() else None,
+            _RNG_TRACKER.get_states())
+
+
+def _restore_rng(states):
+    cpu, device, tracked = states
+    torch.set_rng_state(cpu)
+    if device is not None:
+        torch.cuda.set_rng_state(device)
+    _RNG_TRACKER.set_states(tracked)
+
+
+def _capture_autocast():
+    device_type = get_device().type
+    if torch.is_autocast_enabled(device_type):
+        return device_type, torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _autocast_from(state):
+    if state is None:
+        return contextlib.nullcontext()
+    device_type, dtype = state
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def checkpoint(function, *args):
+    """Run ``function(*args)`` without keeping its activations; recompute them in backward.
+
+    Args:
+        function: the block to run (e.g. a slice of transformer layers).
+        *args: its arguments; tensors among them are saved, everything else is kept as is.
+    """
+    return CheckpointFunction.apply(function, *args)

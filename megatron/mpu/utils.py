@@ -1,0 +1,72 @@
+"""Small helpers shared by the tensor-parallel code: divisibility, splitting, vocab ranges, device."""
+import os
+
+import torch
+
+
+def ensure_divisibility(numerator, denominator, what="value", by="divisor"):
+    """Raise ``ValueError`` unless ``denominator`` divides ``numerator``.
+
+    Args:
+        numerator: the size being split.
+        denominator: the number of parts.
+        what: name of the size, used in the message (e.g. ``"hidden size"``).
+        by: name of the number of parts (e.g. ``"tensor-model-parallel size"``).
+    """
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by {by} ({denominator}); "
+            f"choose sizes so that {numerator} % {denominator} == 0"
+        )
+
+
+def divide(numerator, denominator, what="value", by="divisor"):
+    """``numerator // denominator`` after checking that the division is exact."""
+    ensure_divisibility(numerator, denominator, what, by)
+    return numerator // denominator
+
+
+def split_tensor_along_last_dim(tensor, num_partitions, contiguous_split_chunks=False):
+    """Split ``tensor`` into ``num_partitions`` equal views along its last dimension.
+
+    Args:
+        tensor: input tensor.
+        num_partitions: number of chunks.
+        contiguous_split_chunks: make each chunk contiguous (copies).
+    """
+    last_dim = tensor.dim() - 1
+    last_dim_size = divide(tensor.size(last_dim), num_partitions, "last dimension", "partitions")
+    chunks = torch.split(tensor, last_dim_size, dim=last_dim)
+    if contiguous_split_chunks:
+        return tuple(chunk.contiguous() for chunk in chunks)
+    return chunks
+
+
+class VocabUtility:
+    """Which contiguous slice ``[first, last)`` of the vocabulary a tensor-parallel rank owns."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size, rank, world_size):
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size, rank, world_size):
+        per_partition = divide(global_vocab_size, world_size, "vocabulary size",
+                               "tensor-model-parallel size")
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank,
+                                                                      world_size)
+
+
+def get_device():
+    """The device this process computes on: the current CUDA device, else the CPU.
+
+    ``MEGATRON_DEVICE=cpu`` forces the CPU on a machine that has GPUs
+    (used by the CPU test-suite); ``MEGATRON_DEVICE=cuda`` insists on CUDA.
+    """
+    choice = os.environ.get("MEGATRON_DEVICE", "").lower()
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice == "cuda" or torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
