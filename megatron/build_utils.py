@@ -1,0 +1,106 @@
+"""Compile native code (csrc/) once per source hash, load it, and fall back on failure.
+
+Used by the fused kernels and by the data-index helpers. A build goes to
+``$MEGATRON_TDS_BUILD_DIR`` (default ``~/.cache/megatron-tds``) in a folder named after
+the sources' hash plus whatever else the binary depends on (torch, CUDA and Python
+versions, flags), so a changed source or an upgraded torch rebuilds, and an unchanged
+one loads in milliseconds. A file lock keeps concurrent builders (several ranks, several
+test processes) from writing the same folder. Under torch.distributed, rank 0 builds first
+and tells the others whether it worked; they then load from the cache (or fall back too).
+"""
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+"""The repository's csrc/ folder (the package is installed in place, ``pip install -e``)."""
+
+_LOADED = {}
+
+
+def build_root():
+    root = os.environ.get("MEGATRON_TDS_BUILD_DIR") or Path.home() / ".cache" / "megatron-tds"
+    return Path(root)
+
+
+def build_dir(name, sources, extra_key=()):
+    """The cache folder for ``name`` built from ``sources`` (paths) and ``extra_key`` (strs)."""
+    digest = hashlib.sha256()
+    for src in sorted(str(s) for s in sources):
+        digest.update(Path(src).read_bytes())
+    for item in (torch.__version__, str(torch.version.cuda), sys.version, *extra_key):
+        digest.update(str(item).encode())
+    return build_root() / f"{name}_{digest.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def file_lock(path):
+    """Exclusive lock on ``path`` (created if needed) for the duration of the block."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _try_build(name, sources, builder, extra_key):
+    try:
+        directory = build_dir(name, sources, extra_key)
+        with file_lock(directory.with_suffix(".lock")):
+            directory.mkdir(parents=True, exist_ok=True)
+            return builder(directory), None
+    except Exception as exc:  # any failure means: use the PyTorch/NumPy path
+        lines = str(exc).strip().splitlines()
+        return None, f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+def _rank0_status(ok):
+    """Broadcast rank 0's build outcome (1/0) to every rank."""
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+def load_native(name, sources, builder, extra_key=(), what=None):
+    """Build (or load from the cache) a native module; None when it cannot be had.
+
+    Args:
+        name: module name, also the cache folder prefix.
+        sources: source paths whose contents key the cache.
+        builder: ``builder(directory) -> module``; compiles into ``directory`` and imports.
+        extra_key: other strings the binary depends on (flags, arch list).
+        what: words for the one-line log on failure (default: ``name``).
+
+    Returns:
+        The module, or None after logging one line (the caller falls back).
+    """
+    if name in _LOADED:
+        return _LOADED[name]
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    module, error = None, None
+    if not distributed or dist.get_rank() == 0:
+        module, error = _try_build(name, sources, builder, extra_key)
+    if distributed:
+        if _rank0_status(module is not None) and dist.get_rank() != 0:
+            module, error = _try_build(name, sources, builder, extra_key)
+        elif dist.get_rank() != 0:
+            error = "the build failed on rank 0"
+    if module is None:
+        logger.warning("%s unavailable, using the fallback path (%s)", what or name, error)
+    _LOADED[name] = module
+    return module
