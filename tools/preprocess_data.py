@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Tokenize raw text into Megatron's mmap indexed format (``.bin`` + ``.idx``).
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --append-eod --workers 2
+
+writes ``data/corpus_text_document.{bin,idx}`` (one pair per ``--json-keys`` key). Input is
+JSONL, a JSON array (GPT2-Chinese's ``train.json``) or plain text (documents separated by
+blank lines); see megatron/data/text_input.py. A malformed line is an error naming the file
+and line, unless ``--skip-bad-lines`` skips and counts it. Output files appear only when
+the whole input went through.
+"""
+import argparse
+import itertools
+import multiprocessing
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from megatron.data import indexed_dataset  # noqa: E402
+from megatron.data.text_input import FORMATS, check_input, detect_format, iter_units, parse_unit  # noqa: E402,E501
+from megatron.errors import DataError, entry_point  # noqa: E402
+from megatron.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+CHUNK = 64  # documents per task sent to a worker: amortizes the inter-process traffic
+
+
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_argument_group("input")
+    group.add_argument("--input", required=True, nargs="+", help="input file(s)")
+    group.add_argument("--input-format", choices=FORMATS, default=None,
+                       help="jsonl, json (array) or text; detected from the content by default")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="keys to extract from each JSON object (default: text)")
+    group.add_argument("--skip-bad-lines", action="store_true",
+                       help="skip and count malformed lines/items instead of stopping")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--vocab-file", default=None)
+    group.add_argument("--merge-file", default=None)
+    group.add_argument("--tokenizer-model", default=None)
+    group.add_argument("--vocab-extra-ids", type=int, default=100)
+    group.add_argument("--append-eod", action="store_true",
+                       help="append the end-of-document token to every document")
+    group = parser.add_argument_group("output")
+    group.add_argument("--output-prefix", required=True)
+    group.add_argument("--dataset-impl", default="mmap", choices=["mmap"])
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument("--log-interval", type=int, default=10000,
+                       help="report progress every this many documents")
+    args = parser.parse_args(argv)
+    if args.workers < 1 or args.log_interval < 1:
+        parser.error("--workers and --log-interval must be >= 1")
+    args.rank = 0
+    return args
+
+
+_TOKENIZER = None
+
+
+def _init_worker(args):
+    global _TOKENIZER
+    _TOKENIZER = build_tokenizer(args)
+
+
+def encode_chunk(task):
+    """Tokenize a list of work units; returns per unit ``(lineno, error, {key: ids}, nbytes)``.
+
+    Bad units come back as an error string (the main process decides: stop or skip), so a
+    worker never dies on user data.
+    """
+    keys, append_eod, dtype, units = task
+    out = []
+    for lineno, kind, payload in units:
+        try:
+            doc = parse_unit(kind, payload, keys)
+        except ValueError as exc:
+            out.append((lineno, str(exc), None, 0))
+            continue
+        arrays, nbytes = {}, 0
+        for key, text in doc.items():
+            ids = _TOKENIZER.tokenize(text)
+            if append_eod:
+                ids.append(_TOKENIZER.eod)
+            arrays[key] = np.asarray(ids, dtype=dtype)
+            nbytes += len(text.encode("utf-8"))
+        out.append((lineno, None, arrays, nbytes))
+    return out
+
+
+def _tasks(path, fmt, args, dtype):
+    units = iter_units(path, fmt)
+    while True:
+        chunk = list(itertools.islice(units, CHUNK))
+        if not chunk:
+            return
+        yield args.json_keys, args.append_eod, dtype, chunk
+
+
+def _validate_inputs(args):
+    """Check every input before any work: exists, non-empty, first document well formed."""
+    formats = []
+    for path in args.input:
+        check_input(path)
+        fmt = args.input_format or detect_format(path)
+        first = next(iter_units(path, fmt), None)
+        if first is None:
+            raise DataError(f"{path} holds no documents; nothing to process")
+        try:
+            parse_unit(first[1], first[2], args.json_keys)
+        except ValueError as exc:
+            if not args.skip_bad_lines:
+                raise DataError(f"{path}:{first[0]}: {exc}") from None
+        formats.append(fmt)
+    return formats
+
+
+class _Progress:
+    def __init__(self, interval):
+        self.interval, self.start = interval, time.time()
+        self.docs = self.bytes = self.skipped = self.empty = 0
+
+    def add(self, nbytes):
+        self.docs += 1
+        self.bytes += nbytes
+        if self.docs % self.interval == 0:
+            self.report("processed")
+
+    def report(self, what):
+        elapsed = max(time.time() - self.start, 1e-9)
+        print(f"{what} {self.docs} documents ({self.docs / elapsed:.1f} docs/s, "
+              f"{self.bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
+
+
+def _consume(results, path, builders, progress, skip_bad):
+    for lineno, error, arrays, nbytes in results:
+        if error is not None:
+            if not skip_bad:
+                raise DataError(f"{path}:{lineno}: {error} (or pass --skip-bad-lines to skip "
+                                f"such lines)")
+            progress.skipped += 1
+            print(f"skipped {path}:{lineno}: {error}", file=sys.stderr)
+            continue
+        for key, ids in arrays.items():
+            if ids.size == 0:  # an empty document adds nothing to train on
+                progress.empty += 1
+                continue
+            builders[key].add_item(ids)
+            builders[key].end_document()
+        progress.add(nbytes)
+
+
+def run(args):
+    """Preprocess ``args.input`` into ``{output_prefix}_{key}_document.{bin,idx}``."""
+    formats = _validate_inputs(args)
+    tokenizer = build_tokenizer(args)  # raises on missing/mismatched vocab files, before work
+    dtype = indexed_dataset.best_fitting_dtype(tokenizer.vocab_size)
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
+    builders = {k: indexed_dataset.MMapIndexedDatasetBuilder(
+        indexed_dataset.data_file_path(p), dtype=dtype) for k, p in prefixes.items()}
+    progress = _Progress(args.log_interval)
+    pool = None
+    try:
+        if args.workers > 1:
+            pool = multiprocessing.get_context("fork").Pool(args.workers, _init_worker, (args,))
+            mapper = pool.imap
+        else:
+            _init_worker(args)
+            mapper = map
+        for path, fmt in zip(args.input, formats):
+            for results in mapper(encode_chunk, _tasks(path, fmt, args, dtype)):
+                _consume(results, path, builders, progress, args.skip_bad_lines)
+        if progress.docs == 0:
+            raise DataError(f"no documents with text in {', '.join(args.input)}; check "
+                            f"--json-keys {' '.join(args.json_keys)}")
+        for key, prefix in prefixes.items():
+            builders[key].finalize(indexed_dataset.index_file_path(prefix))
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    progress.report("done:")
+    print(f"wrote {', '.join(p + '.{bin,idx}' for p in prefixes.values())}; skipped "
+          f"{progress.skipped} bad and {progress.empty} empty documents", file=sys.stderr)
+    return prefixes
+
+
+@entry_point
+def main(argv=None):
+    run(get_args(argv))
+
+
+if __name__ == "__main__":
+    main()
