@@ -1,0 +1,99 @@
+"""AdamW with Megatron's parameter groups, loss scaling, overflow skipping and clipping."""
+import torch
+import torch.distributed as dist
+
+from .. import mpu
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler, build_grad_scaler
+
+
+def get_param_groups(modules, weight_decay):
+    """Two groups: matrices and embeddings decay; biases and norm weights (1-D) do not."""
+    decay, no_decay = [], []
+    for module in modules:
+        for param in module.parameters():
+            if param.requires_grad:
+                (decay if param.dim() > 1 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+class MegatronOptimizer:
+    """Wraps a torch optimizer: unscale + overflow check (fp16), clip, step.
+
+    Parameters stay fp32 (the master weights); fp16/bf16 compute comes from autocast, so
+    the gradients arrive in fp32 and nothing is copied between model and master weights.
+
+    Args:
+        optimizer: the torch optimizer over the model's parameters.
+        grad_scaler: a loss scaler (fp16) or None.
+        clip_grad: max global gradient norm (0 disables clipping; the norm is still measured).
+    """
+
+    def __init__(self, optimizer, grad_scaler, clip_grad):
+        self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
+        self.clip_grad = clip_grad
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    @property
+    def loss_scale(self):
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def scale_loss(self, loss):
+        return loss * self.loss_scale if self.grad_scaler is not None else loss
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _unscale_and_check(self, grads):
+        """Unscale in place; True (on every rank) if any gradient anywhere is inf/nan."""
+        found_inf = torch.zeros(1, device=grads[0].device if grads else mpu.get_device())
+        if grads:
+            inv_scale = torch.full((1,), 1.0 / self.grad_scaler.scale, device=found_inf.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return bool(found_inf.item())
+
+    def step(self):
+        """Returns ``(updated, grad_norm)``; ``updated`` is False for a skipped (overflow) step."""
+        params = [p for p in self.params() if p.grad is not None]
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check([p.grad for p in params])
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.zero_grad()
+                return False, None
+        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
+        grad_norm = mpu.clip_grad_norm(params, max_norm)
+        self.optimizer.step()
+        return True, grad_norm
+
+    def state_dict(self):
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+def get_megatron_optimizer(modules, args):
+    """AdamW (fused/foreach where available) over ``modules`` as configured by ``args``."""
+    groups = get_param_groups(modules, args.weight_decay)
+    adam = torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_eps, weight_decay=args.weight_decay)
+    return MegatronOptimizer(adam, build_grad_scaler(args), args.clip_grad)
+
+
+__all__ = ["ConstantGradScaler", "DynamicGradScaler", "MegatronOptimizer",
+           "build_grad_scaler", "get_megatron_optimizer", "get_param_groups"]
