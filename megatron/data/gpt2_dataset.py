@@ -13,7 +13,6 @@ The three arrays are cached as ``.npy`` next to the data under Megatron's names,
 by rank 0 (megatron/data/index_cache.py).
 """
 import logging
-import math
 
 import numpy as np
 
@@ -37,17 +36,19 @@ def build_index_arrays(documents, sizes, num_samples, seq_length, seed):
     Args:
         documents: int64 [D] sequence ids of the split.
         sizes: int32 [N] tokens per sequence of the whole indexed dataset.
-        num_samples: samples needed; whole epochs are built, so there may be more.
+        num_samples: samples needed; at least one epoch's worth is built.
         seq_length: tokens per sample minus one.
         seed: shuffling seed (numpy RandomState, stable across numpy versions).
     """
     tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
-    num_epochs = max(1, math.ceil((num_samples * seq_length + 1) / tokens_per_epoch))
+    # At least one full epoch's worth of samples, so that every token of the split is seen
+    # (the last sample of the epoch may reach into the next one).
+    total = max(int(num_samples), -(-(tokens_per_epoch - 1) // seq_length))
+    num_epochs = -(-(total * seq_length + 1) // tokens_per_epoch)
     rng = np.random.RandomState(seed)
     docs = np.tile(np.asarray(documents, dtype=np.int64), num_epochs)
     doc_epoch = np.repeat(np.arange(num_epochs), len(documents))
     doc_idx = _epoch_shuffle(docs, doc_epoch, rng)
-    total = (num_epochs * tokens_per_epoch - 1) // seq_length
     sample_idx = helpers.build_sample_idx(sizes, doc_idx, seq_length, total)
     starts = np.arange(total, dtype=np.int64) * seq_length
     shuffle_idx = _epoch_shuffle(np.arange(total, dtype=np.int64),
@@ -63,7 +64,7 @@ class GPT2Dataset:
         data_prefix: indexed dataset prefix (cache files go next to it).
         documents: int64 [D] sequence ids of this split.
         indexed_dataset: the MMapIndexedDataset.
-        num_samples: samples needed (the dataset may hold more: whole epochs).
+        num_samples: samples needed (the dataset holds at least one epoch's worth).
         seq_length: tokens per sample minus one.
         seed: shuffling seed.
     """
@@ -83,11 +84,15 @@ class GPT2Dataset:
         paths = {k: f"{base}_{k}_idx.npy" for k in ("doc", "sample", "shuffle")}
         desc = {"documents": [int(documents[0]), int(documents[-1]) + 1],
                 "num_sequences": len(sizes), "tokens_per_epoch": tokens, "format": 1}
+        # Loading the C++ helpers is collective under torch.distributed (rank 0 compiles,
+        # then tells the others), so every rank does it here, not only the rank that builds.
+        helpers.cpp_module()
         arrays = cached_arrays(paths, base + "_desc.json", desc, lambda: build_index_arrays(
             documents, sizes, num_samples, seq_length, seed))
         self.doc_idx, self.sample_idx = arrays["doc"], arrays["sample"]
         self.shuffle_idx = arrays["shuffle"]
         self.num_epochs = len(self.doc_idx) // len(documents)
+        self.tokens_per_epoch = tokens
         logger.info("%s: %s split, %d documents, %d epochs, %d samples", data_prefix, name,
                     len(documents), self.num_epochs, len(self))
 
