@@ -1,5 +1,73 @@
-"""tds: ``import tds as deepspeed`` (DeepSpeed's API with a typed multi-tensor pipeline engine).
+"""tds: ``import tds as deepspeed``.
 
-Placeholder until the pipeline engine lands: it re-exports nothing yet.
+DeepSpeed's public API, unchanged, with one difference: ``initialize()`` on a
+``PipelineModule`` returns tds's :class:`~tds.pipe.PipelineEngine`, which moves typed
+tuples of tensors between stages (CPM-Pretrain's TDS). Every other attribute is
+DeepSpeed's own (``tds.zero``, ``tds.comm``, ``tds.checkpointing``, ...).
 """
-__version__ = "0.1.0"
+import contextlib
+
+import deepspeed as _deepspeed
+
+SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
+"""tds subclasses DeepSpeed's pipeline engine internals: [0.19, 0.20) is what it is built on."""
+
+
+def _check_version(version):
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    low, high = SUPPORTED_DEEPSPEED
+    if not low <= parts < high:
+        raise ImportError(f"tds needs DeepSpeed >= {'.'.join(map(str, low))} and < "
+                          f"{'.'.join(map(str, high))}, found {version}; install it with "
+                          f"pip install 'deepspeed>=0.19,<0.20'")
+
+
+_check_version(_deepspeed.__version__)
+
+from deepspeed import (  # noqa: E402  (re-exported API)
+    DeepSpeedConfig,
+    DeepSpeedEngine,
+    add_config_arguments,
+    checkpointing,
+    comm,
+    init_distributed,
+    zero,
+)
+
+from .pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec  # noqa: E402
+
+__version__ = _deepspeed.__version__
+
+
+@contextlib.contextmanager
+def _tds_pipeline_engine():
+    """Let deepspeed.initialize build tds's engine for the duration of one call."""
+    original = _deepspeed.PipelineEngine
+    _deepspeed.PipelineEngine = PipelineEngine
+    try:
+        yield
+    finally:
+        _deepspeed.PipelineEngine = original
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize``; a ``PipelineModule`` gets tds's pipeline engine.
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed does.
+    """
+    model = kwargs.get("model", args[1] if len(args) > 1 else None)
+    if not isinstance(model, PipelineModule):
+        return _deepspeed.initialize(*args, **kwargs)
+    with _tds_pipeline_engine():
+        return _deepspeed.initialize(*args, **kwargs)
+
+
+def __getattr__(name):
+    """Everything else is DeepSpeed's."""
+    return getattr(_deepspeed, name)
+
+
+__all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "LayerSpec", "PipelineEngine",
+           "PipelineModule", "TiedLayerSpec", "add_config_arguments", "checkpointing", "comm",
+           "init_distributed", "initialize", "zero"]

@@ -133,7 +133,7 @@ class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, *args):
         ctx.run_function = run_function
-        ctx.rng = _capture_rng()
+        ctx.rng = get_all_rng_states()
         ctx.autocast = _capture_autocast()
         ctx.tensor_slots = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
@@ -149,13 +149,13 @@ class CheckpointFunction(torch.autograd.Function):
         args = list(ctx.others)
         for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
             args[slot] = tensor.detach().requires_grad_(tensor.requires_grad)
-        saved = _capture_rng()
-        _restore_rng(ctx.rng)
+        saved = get_all_rng_states()
+        set_all_rng_states(ctx.rng)
         try:
             with torch.enable_grad(), _autocast_from(ctx.autocast):
                 outputs = ctx.run_function(*args)
         finally:
-            _restore_rng(saved)
+            set_all_rng_states(saved)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
@@ -166,13 +166,15 @@ class CheckpointFunction(torch.autograd.Function):
         return (None,) + grads
 
 
-def _capture_rng():
+def get_all_rng_states():
+    """CPU, device and tracker generator states (to replay or undo random draws)."""
     return (torch.get_rng_state(),
             torch.cuda.get_rng_state() if _uses_cuda() else None,
             _RNG_TRACKER.get_states())
 
 
-def _restore_rng(states):
+def set_all_rng_states(states):
+    """Restore what :func:`get_all_rng_states` returned."""
     cpu, device, tracked = states
     torch.set_rng_state(cpu)
     if device is not None:

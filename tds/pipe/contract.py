@@ -1,0 +1,96 @@
+"""The typed stage-boundary contract: what each position of the inter-stage tuple is.
+
+A pipeline model carries three lists, one entry per position of the tuple that stage k
+sends to stage k+1 (CPM-Pretrain's TDS attributes):
+
+- ``_input_type``: ``'float'``, ``'int'`` or ``'bool'``;
+- ``_input_grad``: whether the position's gradient travels back to the previous stage;
+- ``_input_pipe_partitioned``: whether it is split across the tensor-parallel ranks for
+  the send and all-gathered on receipt (p2p volume / tp).
+
+GPT-2: ``(hidden, attention_mask)`` -> ``['float', 'bool']``, ``[True, False]``,
+``[True, False]``.
+"""
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+TYPE_NAMES = {"float": None, "int": torch.int64, "bool": torch.bool}
+"""Contract type -> dtype sent (``float`` travels in the activation dtype)."""
+
+
+@dataclass(frozen=True)
+class StageContract:
+    """Validated per-position description of the tensors crossing a stage boundary."""
+
+    types: Tuple[str, ...]
+    grads: Tuple[bool, ...]
+    partitioned: Tuple[bool, ...]
+
+    @classmethod
+    def build(cls, types, grads, partitioned):
+        """Check the three lists against each other; raise ValueError naming the position.
+
+        Args:
+            types: per-position ``'float'`` / ``'int'`` / ``'bool'``.
+            grads: per-position bool.
+            partitioned: per-position bool, or None for all False.
+        """
+        types = tuple(types)
+        grads = tuple(bool(g) for g in grads)
+        partitioned = tuple(bool(p) for p in partitioned) if partitioned is not None \
+            else (False,) * len(types)
+        if not (len(types) == len(grads) == len(partitioned)):
+            raise ValueError(
+                f"pipeline stage contract: _input_type has {len(types)} positions, _input_grad "
+                f"{len(grads)}, _input_pipe_partitioned {len(partitioned)}; give one entry per "
+                f"tensor of the tuple passed between stages")
+        for pos, kind in enumerate(types):
+            if kind not in TYPE_NAMES:
+                raise ValueError(f"pipeline stage contract: position {pos} has _input_type "
+                                 f"{kind!r}; use one of {sorted(TYPE_NAMES)}")
+            if grads[pos] and kind != "float":
+                raise ValueError(f"pipeline stage contract: position {pos} is {kind!r} but "
+                                 f"_input_grad[{pos}] is True; only 'float' positions can carry "
+                                 f"a gradient")
+        return cls(types, grads, partitioned)
+
+    def __len__(self):
+        return len(self.types)
+
+    def check_tensors(self, tensors, tp_size, where):
+        """Check a real tuple against the contract (count, dtype kind, divisibility).
+
+        Raises:
+            ValueError naming the position and ``where`` (e.g. "stage 0 output").
+        """
+        if not isinstance(tensors, tuple) or len(tensors) != len(self):
+            count = len(tensors) if isinstance(tensors, tuple) else "a single tensor"
+            raise ValueError(f"{where}: the stage produced {count} tensors but the contract "
+                             f"describes {len(self)} positions (_input_type={list(self.types)})")
+        for pos, (tensor, kind) in enumerate(zip(tensors, self.types)):
+            if not torch.is_tensor(tensor):
+                raise ValueError(f"{where}: position {pos} is a {type(tensor).__name__}, "
+                                 f"not a tensor")
+            actual = "float" if tensor.is_floating_point() else \
+                "bool" if tensor.dtype == torch.bool else "int"
+            if actual != kind:
+                raise ValueError(f"{where}: position {pos} is a {tensor.dtype} tensor but "
+                                 f"_input_type[{pos}] is {kind!r}")
+            if self.partitioned[pos] and tensor.numel() % tp_size:
+                raise ValueError(
+                    f"{where}: position {pos} (shape {tuple(tensor.shape)}, {tensor.numel()} "
+                    f"elements) is marked _input_pipe_partitioned but its size does not divide "
+                    f"the tensor-parallel size {tp_size}")
+
+
+def contract_of(module):
+    """The contract a pipeline module declares (the ``_input_*`` attributes)."""
+    missing = [name for name in ("_input_type", "_input_grad") if not hasattr(module, name)]
+    if missing:
+        raise ValueError(f"{type(module).__name__} lacks {', '.join(missing)}: a tds pipeline "
+                         f"module declares _input_type and _input_grad (and optionally "
+                         f"_input_pipe_partitioned), one entry per inter-stage tensor")
+    return StageContract.build(module._input_type, module._input_grad,
+                               getattr(module, "_input_pipe_partitioned", None))

@@ -1,0 +1,244 @@
+"""tds's pipeline engine: DeepSpeed's schedule and optimizer, typed multi-tensor stage I/O.
+
+DeepSpeed's ``PipelineEngine`` passes one tensor (or a tuple it treats with GPT-2 special
+cases: the last tensor is a bool mask cast to half, only the first can be partitioned).
+This engine keeps DeepSpeed's schedule (1F1B), buffers, loss aggregation, tied-weight
+reduction, data-parallel reduction and optimizer step, and replaces the instructions that
+touch stage inputs and outputs so that every position of the tuple follows the model's
+contract (``_input_type`` / ``_input_grad`` / ``_input_pipe_partitioned``).
+
+Shapes are learned once, before the first step: one no-grad forward of the first
+micro-batch runs through the stages exchanging only shapes and dtypes (RNG states are
+restored afterwards and the batch is put back). A tuple that breaks the contract (wrong
+length, wrong kind, a partitioned size that does not divide tp) is then a ValueError
+naming the position on every rank, instead of a hang between two stages. After that, no
+per-step metadata travels.
+"""
+import itertools
+
+import torch
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine as _DeepSpeedPipelineEngine
+
+from megatron import mpu
+
+from .boundary import discover_boundary
+from .contract import StageContract, contract_of
+from .p2p import StageLink
+
+
+class PipelineEngine(_DeepSpeedPipelineEngine):
+    """DeepSpeed pipeline engine with CPM-Pretrain's typed inter-stage tuples.
+
+    Built by ``tds.initialize()`` for a ``PipelineModule``. The module must declare the
+    contract attributes; ``_megatron_batch_fn`` (if present) becomes the batch function.
+    """
+
+    def __init__(self, *args, **kwargs):
+        model = kwargs.get("model")
+        self.contract = contract_of(model)  # same attributes on every rank: all fail alike
+        super().__init__(*args, **kwargs)
+        # Our instructions handle masks and partitioning per position: no GPT-2 hacks.
+        self.has_attention_mask = self.has_bool_tensors = False
+        self.is_pipe_partitioned = self.is_grad_partitioned = False
+        if getattr(self.module, "_megatron_batch_fn", None) is not None:
+            self.set_batch_fn(self.module._megatron_batch_fn)
+        self.link = StageLink(self.grid.get_slice_parallel_group(), self.device)
+        self.recv_meta = self.send_meta = None
+        self.prev_rank = self.grid.stage_to_global(self.prev_stage) if self.stage_id > 0 else None
+        self.next_rank = self.grid.stage_to_global(self.next_stage) \
+            if self.stage_id < self.num_stages - 1 else None
+        self._warned_missing_grad = False
+
+    # ------------------------------------------------------------ CPM-Pretrain setters
+    def _set_contract(self, types=None, grads=None, partitioned=None):
+        c = self.contract
+        self.contract = StageContract.build(types if types is not None else c.types,
+                                            grads if grads is not None else c.grads,
+                                            partitioned if partitioned is not None
+                                            else c.partitioned)
+        self.reset_activation_shape()
+
+    def set_input_type(self, types):
+        """Per position ``'float'`` / ``'int'`` / ``'bool'``."""
+        self._set_contract(types=types)
+
+    def set_input_grad(self, grads):
+        """Per position: whether its gradient goes back to the previous stage."""
+        self._set_contract(grads=grads)
+
+    def set_input_pipe_partitioned(self, partitioned):
+        """Per position: split across tensor-parallel ranks for the send."""
+        self._set_contract(partitioned=partitioned)
+
+    def reset_activation_shape(self):
+        super().reset_activation_shape()
+        self.recv_meta = self.send_meta = None
+
+    # ------------------------------------------------------------ entry points
+    def _ensure_boundary(self):
+        if self.num_stages > 1 and self.recv_meta is None and self.send_meta is None:
+            self.recv_meta, self.send_meta = discover_boundary(self)
+
+    def _peek_first_batch(self):
+        """The first micro-batch's inputs (first stage), putting the raw batch back."""
+        raw = None
+        if self.data_iterator is not None:
+            raw = next(self.data_iterator)
+            self.data_iterator = itertools.chain([raw], self.data_iterator)
+        batch = self.batch_fn(raw) if self.batch_fn else raw
+        return self._to_device_inputs(batch[0])
+
+    def train_batch(self, data_iter=None):
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self._ensure_boundary()
+        return super().train_batch()
+
+    def eval_batch(self, data_iter, *args, **kwargs):
+        if self.num_stages > 1 and self.recv_meta is None and self.send_meta is None:
+            train_iterator = self.data_iterator
+            self.set_dataiterator(data_iter)
+            self._ensure_boundary()
+            data_iter = self.data_iterator  # the peeked batch is back in front
+            self.set_dataiterator(train_iterator)
+        return super().eval_batch(data_iter, *args, **kwargs)
+
+    # ------------------------------------------------------------ instructions
+    def _to_device_inputs(self, inputs):
+        def move(t):
+            t = t.to(self.device)
+            if self._reentrant_activation_checkpointing() and t.is_floating_point():
+                t = t.detach().requires_grad_()
+            return t
+
+        if torch.is_tensor(inputs):
+            return move(inputs)
+        return tuple(move(t) for t in inputs)
+
+    def _exec_load_micro_batch(self, buffer_id):
+        batch = self._next_batch()
+        if self.is_first_stage():
+            self.pipe_buffers["inputs"][buffer_id] = self._to_device_inputs(batch[0])
+        if self.is_last_stage():
+            labels = batch[1]
+            self.pipe_buffers["labels"][buffer_id] = labels.to(self.device) \
+                if torch.is_tensor(labels) else tuple(t.to(self.device) for t in labels)
+
+    def _exec_forward_pass(self, buffer_id):
+        self.tput_timer.start()
+        outputs = DeepSpeedEngine.forward(self, self.pipe_buffers["inputs"][buffer_id])
+        if not self.module.training and \
+                self.module.activation_checkpoint_func is ds_checkpointing.checkpoint:
+            ds_checkpointing.reset()
+        if self.is_last_stage():
+            self._record_loss(outputs, buffer_id)
+        else:
+            self.pipe_buffers["outputs"][buffer_id] = outputs
+
+    def _record_loss(self, outputs, buffer_id):
+        """Last stage: loss of this micro-batch, and running totals (DeepSpeed's bookkeeping)."""
+        if self._compute_loss and self.module.loss_fn is not None:
+            self.loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
+        else:
+            self.loss = outputs
+        if self.eval_return_logits:
+            self.outputs = outputs
+        detached = self.loss.detach() if torch.is_tensor(self.loss) else \
+            [x.detach() for x in self.loss]
+        self.fwd_outputs.append(detached)
+        self.total_loss = _accumulate(self.total_loss, detached)
+        extra = self.module.get_additional_losses()
+        if extra is not None:
+            totals = self.total_additional_losses or {}
+            for name, value in extra.items():
+                totals[name] = _accumulate(totals.get(name), value.detach())
+            self.total_additional_losses = totals
+
+    def _exec_backward_pass(self, buffer_id):
+        if self.is_last_stage():
+            DeepSpeedEngine.backward(self, self.loss)
+            return
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        grad_positions = [i for i, g in enumerate(self.contract.grads) if g]
+        tensors = [outputs[i] for i in grad_positions]
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
+        self._running_engine_backward = True
+        try:
+            torch.autograd.backward(tensors, grad_tensors=self.grad_layer)
+        finally:
+            self._running_engine_backward = False
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+        self.pipe_buffers["outputs"][buffer_id] = None
+        self.grad_layer = None
+
+    def _exec_send_activations(self, buffer_id):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        for pos, tensor in enumerate(outputs):
+            self.link.send(tensor, self.next_rank, self.contract.partitioned[pos])
+
+    def _exec_recv_activations(self, buffer_id):
+        received = []
+        for pos, (shape, dtype) in enumerate(self.recv_meta):
+            tensor = self.link.recv(shape, dtype, self.prev_rank, self.contract.partitioned[pos])
+            received.append(tensor.requires_grad_(self.contract.grads[pos]))
+        self.pipe_buffers["inputs"][buffer_id] = tuple(received)
+
+    def _exec_send_grads(self, buffer_id):
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        for pos, tensor in enumerate(inputs):
+            if not self.contract.grads[pos]:
+                continue
+            grad = tensor.grad
+            if grad is None:  # the stage did not use this input: its gradient is zero
+                grad = torch.zeros_like(tensor)
+                self._warn_missing_grad(pos)
+            self.link.send(grad, self.prev_rank, self.contract.partitioned[pos])
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id):
+        self.grad_layer = [
+            self.link.recv(shape, dtype, self.next_rank, self.contract.partitioned[pos])
+            for pos, (shape, dtype) in enumerate(self.send_meta) if self.contract.grads[pos]]
+
+    def _warn_missing_grad(self, pos):
+        if not self._warned_missing_grad:
+            self._warned_missing_grad = True
+            print(f"WARNING: tds stage {self.stage_id}: input position {pos} is marked "
+                  f"_input_grad but got no gradient; sending zeros", flush=True)
+
+    # ------------------------------------------------------------ gradient clipping
+    def clip_fp32_gradients(self):
+        """Megatron's clip: each parameter counted once across tp and pp (tied copies too).
+
+        DeepSpeed's fp32 path counts replicated parameters only on pipeline stage 0 and
+        counts the tied embedding on both stages, so its norm is wrong once pp > 1.
+        """
+        self._global_grad_norm = mpu.clip_grad_norm(self.module.parameters(),
+                                                    self.gradient_clipping())
+
+    _INSTRUCTION_MAP = {
+        schedule.OptimizerStep: _DeepSpeedPipelineEngine._exec_optimizer_step,
+        schedule.ReduceGrads: _DeepSpeedPipelineEngine._exec_reduce_grads,
+        schedule.ReduceTiedGrads: _DeepSpeedPipelineEngine._exec_reduce_tied_grads,
+        schedule.LoadMicroBatch: _exec_load_micro_batch,
+        schedule.ForwardPass: _exec_forward_pass,
+        schedule.BackwardPass: _exec_backward_pass,
+        schedule.SendActivation: _exec_send_activations,
+        schedule.RecvActivation: _exec_recv_activations,
+        schedule.SendGrad: _exec_send_grads,
+        schedule.RecvGrad: _exec_recv_grads,
+    }
+
+
+def _accumulate(total, value):
+    if torch.is_tensor(value):
+        return value.clone() if total is None else total + value
+    if total is None:
+        return [v.clone() for v in value]
+    return [t + v for t, v in zip(total, value)]
+

@@ -1,0 +1,197 @@
+"""tds's pipeline engine on a small typed model: serial equivalence, p2p volume, contract errors.
+
+The model passes ``(hidden float [s, b, h], mask bool [s, b])`` between stages, with the
+hidden state split across tensor-parallel ranks for the send.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from harness import run_distributed
+from megatron import mpu
+from megatron.model.utils import init_rng
+
+VOCAB, HIDDEN, SEQ, MICRO = 16, 8, 6, 2
+CLIP = 1.0  # active: the serial norm is ~3, so the engine's clip must count every grad once
+
+
+class Embed(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        with init_rng(seed, "embed"):
+            self.emb = mpu.VocabParallelEmbedding(VOCAB, HIDDEN, init_method=nn.init.normal_)
+
+    def forward(self, inputs):
+        ids, mask = inputs                                   # [b, s], [b, s]
+        return self.emb(ids).transpose(0, 1).contiguous(), mask.transpose(0, 1).contiguous()
+
+
+class Block(nn.Module):
+    def __init__(self, seed, index):
+        super().__init__()
+        with init_rng(seed, "block", index):
+            self.fc1 = mpu.ColumnParallelLinear(HIDDEN, 4 * HIDDEN, gather_output=False)
+            self.fc2 = mpu.RowParallelLinear(4 * HIDDEN, HIDDEN, input_is_parallel=True)
+
+    def forward(self, inputs):
+        hidden, mask = inputs                                # [s, b, h] float, [s, b] bool
+        update, _ = self.fc2(torch.tanh(self.fc1(hidden)[0]))
+        return hidden + update * mask.unsqueeze(-1), mask
+
+
+class Head(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        with init_rng(seed, "head"):
+            self.out = mpu.ColumnParallelLinear(HIDDEN, VOCAB, gather_output=True)
+
+    def forward(self, inputs):
+        hidden, _ = inputs
+        return self.out(hidden)[0]                           # [s, b, v]
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.transpose(0, 1).reshape(-1))
+
+
+def batch_fn(raw):
+    """raw (tp rank 0 only) -> ((ids, mask), labels), shared over the tp group."""
+    data = None if raw is None else {"ids": raw[0], "labels": raw[1]}
+    got = mpu.broadcast_data(["ids", "labels"], data, torch.int64)
+    return (got["ids"], got["ids"] != 0), got["labels"]
+
+
+def _batches(seed, count):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g),
+             torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)) for _ in range(count)]
+
+
+def _specs(seed, blocks=4):
+    from tds import LayerSpec
+
+    return [LayerSpec(Embed, seed)] + [LayerSpec(Block, seed, i) for i in range(blocks)] + \
+        [LayerSpec(Head, seed)]
+
+
+def _serial_losses(seed, steps, gas):
+    """Reference: the same layers in one process, plain PyTorch SGD."""
+    mpu.initialize_model_parallel(1, 1)
+    layers = [spec.build() for spec in _specs(seed)]
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = torch.optim.SGD(params, lr=0.5)
+    batches = iter(_batches(seed, steps * gas))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for _ in range(gas):
+            ids, labels = next(batches)
+            x = (ids, ids != 0)
+            for layer in layers:
+                x = layer(x)
+            loss = loss_fn(x, labels) / gas
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+def _engine(seed, tp, pp, dp, gas, contract=None, seq=SEQ):
+    import tds as deepspeed
+    from tds.pipe import PipeModelDataParallelTopology, PipelineModule
+
+    mpu.initialize_model_parallel(tp, pp)
+    deepspeed.init_distributed(dist_backend="gloo")
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    model = PipelineModule(layers=_specs(seed), topology=topo, loss_fn=loss_fn,
+                           partition_method="uniform")
+    types, grads, parts = contract or (["float", "bool"], [True, False], [True, False])
+    model._input_type, model._input_grad, model._input_pipe_partitioned = types, grads, parts
+    model._megatron_batch_fn = batch_fn
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+              "train_batch_size": MICRO * gas * dp, "steps_per_print": 10**9,
+              "gradient_clipping": CLIP}
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+def _pipeline_losses(seed, tp, pp, dp, steps, gas):
+    engine = _engine(seed, tp, pp, dp, gas)
+    batches = _batches(seed, steps * gas * dp)
+    dp_rank = mpu.get_data_parallel_rank()
+    # Global micro-batch order: each step takes gas x dp micro-batches; dp rank r takes every
+    # dp-th one, as the Megatron sampler does.
+    mine = iter([b for i, b in enumerate(batches) if i % dp == dp_rank])
+    losses = [float(engine.train_batch(mine)) for _ in range(steps)]
+    return losses, engine.link.bytes_sent
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 2, 1), (2, 2, 1), (1, 3, 1), (1, 2, 2)])
+def test_pipeline_matches_serial(seed, tp, pp, dp):
+    steps, gas = 3, 4 // dp
+    (serial,) = run_distributed(_serial_losses, 1, seed, steps, 4)
+    results = run_distributed(_pipeline_losses, tp * pp * dp, seed, tp, pp, dp, steps, gas,
+                              timeout=240)
+    for rank, (losses, _) in enumerate(results):
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, serial)) < 1e-5, \
+            (rank, losses, serial)
+    assert serial[-1] < serial[0]
+
+
+def test_partitioned_position_halves_p2p_volume(seed):
+    full = run_distributed(_bytes_for, 4, seed, [True, False])
+    split = run_distributed(_bytes_for, 4, seed, [False, False])
+    for rank in range(4):
+        (hidden_p, mask_p), (hidden_f, mask_f) = full[rank], split[rank]
+        if hidden_f == 0:  # the last stage sends only gradients of what it received
+            continue
+        assert hidden_p * 2 == hidden_f and mask_p == mask_f, (rank, full, split)
+
+
+def _bytes_for(seed, partitioned):
+    """Bytes sent per micro-batch by this rank, split into (hidden, mask) positions."""
+    engine = _engine(seed, 2, 2, 1, 1, (["float", "bool"], [True, False], partitioned))
+    link = engine.link
+    sizes = []
+    original = link.send
+
+    def counting_send(tensor, dst, part):
+        before = link.bytes_sent
+        original(tensor, dst, part)
+        sizes.append((tensor.dtype, link.bytes_sent - before))
+
+    link.send = counting_send
+    engine.train_batch(iter(_batches(seed, 1)))
+    hidden = sum(n for dtype, n in sizes if dtype.is_floating_point)
+    mask = sum(n for dtype, n in sizes if dtype == torch.bool)
+    return hidden, mask
+
+
+def _contract_error(seed, contract, seq):
+    try:
+        engine = _engine(seed, 2, 2, 1, 1, contract)
+        engine.train_batch(iter([(torch.randint(0, VOCAB, (1, seq)),) * 2]))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("contract,seq,message", [
+    ((["float"], [True, False], [True, False]), SEQ,
+     "_input_type has 1 positions, _input_grad 2"),
+    ((["float", "int"], [True, True], [True, False]), SEQ,
+     "position 1 is 'int' but _input_grad[1] is True"),
+    ((["float", "bool"], [True, False], [False, True]), 3,
+     "position 1 (shape (3, 1), 3 elements) is marked _input_pipe_partitioned"),
+    ((["float", "int"], [True, False], [True, False]), SEQ,
+     "position 1 is a torch.bool tensor but _input_type[1] is 'int'"),
+])
+def test_contract_errors_raise_on_every_rank(seed, contract, seq, message):
+    messages = run_distributed(_contract_error, 4, seed, contract, seq, timeout=120)
+    assert all(m is not None and message in m for m in messages), messages
