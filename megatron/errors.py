@@ -53,6 +53,8 @@ def entry_point(main):
 
 
 def _rank_prefix():
+    if "torch.distributed" not in sys.modules:  # never initialised; importing torch costs ~1.5s
+        return ""
     try:
         import torch.distributed as dist
 
