@@ -83,8 +83,9 @@ def train_sentencepiece(args):
             input_sentence_size=2_000_000, shuffle_input_sentence=True, num_threads=2,
             minloglevel=2)
     except RuntimeError as exc:
-        raise DataError(f"sentencepiece training failed: {str(exc).strip()}; for a small "
-                        f"corpus lower --vocab-size") from None
+        message = str(exc).strip().splitlines()[-1]
+        raise DataError(f"sentencepiece training failed: {message} (adjust --vocab-size or "
+                        f"--character-coverage)") from None
     return (prefix + ".model",), spm.SentencePieceProcessor(model_file=prefix + ".model") \
         .get_piece_size()
 
