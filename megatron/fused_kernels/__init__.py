@@ -1,0 +1,136 @@
+"""Fused kernels: switches, loading, and the startup status line.
+
+``load(args)`` is called once by ``initialize_megatron``: it builds (or loads from the cache)
+the kernels for this process's device and returns a :class:`KernelStatus` saying which path
+each op takes. The model-side wrappers (megatron/model/fused_softmax.py, fused_layer_norm.py)
+ask :func:`get_module` for the compiled module at call time; None means the PyTorch path.
+
+Switches: ``--no-masked-softmax-fusion`` / ``--no-layernorm-fusion`` (arguments, see
+:func:`add_fused_kernel_args`) and ``MEGATRON_TDS_NO_FUSED_KERNELS=1`` (environment, forces
+every op onto the PyTorch path without attempting a build).
+"""
+import dataclasses
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+ENV_DISABLE = "MEGATRON_TDS_NO_FUSED_KERNELS"
+
+_FLAGS = {"masked_softmax_fusion": True, "layernorm_fusion": True}
+_STATUS = None
+
+
+def add_fused_kernel_args(parser):
+    """Add ``--[no-]masked-softmax-fusion`` and ``--[no-]layernorm-fusion`` (default: on).
+
+    Args:
+        parser: an ``argparse.ArgumentParser``; the flags go in a "fused kernels" group.
+    """
+    group = parser.add_argument_group("fused kernels")
+    for name, what in (("masked-softmax-fusion", "fused scale + mask + softmax kernel"),
+                       ("layernorm-fusion", "fused LayerNorm / RMSNorm kernels")):
+        dest = name.replace("-", "_")
+        group.add_argument(f"--{name}", dest=dest, action="store_true", help=f"use the {what}")
+        group.add_argument(f"--no-{name}", dest=dest, action="store_false",
+                           help=f"use PyTorch instead of the {what}")
+        group.set_defaults(**{dest: True})
+    return parser
+
+
+def disabled_reason():
+    """Why the environment forbids the kernels, or None."""
+    if os.environ.get(ENV_DISABLE, "0").strip().lower() not in ("", "0", "false", "no"):
+        return f"{ENV_DISABLE} is set"
+    return None
+
+
+def fusion_enabled(op):
+    """Whether the run allows fusing ``op`` ("masked_softmax_fusion" / "layernorm_fusion")."""
+    return _FLAGS[op] and disabled_reason() is None
+
+
+def get_module(device_type):
+    """The compiled kernels for ``device_type`` ("cpu" / "cuda"), or None.
+
+    The first call builds (or loads from the cache); a failed build logs one line and every
+    later call returns None at once.
+
+    Args:
+        device_type: ``tensor.device.type``.
+    """
+    if disabled_reason() is not None or device_type not in ("cpu", "cuda"):
+        return None
+    if device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+    from .build import load_kernels
+
+    return load_kernels(device_type)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatus:
+    """Which implementation each fused op uses in this process (for the startup log)."""
+
+    device: str
+    masked_softmax: str
+    layer_norm: str
+    target: str = ""
+
+    def __str__(self):
+        return (f"masked softmax: {self.masked_softmax}; layer norm: {self.layer_norm}"
+                f" [{self.target or self.device}]")
+
+
+def _path(flag_name, cli_flag, module, failure, kind):
+    if not _FLAGS[flag_name]:
+        return f"PyTorch fallback ({cli_flag})"
+    if failure:
+        return f"PyTorch fallback ({failure})"
+    if module is None:
+        return "PyTorch fallback (kernels unavailable)"
+    return f"fused {kind.upper()} kernel"
+
+
+def load(args=None):
+    """Build or load the kernels for this process's device; return the status for the log.
+
+    Args:
+        args: parsed arguments (``masked_softmax_fusion``, ``layernorm_fusion``) or None
+            to keep the defaults (both on).
+
+    Returns:
+        A :class:`KernelStatus`; ``str(status)`` is one line for the startup log.
+    """
+    global _STATUS
+    if args is not None:
+        for name in _FLAGS:
+            _FLAGS[name] = bool(getattr(args, name, True))
+    from megatron.mpu.utils import get_device
+
+    kind = get_device().type
+    failure = disabled_reason()
+    module = None
+    if failure is None and (_FLAGS["masked_softmax_fusion"] or _FLAGS["layernorm_fusion"]):
+        module = get_module(kind)
+        if module is None:
+            from .build import last_error
+
+            error = last_error(kind)
+            failure = f"build failed: {error}" if error else "build failed, see the warning above"
+    _STATUS = KernelStatus(
+        device=kind,
+        masked_softmax=_path("masked_softmax_fusion", "--no-masked-softmax-fusion", module,
+                             failure, kind),
+        layer_norm=_path("layernorm_fusion", "--no-layernorm-fusion", module, failure, kind),
+        target=module.target() if module is not None else "")
+    logger.debug("fused kernels: %s", _STATUS)  # the caller prints it (initialize_megatron)
+    return _STATUS
+
+
+def status():
+    """The :class:`KernelStatus` of the last :func:`load`, or None before it."""
+    return _STATUS

@@ -1,0 +1,157 @@
+"""LayerNorm and RMSNorm with fp32 statistics: fused kernels when eligible, PyTorch otherwise.
+
+Both compute in fp32 whatever the input dtype (fp32 / fp16 / bf16) and parameter dtype, and
+return the input's dtype:
+
+- ``MixedFusedLayerNorm``: ``y = ((x - mean) / sqrt(var + eps) * weight + bias)``, biased
+  variance over the last ``normalized_shape`` dims -- ``torch.nn.LayerNorm`` in fp32.
+- ``MixedFusedRMSNorm``: ``y = x * rsqrt(mean(x^2) + eps) * weight`` (T5's ``T5LayerNorm``
+  computed entirely in fp32, then cast back).
+
+Parameters are named ``weight`` / ``bias`` as in ``torch.nn.LayerNorm``, so checkpoints and
+HF conversions map one to one. The kernels run when ``--layernorm-fusion`` is on (default),
+the compiled module is available for the device, and the shape/dtype fit (CPU: fp32/bf16
+input; CUDA: fp32/fp16/bf16 with hidden % 8 == 0 and hidden <= 8192).
+"""
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron import fused_kernels
+from megatron.fused_kernels import ops
+
+CUDA_MAX_HIDDEN = 8192
+
+
+class _FusedNorm(torch.autograd.Function):
+    """LayerNorm (bias may be None) or RMSNorm (``rms``), one kernel each way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        module = fused_kernels.get_module(x.device.type)
+        y, mean, rstd = ops.norm_forward(module, x, weight, bias, eps, rms)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.has_bias, ctx.rms = bias is not None, rms
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, rstd = ctx.saved_tensors
+        module = fused_kernels.get_module(x.device.type)
+        dx, dw, db = ops.norm_backward(module, grad, x, weight, mean, rstd, ctx.has_bias, ctx.rms)
+        return dx, dw, db, None, None
+
+
+def norm_kernel_unavailable_reason(x, weight):
+    """Why the fused norm does not apply to ``x`` with ``weight``, or None when it does.
+
+    Args:
+        x: the input activations.
+        weight: the norm's weight (its numel is the normalized size).
+    """
+    if not fused_kernels.fusion_enabled("layernorm_fusion"):
+        return "fusion disabled"
+    hidden, device = weight.numel(), x.device
+    if weight.dtype not in (torch.float32, x.dtype) or weight.device != device:
+        return f"weight {weight.dtype} on {weight.device} for input {x.dtype} on {device}"
+    if device.type == "cuda":
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return f"the CUDA kernel takes fp32/fp16/bf16, not {x.dtype}"
+        if hidden % 8 or hidden > CUDA_MAX_HIDDEN:
+            return f"the CUDA kernel needs hidden % 8 == 0 and hidden <= {CUDA_MAX_HIDDEN}"
+    elif device.type == "cpu":
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return f"the CPU kernel takes fp32/bf16, not {x.dtype}"
+    else:
+        return f"no kernel for {device.type}"
+    if x.numel() == 0 or tuple(x.shape[x.dim() - weight.dim():]) != tuple(weight.shape):
+        return "empty input, or trailing dims other than the weight's shape"
+    if fused_kernels.get_module(device.type) is None:
+        return "kernels unavailable"
+    return None
+
+
+def layer_norm_reference(x, weight, bias, eps, normalized_shape):
+    """The PyTorch path of MixedFusedLayerNorm: ``F.layer_norm`` in fp32, cast back."""
+    y = F.layer_norm(x.float(), normalized_shape, weight.float(),
+                     None if bias is None else bias.float(), eps)
+    return y.to(x.dtype)
+
+
+def rms_norm_reference(x, weight, eps, normalized_shape):
+    """The PyTorch path of MixedFusedRMSNorm: fp32 throughout, cast back."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
+
+
+def _shape(normalized_shape):
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(int(d) for d in normalized_shape)
+
+
+class MixedFusedLayerNorm(nn.Module):
+    """Drop-in ``torch.nn.LayerNorm`` (affine) with fp32 statistics and a fused kernel.
+
+    Args:
+        normalized_shape: size of the last dim (or trailing dims) to normalize.
+        eps: added to the variance.
+        params_dtype: dtype of ``weight`` / ``bias`` (default fp32; the math is fp32 anyway).
+        device: where the parameters live.
+    """
+
+    def __init__(self, normalized_shape, eps=1e-5, *, params_dtype=None, device=None):
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = True
+        kwargs = dict(dtype=params_dtype or torch.float32, device=device)
+        self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kwargs))
+        self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kwargs))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, input):
+        if norm_kernel_unavailable_reason(input, self.weight) is None:
+            return _FusedNorm.apply(input, self.weight, self.bias, self.eps, False)
+        return layer_norm_reference(input, self.weight, self.bias, self.eps,
+                                    self.normalized_shape)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+
+class MixedFusedRMSNorm(nn.Module):
+    """RMSNorm (T5's ``T5LayerNorm``: no mean, no bias) with fp32 math and a fused kernel.
+
+    Args:
+        normalized_shape: size of the last dim (or trailing dims) to normalize.
+        eps: added to the mean square.
+        params_dtype: dtype of ``weight`` (default fp32).
+        device: where the parameter lives.
+    """
+
+    def __init__(self, normalized_shape, eps=1e-6, *, params_dtype=None, device=None):
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape,
+                                              dtype=params_dtype or torch.float32, device=device))
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+    def forward(self, input):
+        if norm_kernel_unavailable_reason(input, self.weight) is None:
+            return _FusedNorm.apply(input, self.weight, None, self.eps, True)
+        return rms_norm_reference(input, self.weight, self.eps, self.normalized_shape)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}"
