@@ -1,0 +1,60 @@
+"""Embeddings and the (tied) output layer of the language models."""
+import torch.nn.functional as F
+from torch import nn
+
+from .. import mpu
+from .utils import init_method_normal, init_rng, replicated_parameter
+
+
+class Embedding(nn.Module):
+    """Word embedding (vocab split across tp) + learned positions, then dropout.
+
+    Args:
+        hidden_size: h.
+        vocab_size: padded vocabulary size (divisible by tp).
+        max_position_embeddings: number of learned positions.
+        dropout: embedding dropout.
+        init_method_std: std of the normal initialisation.
+        seed: base seed; the embedding draws from its own derived seed.
+    """
+
+    def __init__(self, hidden_size, vocab_size, max_position_embeddings, dropout,
+                 init_method_std, seed):
+        super().__init__()
+        init = init_method_normal(init_method_std)
+        with init_rng(seed, "embedding"):
+            self.word_embeddings = mpu.VocabParallelEmbedding(vocab_size, hidden_size,
+                                                              init_method=init)
+            self.position_embeddings = nn.Embedding(max_position_embeddings, hidden_size,
+                                                    _weight=replicated_parameter(
+                                                        (max_position_embeddings, hidden_size),
+                                                        init, mpu.get_device()))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, input_ids, position_ids):  # [b, s] -> [s, b, h]
+        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        return self.dropout(embeddings.transpose(0, 1).contiguous())
+
+
+def parallel_lm_logits(hidden, word_embeddings_weight, parallel_output, bias=None):
+    """Logits against the (tied) word embedding: ``[s, b, h] -> [s, b, v/tp]`` (or ``v``).
+
+    Args:
+        hidden: final hidden states.
+        word_embeddings_weight: ``[v/tp, h]`` this rank's vocabulary slice.
+        parallel_output: keep the vocabulary split (for vocab_parallel_cross_entropy);
+            False gathers the full logits.
+        bias: optional ``[v/tp]`` output bias.
+    """
+    hidden = mpu.copy_to_tensor_model_parallel_region(hidden)
+    logits = F.linear(hidden, word_embeddings_weight, bias)
+    if parallel_output:
+        return logits
+    return mpu.gather_from_tensor_model_parallel_region(logits)
+
+
+def lm_loss(logits, labels):
+    """Per-token loss ``[b, s]`` from vocab-parallel logits ``[s, b, v/tp]`` and labels ``[b, s]``."""
+    return mpu.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1)
+
+

@@ -1,0 +1,188 @@
+"""GPT-2 transformer on tensor-parallel layers. Activations are ``[s, b, h]`` throughout.
+
+Per layer (pre-LayerNorm, GPT-2):
+    x = x + dropout(attention(ln_1(x)))      attention: QKV column-parallel, dense row-parallel
+    x = x + dropout(mlp(ln_2(x)))            mlp: fc1 column-parallel, GeLU, fc2 row-parallel
+Each block does one all-reduce forward (in the row-parallel layer) and one backward (in
+the column-parallel layer's ``f``), as in the Megatron-LM paper.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import mpu
+from .fused_layer_norm import MixedFusedLayerNorm
+from .fused_softmax import AttnMaskType, FusedScaleMaskSoftmax
+from .utils import init_method_normal, init_rng, scaled_init_method_normal
+
+
+@dataclass
+class TransformerConfig:
+    """Sizes and options of a transformer stack (built from args by :meth:`from_args`)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    kv_channels: int
+    """Per-head size (CPM's --kv-hidden-size)."""
+    ffn_hidden_size: int
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    bias: bool = True
+    """Biases in the linear layers (--hidden-bias)."""
+    checkpoint_activations: bool = False
+    checkpoint_num_layers: int = 1
+    masked_softmax_fusion: bool = True
+    compute_dtype: torch.dtype = torch.float32
+    """dtype the scores arrive in (autocast), for choosing the softmax kernel."""
+    seed: int = 1234
+    """Base of the per-layer initialisation seeds."""
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                   num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
+                   ffn_hidden_size=args.ffn_hidden_size, hidden_dropout=args.hidden_dropout,
+                   attention_dropout=args.attention_dropout,
+                   init_method_std=args.init_method_std,
+                   layernorm_epsilon=args.layernorm_epsilon, bias=args.hidden_bias,
+                   checkpoint_activations=args.checkpoint_activations,
+                   checkpoint_num_layers=args.checkpoint_num_layers,
+                   masked_softmax_fusion=getattr(args, "masked_softmax_fusion", True),
+                   compute_dtype=args.compute_dtype, seed=args.seed)
+
+
+def _layer_norm(config):
+    return MixedFusedLayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
+                               device=mpu.get_device())
+
+
+class ParallelMLP(nn.Module):
+    """h -> ffn (split across tp) -> GeLU -> h."""
+
+    def __init__(self, config):
+        super().__init__()
+        std = config.init_method_std
+        self.dense_h_to_4h = mpu.ColumnParallelLinear(
+            config.hidden_size, config.ffn_hidden_size, bias=config.bias, gather_output=False,
+            init_method=init_method_normal(std))
+        self.dense_4h_to_h = mpu.RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, bias=config.bias, input_is_parallel=True,
+            init_method=scaled_init_method_normal(std, config.num_layers))
+
+    def forward(self, hidden):  # [s, b, h]
+        intermediate, _ = self.dense_h_to_4h(hidden)  # [s, b, ffn/tp]
+        output, _ = self.dense_4h_to_h(F.gelu(intermediate, approximate="tanh"))
+        return output  # [s, b, h]
+
+
+class ParallelSelfAttention(nn.Module):
+    """Causal multi-head self-attention with the heads split across tensor-parallel ranks.
+
+    The fused QKV weight is laid out per head, ``[heads, (q, k, v), kv_channels]`` along its
+    output dimension, so a contiguous split gives each rank whole heads.
+    """
+
+    def __init__(self, config, layer_number):
+        super().__init__()
+        self.layer_number = layer_number
+        tp = mpu.get_tensor_model_parallel_world_size()
+        self.heads_per_partition = mpu.divide(config.num_attention_heads, tp,
+                                              "attention heads", "tensor-model-parallel size")
+        self.head_dim = config.kv_channels
+        projection = config.kv_channels * config.num_attention_heads
+        std = config.init_method_std
+        self.query_key_value = mpu.ColumnParallelLinear(
+            config.hidden_size, 3 * projection, bias=config.bias, gather_output=False,
+            init_method=init_method_normal(std))
+        self.scale_mask_softmax = FusedScaleMaskSoftmax(
+            input_in_fp16=config.compute_dtype == torch.float16,
+            input_in_bf16=config.compute_dtype == torch.bfloat16,
+            attn_mask_type=AttnMaskType.causal,
+            scaled_masked_softmax_fusion=config.masked_softmax_fusion,
+            mask_func=attention_mask_func, softmax_in_fp32=True,
+            scale=1.0 / math.sqrt(self.head_dim))
+        self.attention_dropout = nn.Dropout(config.attention_dropout)
+        self.dense = mpu.RowParallelLinear(
+            projection, config.hidden_size, bias=config.bias, input_is_parallel=True,
+            init_method=scaled_init_method_normal(std, config.num_layers))
+
+    def forward(self, hidden, attention_mask, kv_cache=None):  # [sq, b, h]
+        sq, b = hidden.shape[:2]
+        np_, hn = self.heads_per_partition, self.head_dim
+        mixed, _ = self.query_key_value(hidden)  # [sq, b, np * 3 * hn]
+        q, k, v = mixed.view(sq, b, np_, 3 * hn).split(hn, dim=-1)  # each [sq, b, np, hn]
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_number - 1, k, v)  # [sk, b, np, hn]
+        sk = k.shape[0]
+        q = q.reshape(sq, b * np_, hn).transpose(0, 1)  # [b*np, sq, hn]
+        k = k.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
+        v = v.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
+        scores = torch.bmm(q, k.transpose(1, 2)).view(b, np_, sq, sk)
+        if kv_cache is not None:
+            attention_mask = attention_mask[..., sk - sq:sk, :sk]
+        probs = self.scale_mask_softmax(scores, attention_mask)  # [b, np, sq, sk]
+        with mpu.get_cuda_rng_tracker().fork():  # heads differ per rank: own dropout stream
+            probs = self.attention_dropout(probs)
+        context = torch.bmm(probs.view(b * np_, sq, sk), v)  # [b*np, sq, hn]
+        context = context.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        output, _ = self.dense(context)
+        return output  # [sq, b, h]
+
+
+def attention_mask_func(scores, mask):
+    """Megatron's mask function: masked scores become -10000 (True in ``mask`` = masked)."""
+    return scores.masked_fill_(mask, -10000.0)
+
+
+class ParallelTransformerLayer(nn.Module):
+    """One pre-LayerNorm GPT-2 block; weights drawn from a seed of its own (layer_number)."""
+
+    def __init__(self, config, layer_number):
+        super().__init__()
+        self.layer_number = layer_number
+        with init_rng(config.seed, "transformer_layer", layer_number):
+            self.input_layernorm = _layer_norm(config)
+            self.attention = ParallelSelfAttention(config, layer_number)
+            self.post_attention_layernorm = _layer_norm(config)
+            self.mlp = ParallelMLP(config)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden, attention_mask, kv_cache=None):  # [s, b, h]
+        attn = self.attention(self.input_layernorm(hidden), attention_mask, kv_cache)
+        hidden = hidden + self.hidden_dropout(attn)
+        return hidden + self.hidden_dropout(self.mlp(self.post_attention_layernorm(hidden)))
+
+
+class ParallelTransformer(nn.Module):
+    """``num_layers`` blocks and the final LayerNorm, with optional activation recompute."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(config, i + 1) for i in range(config.num_layers))
+        self.final_layernorm = _layer_norm(config)
+
+    def _run(self, start, end):
+        def run(hidden, attention_mask):
+            for layer in self.layers[start:end]:
+                hidden = layer(hidden, attention_mask)
+            return hidden
+
+        return run
+
+    def forward(self, hidden, attention_mask, kv_cache=None):  # [s, b, h]
+        if self.config.checkpoint_activations and self.training and kv_cache is None:
+            step = self.config.checkpoint_num_layers
+            for start in range(0, len(self.layers), step):
+                hidden = mpu.checkpoint(self._run(start, start + step), hidden, attention_mask)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask, kv_cache)
+        return self.final_layernorm(hidden)
