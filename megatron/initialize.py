@@ -1,0 +1,115 @@
+"""initialize_megatron(): flags, torch.distributed, mpu groups, seeds, kernels, tokenizer."""
+import os
+import random
+import socket
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import mpu
+from .arguments import parse_args
+from .global_vars import reset_globals, set_globals
+from .timers import Timers
+from .utils import print_rank_0
+
+#: Seconds a collective may wait before torch.distributed gives up (so a hang ends).
+DIST_TIMEOUT_S = int(os.environ.get("MEGATRON_DIST_TIMEOUT", "1800"))
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(args):
+    """Start torch.distributed (env:// rendezvous, as torchrun and deepspeed set it up).
+
+    A single process started without a launcher gets a local rendezvous of its own.
+    Does nothing if the default group already exists (tests, DeepSpeed launcher).
+    """
+    if args.distributed_backend == "nccl":
+        torch.cuda.set_device(args.local_rank % torch.cuda.device_count())
+    if dist.is_initialized():
+        if dist.get_world_size() != args.world_size:
+            raise RuntimeError(f"torch.distributed has {dist.get_world_size()} ranks but "
+                               f"WORLD_SIZE says {args.world_size}")
+        return
+    if args.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group(backend=args.distributed_backend, rank=args.rank,
+                            world_size=args.world_size, timeout=timedelta(seconds=DIST_TIMEOUT_S))
+
+
+def set_random_seed(seed):
+    """Seed Python, NumPy and torch; pipeline stages get different streams (Megatron's rule).
+
+    Weight initialisation does not depend on this: layers are built under per-layer seeds
+    derived from ``--seed`` (megatron.model.utils.init_rng), whatever the layout.
+    """
+    seed = seed + 100 * mpu.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    mpu.model_parallel_cuda_manual_seed(seed)
+
+
+def _load_kernels(args):
+    try:
+        from . import fused_kernels
+    except ImportError:
+        return
+    status = fused_kernels.load(args)
+    if status:
+        print_rank_0(f"> fused kernels: {status}")
+
+
+def _tensorboard_writer(args):
+    if not args.tensorboard_dir or args.rank != args.world_size - 1:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("WARNING: --tensorboard-dir given but tensorboard is not installed "
+              "(pip install tensorboard); not writing TensorBoard logs", flush=True)
+        return None
+    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+
+
+def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
+                        build_tokenizer_fn=None):
+    """Parse and validate flags, then set up distributed state, seeds, kernels, tokenizer.
+
+    Validation runs first, on every rank, before any process group exists: a bad flag
+    fails everywhere at once instead of leaving ranks waiting for each other.
+
+    Args:
+        extra_args_provider: adds model-specific flags to the parser.
+        args_defaults: defaults set by the entry script.
+        argv: flags (default: ``sys.argv[1:]``).
+        build_tokenizer_fn: ``f(args) -> tokenizer`` (default: megatron.tokenizer's).
+
+    Returns:
+        The validated args (also available as ``megatron.get_args()``).
+    """
+    reset_globals()
+    args = parse_args(argv, extra_args_provider, args_defaults)
+    if build_tokenizer_fn is None:
+        from .tokenizer import build_tokenizer as build_tokenizer_fn
+    tokenizer = build_tokenizer_fn(args)  # files are read before any process group exists
+    init_distributed(args)
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(args.tensor_model_parallel_size,
+                                  args.pipeline_model_parallel_size)
+    set_random_seed(args.seed)
+    _load_kernels(args)
+    set_globals(args=args, tokenizer=tokenizer, timers=Timers(),
+                tensorboard_writer=_tensorboard_writer(args))
+    print_rank_0(f"> initialized: world {args.world_size} = tp {args.tensor_model_parallel_size}"
+                 f" x pp {args.pipeline_model_parallel_size} x dp {args.data_parallel_size}, "
+                 f"backend {args.distributed_backend}, compute dtype "
+                 f"{str(args.compute_dtype).replace('torch.', '')}")
+    return args
