@@ -12,3 +12,35 @@ def seed(request):
     request.node.user_properties.append(("seed", value))
     print(f"seed={value} (rerun with MEGATRON_TEST_SEED={value})")
     return value
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_tool(*argv):
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, *argv], check=True, cwd=REPO, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def gpt2_data(tmp_path_factory):
+    """A small real corpus, a GPT-2 BPE vocab trained on it, and its indexed dataset.
+
+    Returns a dict with ``prefix``, ``vocab``, ``merges``, ``corpus`` paths (built once per
+    test session with the project's own tools).
+    """
+    root = tmp_path_factory.mktemp("gpt2_data")
+    corpus, tok = root / "corpus.jsonl", root / "tok"
+    _run_tool("tools/make_sample_corpus.py", "--output", str(corpus), "--max-mb", "0.4")
+    _run_tool("tools/train_tokenizer.py", "--type", "gpt2", "--input", str(corpus),
+              "--vocab-size", "500", "--output-dir", str(tok))
+    prefix = root / "corpus"
+    _run_tool("tools/preprocess_data.py", "--input", str(corpus), "--tokenizer-type",
+              "GPT2BPETokenizer", "--vocab-file", str(tok / "vocab.json"), "--merge-file",
+              str(tok / "merges.txt"), "--append-eod", "--output-prefix", str(prefix),
+              "--workers", "1")
+    return {"prefix": f"{prefix}_text_document", "vocab": str(tok / "vocab.json"),
+            "merges": str(tok / "merges.txt"), "corpus": str(corpus), "root": str(root)}
+
