@@ -116,6 +116,7 @@ def fresh_build_state(monkeypatch, tmp_path):
     monkeypatch.setattr(build_utils, "_LOADED", {})
     monkeypatch.setattr(build, "_AOT_CHECKED", {"cpu": None, "cuda": None})
     monkeypatch.setattr(build, "_ERRORS", {})
+    monkeypatch.setattr(build, "_MODULES", {})
     monkeypatch.setattr(fused_kernels, "_FLAGS", dict(fused_kernels._FLAGS))
     return tmp_path
 

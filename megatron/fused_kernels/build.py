@@ -50,6 +50,7 @@ CUDA_CFLAGS = ["-O3", "-lineinfo", *[f"-gencode=arch=compute_{a},code=sm_{a}" fo
 CUDA_HOST_CFLAGS = ["-O3"]
 
 _ERRORS = {}  # kind -> the last build error's one-line summary (for the startup status)
+_MODULES = {}  # kind -> module or None, once decided in this process
 
 
 def sources(kind):
@@ -180,13 +181,16 @@ def load_kernels(kind):
     Args:
         kind: "cpu" for the C++ twins, "cuda" for the GPU kernels.
     """
+    if kind in _MODULES:  # the per-call path: no hashing, no subprocess
+        return _MODULES[kind]
     module = _ahead_of_time_module(kind)
-    if module is not None:
-        return module
-    compile_fn = _compile_cpu if kind == "cpu" else _compile_cuda
-    return load_native(MODULE_NAMES[kind], hashed_files(kind), _guarded(kind, compile_fn),
-                       extra_key=_cache_key(kind),
-                       what=f"fused {kind.upper()} kernels (csrc/kernels/{kind})")
+    if module is None:
+        compile_fn = _compile_cpu if kind == "cpu" else _compile_cuda
+        module = load_native(MODULE_NAMES[kind], hashed_files(kind), _guarded(kind, compile_fn),
+                             extra_key=_cache_key(kind),
+                             what=f"fused {kind.upper()} kernels (csrc/kernels/{kind})")
+    _MODULES[kind] = module
+    return module
 
 
 def aot_extensions():
