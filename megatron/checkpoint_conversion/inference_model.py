@@ -1,0 +1,81 @@
+"""Build a GPT2Model for inference from a native checkpoint of any layout.
+
+The model runs at this process group's tensor-parallel size (pp must be 1). A checkpoint
+saved at that same tp without pipeline stages is loaded file by file; any other layout is
+merged and resharded in memory (:mod:`.native_reader` / :mod:`.native_writer`), so a
+pipeline run's checkpoint or one of another tp generates without converting it first.
+"""
+import torch
+
+from .. import mpu
+from ..checkpointing import checkpoint_name, iteration_dir
+from ..errors import CheckpointError, ConfigError
+from . import gpt2_keys
+from .native_reader import load_rank_file, rank_files, read_native, resolve_iteration
+from .native_writer import reshard, stage_state
+
+
+def transformer_config(args, compute_dtype=torch.float32):
+    """A dropout-free :class:`TransformerConfig` from a saved args dict."""
+    from ..model.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args["num_layers"], hidden_size=args["hidden_size"],
+        num_attention_heads=args["num_attention_heads"], kv_channels=args["kv_channels"],
+        ffn_hidden_size=args["ffn_hidden_size"], hidden_dropout=0.0, attention_dropout=0.0,
+        layernorm_epsilon=args.get("layernorm_epsilon", 1e-5),
+        bias=args.get("hidden_bias", True),
+        masked_softmax_fusion=args.get("masked_softmax_fusion", True),
+        compute_dtype=compute_dtype)
+
+
+def _own_weights(root, iteration, true_vocab):
+    """(this rank's GPT2Model state dict, effective args) for the current tp."""
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), \
+        mpu.get_tensor_model_parallel_rank()
+    files = rank_files(iteration_dir(root, iteration))
+    head = load_rank_file(files.get((0, 0), checkpoint_name(root, iteration, 0, 0)))
+    args = head.get("args") or {}
+    same_layout = (args.get("tensor_model_parallel_size") == tp
+                   and args.get("pipeline_model_parallel_size", 1) == 1
+                   and not gpt2_keys.is_pipe_state(head.get("model", {})))
+    if same_layout and set(files) == {(t, 0) for t in range(tp)}:
+        state = head if tp_rank == 0 else load_rank_file(files[(tp_rank, 0)])
+        return state["model"], args
+    full = read_native(root, iteration)
+    target = reshard(full, tp, 1, true_vocab=true_vocab)
+    return stage_state(target.state, target.args["num_layers"], tp, tp_rank), target.args
+
+
+def load_gpt2_for_inference(root, iteration=None, true_vocab=None):
+    """GPT2Model (eval mode, gathered logits) with a checkpoint's weights.
+
+    Every tensor-parallel rank calls it (it builds tensor-parallel layers).
+
+    Args:
+        root: a native checkpoint directory (``--save`` of a run or a conversion).
+        iteration: which iteration (default: the tracker's).
+        true_vocab: real vocabulary rows, needed only when the checkpoint's tp differs
+            from this run's and its tokenizer files are gone.
+
+    Returns:
+        ``(model, args)``: the model and the saved args (with this layout's padded size).
+    """
+    from ..model.gpt2_model import GPT2Model
+
+    if mpu.get_pipeline_model_parallel_world_size() != 1:
+        raise ConfigError("generation runs without pipeline stages; launch tp processes only")
+    iteration = resolve_iteration(root, iteration)
+    state, args = _own_weights(root, iteration, true_vocab)
+    heads, tp = args["num_attention_heads"], mpu.get_tensor_model_parallel_world_size()
+    if heads % tp:
+        raise ConfigError(f"the model's {heads} attention heads do not divide by the "
+                          f"{tp} processes launched; launch a divisor of {heads}")
+    model = GPT2Model(transformer_config(args), args["padded_vocab_size"],
+                      args["max_position_embeddings"], parallel_output=False)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise CheckpointError(f"checkpoint {root} does not fit the model its args describe: "
+                              f"{str(exc).splitlines()[0]}") from None
+    return model.eval(), args

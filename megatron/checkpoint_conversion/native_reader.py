@@ -1,0 +1,192 @@
+"""Read a native GPT-2 checkpoint of any (tp, pp) layout into one full state dict.
+
+The files of ``<root>/iter_N/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` are read with
+``torch.load(weights_only=True)``; tensor-parallel shards are concatenated along their split
+dimension (:mod:`.gpt2_keys`), pipeline-stage keys are renamed to GPT2Model's, and the result
+is checked for completeness against the model sizes in the saved args.
+"""
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checkpointing import TRACKER_FILENAME, iteration_dir, read_tracker
+from ..errors import CheckpointError
+from . import gpt2_keys
+
+#: Replicated tensors (LayerNorms, row-parallel biases, the tied embedding copies) must agree
+#: across the ranks that hold them; they are bitwise equal after training, so a difference
+#: above this means files from different runs were mixed.
+REPLICA_TOLERANCE = 1e-6
+
+#: What a weights-only conversion carries over besides the model (plain values only).
+CARRIED_KEYS = ("consumed_train_samples", "consumed_valid_samples", "lr_scheduler")
+
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+@dataclass
+class FullCheckpoint:
+    """A whole GPT-2 in GPT2Model key names, independent of any parallel layout.
+
+    Attributes:
+        state: ``{GPT2Model key: full tensor}``.
+        args: the saved args dict (model sizes, tokenizer, the source layout).
+        iteration: the training iteration it was saved at (0 for converted HF weights).
+        extras: progress carried to a converted checkpoint (:data:`CARRIED_KEYS`).
+    """
+
+    state: dict
+    args: dict
+    iteration: int = 0
+    extras: dict = field(default_factory=dict)
+
+
+def resolve_iteration(root, iteration=None):
+    """The iteration to read: ``iteration`` if given, else the tracker's."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise CheckpointError(f"{root} holds no checkpoint ({TRACKER_FILENAME} is missing); "
+                                  f"point at a --save directory or pass --iteration")
+    if not os.path.isdir(iteration_dir(root, iteration)):
+        raise CheckpointError(f"checkpoint folder {iteration_dir(root, iteration)} is missing")
+    return iteration
+
+
+def rank_files(folder):
+    """``{(tp_rank, pp_rank): path}`` for every rank folder in ``folder``."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        match = _RANK_DIR.match(name)
+        if match:
+            key = (int(match.group(1)), int(match.group(2) or 0))
+            files[key] = os.path.join(folder, name, "model_optim_rng.pt")
+    return files
+
+
+def load_rank_file(path):
+    """One rank file, read without executing pickled code."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: "
+                              f"{str(exc).splitlines()[0]}") from None
+
+
+def _check_layout(files, tp, pp, folder):
+    expected = {(t, p) for t in range(tp) for p in range(pp)}
+    missing, extra = sorted(expected - set(files)), sorted(set(files) - expected)
+    if missing:
+        names = ", ".join(f"mp_rank_{t:02d}_{p:03d}" for t, p in missing)
+        raise CheckpointError(f"checkpoint {folder} is incomplete: tp={tp} x pp={pp} needs "
+                              f"{names}, which are missing")
+    if extra:
+        raise CheckpointError(f"checkpoint {folder} has rank folders {extra} beyond its saved "
+                              f"layout tp={tp} x pp={pp}: files from different runs are mixed")
+
+
+def _agree(a, b, what):
+    if a.shape != b.shape or (a.float() - b.float()).abs().max().item() > REPLICA_TOLERANCE:
+        raise CheckpointError(f"{what} differs between the ranks that hold it: the checkpoint "
+                              f"mixes files from different runs")
+
+
+def merge_tensor_parallel(shards, where):
+    """One stage's tp shards (rank order, GPT2Model keys) -> full tensors.
+
+    Args:
+        shards: list of state dicts, one per tensor-parallel rank.
+        where: description for error messages.
+    """
+    keys = list(shards[0])
+    for rank, shard in enumerate(shards[1:], start=1):
+        if set(shard) != set(keys):
+            raise CheckpointError(f"{where}: tp rank {rank} holds other tensors than tp rank 0")
+    merged = {}
+    for key in keys:
+        dim = gpt2_keys.tp_split_dim(key)
+        if dim is None:
+            for rank, shard in enumerate(shards[1:], start=1):
+                _agree(shards[0][key], shard[key], f"{where}: replicated {key} (tp rank {rank})")
+            merged[key] = shards[0][key]
+        else:
+            merged[key] = torch.cat([shard[key] for shard in shards], dim=dim)
+    return merged
+
+
+def _to_full_keys(state, num_layers):
+    if not gpt2_keys.is_pipe_state(state):
+        return dict(state)
+    return {gpt2_keys.pipe_to_full_key(k, num_layers): v for k, v in state.items()}
+
+
+def _add_stage(full, stage, pp_rank):
+    """Add one stage's tensors; stages come in order, so stage 0's embedding wins.
+
+    The last stage holds a copy of the whole embedding module for the tied output layer:
+    its word embedding is kept equal to the first stage's (the engine reduces their
+    gradients), but its position embedding is never used there and keeps its initial
+    values, so only the first stage's copy is real.
+    """
+    for key, tensor in stage.items():
+        if key not in full:
+            full[key] = tensor
+        elif key == gpt2_keys.WORD_EMBEDDINGS:
+            _agree(full[key], tensor, f"tied {key} (pipeline stage {pp_rank})")
+        elif key != gpt2_keys.POSITION_EMBEDDINGS:
+            raise CheckpointError(f"{key} appears on two pipeline stages (again on stage "
+                                  f"{pp_rank})")
+
+
+def _check_complete(full, args, folder):
+    expected = gpt2_keys.full_keys(args["num_layers"], args.get("hidden_bias", True))
+    missing = [k for k in expected if k not in full]
+    unexpected = sorted(set(full) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {folder} does not hold a {args['num_layers']}-layer "
+                              f"GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    vocab = full[gpt2_keys.WORD_EMBEDDINGS].shape[0]
+    if vocab != args["padded_vocab_size"]:
+        raise CheckpointError(f"checkpoint {folder}: word embeddings have {vocab} rows but its "
+                              f"args say padded_vocab_size={args['padded_vocab_size']}")
+    return {k: full[k] for k in expected}
+
+
+def read_native(root, iteration=None):
+    """Read and merge a native checkpoint into a :class:`FullCheckpoint`.
+
+    Args:
+        root: a ``--save`` directory.
+        iteration: which iteration (default: the tracker's).
+
+    Raises:
+        CheckpointError: missing, incomplete, mixed or non-GPT-2 checkpoint.
+    """
+    iteration = resolve_iteration(root, iteration)
+    folder = iteration_dir(root, iteration)
+    files = rank_files(folder)
+    if (0, 0) not in files:
+        raise CheckpointError(f"checkpoint {folder} has no mp_rank_00_000 (or mp_rank_00) file")
+    first = load_rank_file(files[(0, 0)])
+    args = dict(first.get("args") or {})
+    required = ("num_layers", "padded_vocab_size", "tensor_model_parallel_size")
+    if not all(k in args for k in required):
+        raise CheckpointError(f"{files[(0, 0)]} has no saved model args: not a megatron-tds "
+                              f"checkpoint")
+    tp, pp = args["tensor_model_parallel_size"], args.get("pipeline_model_parallel_size", 1)
+    _check_layout(files, tp, pp, folder)
+    full = {}
+    for pp_rank in range(pp):
+        shards = [first if (t, pp_rank) == (0, 0) else load_rank_file(files[(t, pp_rank)])
+                  for t in range(tp)]
+        stage = [_to_full_keys(s.get("model", {}), args["num_layers"]) for s in shards]
+        _add_stage(full, merge_tensor_parallel(stage, f"{folder} stage {pp_rank}"), pp_rank)
+    extras = {k: first[k] for k in CARRIED_KEYS if k in first}
+    return FullCheckpoint(_check_complete(full, args, folder), args,
+                          int(first.get("iteration", iteration)), extras)

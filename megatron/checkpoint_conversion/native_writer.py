@@ -1,0 +1,150 @@
+"""Split a full GPT-2 state dict into a (tp, pp) layout and write a native checkpoint.
+
+The result has the layout :mod:`megatron.checkpointing` reads
+(``<root>/iter_N/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` and the tracker), with
+GPT2Model keys when pp = 1 and GPT2ModelPipe stage keys when pp > 1. It holds weights only:
+no optimizer state and no RNG state. A training run resumes from it with ``--finetune``
+(iteration 0, fresh optimizer) or ``--no-load-optim --no-load-rng`` (keeps the iteration,
+consumed samples and LR schedule carried over from the source).
+
+Writing is atomic: every file goes to ``<root>/.tmp_convert_<pid>/`` first, the finished
+iteration folder is renamed into place, and the tracker is written last.
+"""
+import os
+import shutil
+
+import torch
+
+from ..checkpointing import CHECKPOINT_FORMAT, TRACKER_FILENAME, checkpoint_name, iteration_dir
+from ..errors import CheckpointError, ConfigError
+from . import gpt2_keys
+from .native_reader import FullCheckpoint
+from .vocab_padding import repad_word_embeddings, resolve_true_vocab_size, target_padded_size
+
+
+def check_layout(args, tp, pp):
+    """Raise ConfigError unless the model in ``args`` splits into ``tp`` x ``pp``."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"target sizes must be >= 1, got tp={tp}, pp={pp}")
+    problems = []
+    for name, what in (("num_attention_heads", "attention heads"),
+                       ("ffn_hidden_size", "ffn hidden size"),
+                       ("padded_vocab_size", "padded vocabulary size")):
+        if args[name] % tp:
+            problems.append(f"{what} ({args[name]}) is not divisible by "
+                            f"--target-tensor-parallel-size {tp}")
+    if pp > args["num_layers"]:
+        problems.append(f"--target-pipeline-parallel-size {pp} is larger than the number of "
+                        f"layers ({args['num_layers']})")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def layout_args(args, tp, pp):
+    """The saved args of the target layout (sizes a loading run checks)."""
+    out = dict(args)
+    out.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return out
+
+
+def _shard(tensor, dim, tp, tp_rank):
+    if dim is None:
+        return tensor.clone()
+    # clone: torch.save of a view would write the whole full tensor's storage
+    return torch.chunk(tensor, tp, dim=dim)[tp_rank].clone()
+
+
+def stage_state(full_state, num_layers, tp, tp_rank, stage_bounds=None):
+    """The state dict one (tp_rank, stage) of the target layout loads.
+
+    Args:
+        full_state: full GPT2Model state dict.
+        num_layers: transformer layers.
+        tp, tp_rank: tensor-parallel size and this rank.
+        stage_bounds: ``(start, end)`` layer-spec indices for a pipeline stage, or None for
+            a GPT2Model (pp = 1) state dict.
+    """
+    if stage_bounds is None:
+        names = {k: k for k in full_state}
+    else:
+        names = gpt2_keys.stage_full_keys(list(full_state), num_layers, stage_bounds)
+    return {new: _shard(full_state[old], gpt2_keys.tp_split_dim(old), tp, tp_rank)
+            for old, new in names.items()}
+
+
+def _prepare_output(root, iteration):
+    final = iteration_dir(root, iteration)
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; choose another --output or remove it")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--output {root} exists and is not a directory")
+    tmp_root = os.path.join(root, f".tmp_convert_{os.getpid()}")
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    os.makedirs(tmp_root)
+    return tmp_root
+
+
+def _publish(root, tmp_root, iteration):
+    os.replace(iteration_dir(tmp_root, iteration), iteration_dir(root, iteration))
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    tracker = os.path.join(root, TRACKER_FILENAME)
+    with open(tracker + ".tmp", "w") as handle:
+        handle.write(str(iteration))
+    os.replace(tracker + ".tmp", tracker)
+
+
+def write_native(ckpt, root, tp, pp, source="converted"):
+    """Write ``ckpt`` (a :class:`FullCheckpoint` already padded for ``tp``) as a checkpoint.
+
+    Args:
+        ckpt: the full model and its args (``padded_vocab_size`` must match the tensor).
+        root: output ``--save``-style directory.
+        tp, pp: target tensor- and pipeline-parallel sizes.
+        source: where the weights came from (recorded in each file).
+
+    Returns:
+        The iteration folder written.
+    """
+    args = layout_args(ckpt.args, tp, pp)
+    check_layout(args, tp, pp)
+    num_layers = args["num_layers"]
+    bounds = gpt2_keys.stage_spec_bounds(num_layers, pp) if pp > 1 else [None]
+    tmp_root = _prepare_output(root, ckpt.iteration)
+    try:
+        for pp_rank, stage_bounds in enumerate(bounds):
+            for tp_rank in range(tp):
+                state = {"format": CHECKPOINT_FORMAT, "iteration": ckpt.iteration,
+                         "args": args, "converted_from": source, "weights_only": True,
+                         "model": stage_state(ckpt.state, num_layers, tp, tp_rank,
+                                              stage_bounds),
+                         **ckpt.extras}
+                path = checkpoint_name(tmp_root, ckpt.iteration, tp_rank, pp_rank)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(state, path)
+        _publish(root, tmp_root, ckpt.iteration)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    return iteration_dir(root, ckpt.iteration)
+
+
+def reshard(ckpt, tp, pp, divisible_by=None, true_vocab=None):
+    """``ckpt`` with its vocabulary padded for ``tp`` and its args updated (no files written).
+
+    Args:
+        ckpt: a :class:`FullCheckpoint`.
+        tp, pp: target layout.
+        divisible_by: ``--make-vocab-size-divisible-by`` of the target (default: the
+            source's, else 128).
+        true_vocab: real vocabulary rows, or None to look them up
+            (:func:`~.vocab_padding.resolve_true_vocab_size`).
+    """
+    divisible_by = divisible_by or ckpt.args.get("make_vocab_size_divisible_by") or 128
+    true_vocab = resolve_true_vocab_size(ckpt.args, true_vocab)
+    padded = target_padded_size(ckpt.args, tp, divisible_by, true_vocab)
+    state = repad_word_embeddings(ckpt.state, true_vocab, padded)
+    args = layout_args(ckpt.args, tp, pp)
+    args.update(padded_vocab_size=padded, make_vocab_size_divisible_by=divisible_by)
+    if true_vocab is not None:
+        args["true_vocab_size"] = true_vocab
+    check_layout(args, tp, pp)
+    return FullCheckpoint(state, args, ckpt.iteration, dict(ckpt.extras))
