@@ -41,7 +41,11 @@ def hf_logits(model, ids):
 
 
 def native_logits(ckpt_dir, ids):
-    """Rank body: load ``ckpt_dir`` at this group's tp; ``[b, s, v_pad]`` gathered logits."""
+    """Rank body: load ``ckpt_dir`` at this group's tp; ``[b, s, v_pad]`` gathered logits.
+
+    Returned as NumPy (by value): a tensor sent from a rank is a shared-memory handle that
+    can vanish with the rank process.
+    """
     import torch.distributed as dist
 
     from megatron import mpu
@@ -54,4 +58,4 @@ def native_logits(ckpt_dir, ids):
     b, s = ids.shape
     positions = torch.arange(s).unsqueeze(0).expand(b, s)
     with torch.no_grad():
-        return model(ids, positions, causal_attention_mask(s, ids.device))
+        return model(ids, positions, causal_attention_mask(s, ids.device)).numpy()

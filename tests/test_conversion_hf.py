@@ -33,7 +33,7 @@ def test_hf_to_native_logits_match_transformers(hf_model, tmp_path, seed, tp):
     per_rank = run_distributed(native_logits, tp, str(out), ids)
     expected = hf_logits(model, ids)  # [b, s, vocab]
     padded = 384 if tp == 1 else 512
-    for logits in per_rank:  # every tp rank holds the gathered logits
+    for logits in map(torch.from_numpy, per_rank):  # every tp rank has the gathered logits
         assert logits.shape == (3, 20, padded)
         err = (logits[..., :VOCAB] - expected).abs().max().item()
         assert err < TOL, f"tp={tp}: max abs logit difference {err}"
@@ -69,7 +69,7 @@ def test_hf_n_inner_and_epsilon_are_carried(tmp_path, seed):
     args = read_native(str(tmp_path / "native")).args
     assert (args["ffn_hidden_size"], args["layernorm_epsilon"]) == (96, 1e-3)
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(seed))
-    logits = run_distributed(native_logits, 1, str(tmp_path / "native"), ids)[0]
+    logits = torch.from_numpy(run_distributed(native_logits, 1, str(tmp_path / "native"), ids)[0])
     assert (logits[..., :100] - hf_logits(model, ids)).abs().max().item() < TOL
 
 
