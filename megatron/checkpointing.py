@@ -10,6 +10,7 @@ once every file is complete, then rewrites the tracker (also via a temporary fil
 at any point leaves the previous checkpoint and tracker untouched. Loading uses
 ``torch.load(weights_only=True)``, so a checkpoint cannot execute code.
 """
+import inspect
 import os
 import random
 import shutil
@@ -105,13 +106,47 @@ def _gather_rng_states():
 
 
 # ---------------------------------------------------------------- save
+def _is_engine(model):
+    return getattr(model, "megatron_kind", None) is not None
+
+
+def optimizer_shard_name(root, iteration, tp_rank, pp_rank, dp_rank):
+    """Per-data-parallel-rank optimizer file (DeepSpeed engines shard optimizer state)."""
+    return os.path.join(os.path.dirname(checkpoint_name(root, iteration, tp_rank, pp_rank)),
+                        f"optim_dp_rank_{dp_rank:03d}.pt")
+
+
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+
+def _main_state(iteration, model, optimizer, lr_scheduler, args, train_state, rng_states):
+    state = {
+        "format": CHECKPOINT_FORMAT, "iteration": iteration, "args": args_to_dict(args),
+        "model": unwrap_model(model).state_dict(),
+        "rng_state": rng_states,
+        "consumed_train_samples": train_state.consumed_train_samples,
+        "consumed_valid_samples": train_state.consumed_valid_samples,
+    }
+    if optimizer is not None and not args.no_save_optim and not _is_engine(model):
+        state["optimizer"] = optimizer.state_dict()
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    if _is_engine(model):
+        state["engine"] = {k: int(getattr(model, k, 0)) for k in _ENGINE_COUNTERS}
+    return state
+
+
 def save_checkpoint(iteration, model, optimizer, lr_scheduler, args, train_state):
     """Write a complete checkpoint for ``iteration`` (collective: every rank calls it).
 
+    Data-parallel rank 0 of each (tp, pp) writes the model, schedule, RNG and progress. A
+    DeepSpeed engine's optimizer state may be sharded across data-parallel ranks (ZeRO-1,
+    bf16), so there every rank writes its own optimizer file next to it.
+
     Args:
         iteration: steps completed.
-        model: the model (DDP-wrapped or not) or a pipeline engine's module.
-        optimizer: MegatronOptimizer (or anything with ``state_dict``), or None.
+        model: the model (DDP-wrapped or not) or a DeepSpeed / tds engine.
+        optimizer: MegatronOptimizer or the engine's optimizer, or None.
         lr_scheduler: AnnealingLR or None.
         args: the run's args (saved, and checked when loading).
         train_state: object with ``consumed_train_samples`` / ``consumed_valid_samples``.
@@ -123,22 +158,18 @@ def save_checkpoint(iteration, model, optimizer, lr_scheduler, args, train_state
         shutil.rmtree(iteration_dir(tmp_root, iteration), ignore_errors=True)
         os.makedirs(iteration_dir(tmp_root, iteration), exist_ok=True)
     dist.barrier()
-    if mpu.get_data_parallel_rank() == 0:
-        state = {
-            "format": CHECKPOINT_FORMAT, "iteration": iteration, "args": args_to_dict(args),
-            "model": unwrap_model(model).state_dict(),
-            "rng_state": rng_states,
-            "consumed_train_samples": train_state.consumed_train_samples,
-            "consumed_valid_samples": train_state.consumed_valid_samples,
-        }
-        if optimizer is not None and not args.no_save_optim:
-            state["optimizer"] = optimizer.state_dict()
-        if lr_scheduler is not None:
-            state["lr_scheduler"] = lr_scheduler.state_dict()
-        path = checkpoint_name(tmp_root, iteration, mpu.get_tensor_model_parallel_rank(),
-                               mpu.get_pipeline_model_parallel_rank())
+    tp, pp, dp = (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
+                  mpu.get_data_parallel_rank())
+    path = checkpoint_name(tmp_root, iteration, tp, pp)
+    if dp == 0:
+        state = _main_state(iteration, model, optimizer, lr_scheduler, args, train_state,
+                            rng_states)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _write_atomic(path, lambda tmp: torch.save(state, tmp))
+    if _is_engine(model) and optimizer is not None and not args.no_save_optim:
+        shard = optimizer_shard_name(tmp_root, iteration, tp, pp, dp)
+        os.makedirs(os.path.dirname(shard), exist_ok=True)
+        _write_atomic(shard, lambda tmp: torch.save(optimizer.state_dict(), tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         _publish(root, tmp_root, iteration)
@@ -195,6 +226,51 @@ def _read_own_file(args, iteration):
     return state
 
 
+def _load_optimizer(model, optimizer, state, args, iteration):
+    """The optimizer state: in the main file, or this rank's shard for engines."""
+    hint = "pass --no-load-optim (or --finetune) to load the weights only"
+    if not _is_engine(model):
+        if "optimizer" not in state:
+            raise CheckpointError(f"checkpoint in {args.load} has no optimizer state; {hint}")
+        optimizer.load_state_dict(state["optimizer"])
+        return
+    shard = optimizer_shard_name(args.load, iteration, mpu.get_tensor_model_parallel_rank(),
+                                 mpu.get_pipeline_model_parallel_rank(),
+                                 mpu.get_data_parallel_rank())
+    if not os.path.isfile(shard):
+        raise CheckpointError(f"optimizer shard {shard} is missing (a different data-parallel "
+                              f"size, or a checkpoint saved without optimizer state); {hint}")
+    shard_state = _load_engine_optimizer_state(shard)
+    params = inspect.signature(optimizer.load_state_dict).parameters
+    if "state_dict_list" in params:
+        # ZeRO / bf16 optimizers take every dp rank's state and pick their own; their fp32
+        # master weights must come from the shard, not be re-derived from fp16/bf16 weights.
+        states = [None] * mpu.get_data_parallel_world_size()
+        states[mpu.get_data_parallel_rank()] = shard_state
+        extra = {"load_from_fp32_weights": True} if "load_from_fp32_weights" in params else {}
+        optimizer.load_state_dict(states, **extra)
+    else:
+        optimizer.load_state_dict(shard_state)
+    for key, value in state.get("engine", {}).items():
+        setattr(model, key, value)
+
+
+def _load_engine_optimizer_state(path):
+    """weights_only load that also admits DeepSpeed's plain records in optimizer states.
+
+    ZeRO and bf16 optimizer states pickle a few DeepSpeed objects: the loss scaler and
+    fragment addresses. They are plain attribute holders (no ``__setstate__``, no
+    ``__reduce__``), so allowing exactly these classes still executes no pickled code.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    records = [fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum]
+    with torch.serialization.safe_globals(records):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_checkpoint(model, optimizer, lr_scheduler, args, train_state):
     """Resume from ``args.load`` if it holds a checkpoint (collective). Returns the iteration.
 
@@ -216,14 +292,19 @@ def load_checkpoint(model, optimizer, lr_scheduler, args, train_state):
         error = exc
     raise_if_any_rank_failed(error, CheckpointError)
     unwrap_model(model).load_state_dict(state["model"])
+    load_optim = optimizer is not None and not args.no_load_optim and not args.finetune
+    error = None
+    if load_optim:
+        try:
+            _load_optimizer(model, optimizer, state, args, iteration)
+        except CheckpointError as exc:
+            error = exc
+        raise_if_any_rank_failed(error, CheckpointError)
+    elif hasattr(optimizer, "refresh_fp32_params"):
+        optimizer.refresh_fp32_params()  # DeepSpeed fp16/bf16: master weights from the model
     if args.finetune:
         print_rank_0(f"> loaded weights from {args.load} (iteration {iteration}) to fine-tune")
         return 0
-    if optimizer is not None and not args.no_load_optim:
-        if "optimizer" not in state:
-            raise CheckpointError(f"checkpoint in {args.load} has no optimizer state; "
-                                  f"pass --no-load-optim to load the weights only")
-        optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and "lr_scheduler" in state:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     if not args.no_load_rng:

@@ -36,11 +36,16 @@ def init_distributed(args):
         if dist.get_world_size() != args.world_size:
             raise RuntimeError(f"torch.distributed has {dist.get_world_size()} ranks but "
                                f"WORLD_SIZE says {args.world_size}")
-        return
-    if args.world_size == 1 and "MASTER_ADDR" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group(backend=args.distributed_backend, rank=args.rank,
-                            world_size=args.world_size, timeout=timedelta(seconds=DIST_TIMEOUT_S))
+    else:
+        if args.world_size == 1 and "MASTER_ADDR" not in os.environ:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group(backend=args.distributed_backend, rank=args.rank,
+                                world_size=args.world_size,
+                                timeout=timedelta(seconds=DIST_TIMEOUT_S))
+    if args.pipeline_model_parallel_size > 1 or args.deepspeed:
+        import tds  # DeepSpeed's communication layer wraps the group made above
+
+        tds.init_distributed(dist_backend=args.distributed_backend)
 
 
 def set_random_seed(seed):

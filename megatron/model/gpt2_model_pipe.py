@@ -1,0 +1,95 @@
+"""GPT-2 as a tds PipelineModule: the same layers and weights as GPT2Model, split into stages.
+
+Stage boundary tuple: ``(hidden [s, b, h] float, attention_mask [1, 1, s, s] bool)``, the
+hidden state split across tensor-parallel ranks for the send. The word embedding is a
+``TiedLayerSpec`` on the first stage (lookup) and the last (output logits); tds reduces its
+gradient between the two.
+"""
+from torch import nn
+
+from tds.pipe import LayerSpec, PipelineModule, PipeModelDataParallelTopology, TiedLayerSpec
+
+from .. import mpu
+from .language_model import Embedding, lm_loss, parallel_lm_logits
+from .transformer import ParallelTransformerLayer, TransformerConfig, _layer_norm
+
+TIED_WEIGHT = "word_embeddings.weight"
+
+
+class EmbeddingPipe(Embedding):
+    """``(ids, position_ids, mask) -> (hidden [s, b, h], mask)``."""
+
+    def forward(self, inputs):
+        input_ids, position_ids, attention_mask = inputs
+        return super().forward(input_ids, position_ids), attention_mask
+
+
+def lm_head(embedding, hidden):
+    """The tied copy on the last stage: ``[s, b, h] -> [s, b, v/tp]`` logits."""
+    return parallel_lm_logits(hidden, embedding.word_embeddings.weight, parallel_output=True)
+
+
+class ParallelTransformerLayerPipe(ParallelTransformerLayer):
+    """``(hidden, mask) -> (hidden, mask)``."""
+
+    def forward(self, inputs):
+        hidden, attention_mask = inputs
+        return super().forward(hidden, attention_mask), attention_mask
+
+
+class FinalLayerNormPipe(nn.Module):
+    """``(hidden, mask) -> hidden``: the last LayerNorm, dropping the mask."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm = _layer_norm(config)
+
+    def forward(self, inputs):
+        hidden, _ = inputs
+        return self.norm(hidden)
+
+
+def gpt2_loss(logits, labels):
+    """Mean loss over unmasked tokens: logits ``[s, b, v/tp]``, labels ``(ids, loss_mask)``."""
+    ids, loss_mask = labels
+    losses = lm_loss(logits, ids)  # [b, s]
+    return (losses.float() * loss_mask).sum() / loss_mask.sum()
+
+
+class GPT2ModelPipe(PipelineModule):
+    """GPT2Model's layers as pipeline stages (``partition_method='type:transformer'``).
+
+    Args:
+        config: :class:`TransformerConfig` (``checkpoint_activations`` /
+            ``checkpoint_num_layers`` set the recompute interval).
+        vocab_size: padded vocabulary size.
+        max_position_embeddings: learned positions.
+        topology: DeepSpeed topology (pp x dp x tp), matching mpu's groups.
+    """
+
+    def __init__(self, config, vocab_size, max_position_embeddings, topology):
+        embed_args = (config.hidden_size, vocab_size, max_position_embeddings,
+                      config.hidden_dropout, config.init_method_std, config.seed)
+        specs = [TiedLayerSpec("embed", EmbeddingPipe, *embed_args, tied_weight_attr=TIED_WEIGHT)]
+        specs += [LayerSpec(ParallelTransformerLayerPipe, config, i + 1)
+                  for i in range(config.num_layers)]
+        specs += [LayerSpec(FinalLayerNormPipe, config),
+                  TiedLayerSpec("embed", EmbeddingPipe, *embed_args, forward_fn=lm_head,
+                                tied_weight_attr=TIED_WEIGHT)]
+        interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
+        super().__init__(layers=specs, loss_fn=gpt2_loss, topology=topology,
+                         partition_method="type:transformer",
+                         activation_checkpoint_interval=interval,
+                         activation_checkpoint_func=mpu.checkpoint,
+                         checkpointable_layers=["ParallelTransformerLayerPipe"])
+        self._input_type = ["float", "bool"]
+        self._input_grad = [True, False]
+        self._input_pipe_partitioned = [True, False]
+
+    @classmethod
+    def from_args(cls, args):
+        s = mpu.get_parallel_state()
+        topology = PipeModelDataParallelTopology(num_pp=s.pp_size, num_mp=s.tp_size,
+                                                 num_dp=s.dp_size)
+        return cls(TransformerConfig.from_args(args), args.padded_vocab_size,
+                   args.max_position_embeddings, topology)

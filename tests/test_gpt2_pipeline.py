@@ -1,0 +1,61 @@
+"""GPT-2 through tds's pipeline engine: 3D layouts give the serial losses; exact resume."""
+import pytest
+
+from gpt2_runs import gpt2_argv, train_gpt2
+from harness import run_distributed
+
+STEPS, MICRO, GLOBAL = 10, 2, 8
+
+
+def _argv(data, tp, pp, dp, *extra):
+    return gpt2_argv(data, "--num-layers", "4", "--model-parallel-size", str(tp),
+                     "--pipe-parallel-size", str(pp), "--batch-size", str(MICRO),
+                     "--gas", str(GLOBAL // (MICRO * dp)), "--train-iters", str(STEPS),
+                     "--hidden-dropout", "0", "--attention-dropout", "0", *extra)
+
+
+def _run(data, tp, pp, dp, *extra):
+    return run_distributed(train_gpt2, tp * pp * dp, _argv(data, tp, pp, dp, *extra),
+                           timeout=400)
+
+
+@pytest.mark.slow
+def test_3d_layouts_give_the_serial_losses(gpt2_data):
+    serial = _run(gpt2_data, 1, 1, 1)[0][0]
+    assert serial[-1] < serial[0] - 0.2
+    for tp, pp, dp in [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 4, 2)]:
+        per_rank = _run(gpt2_data, tp, pp, dp)
+        for rank, (losses, _) in enumerate(per_rank):
+            diff = max(abs(a - b) / abs(b) for a, b in zip(losses, serial))
+            assert diff < 1e-4, ((tp, pp, dp), rank, losses, serial)
+
+
+def _resume(data, tmp_path, tp, pp, dp, *extra):
+    common = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-interval", "4",
+              *extra)
+    n = tp * pp * dp
+    full = run_distributed(train_gpt2, n, _argv(data, tp, pp, dp, *common), timeout=400)
+    ckpt = str(tmp_path / "ckpt")
+    first = run_distributed(train_gpt2, n, _argv(data, tp, pp, dp, *common, "--save", ckpt,
+                                                 "--exit-interval", "5"), timeout=400)
+    second = run_distributed(train_gpt2, n, _argv(data, tp, pp, dp, *common, "--save", ckpt,
+                                                  "--load", ckpt), timeout=400)
+    return full[0], (first[0][0] + second[0][0], first[0][1] + second[0][1])
+
+
+@pytest.mark.slow
+def test_resume_is_exact_at_tp2_pp2_dp2(gpt2_data, tmp_path):
+    (full, full_eval), (resumed, resumed_eval) = _resume(gpt2_data, tmp_path, 2, 2, 2)
+    assert len(resumed) == STEPS
+    assert max(abs(a - b) for a, b in zip(full, resumed)) <= 1e-6, (full, resumed)
+    assert full_eval == resumed_eval
+
+
+@pytest.mark.slow
+def test_fp16_zero1_pipeline_resume_is_exact(gpt2_data, tmp_path):
+    # DeepSpeed's fp16 optimizer with ZeRO-1 shards the fp32 master weights across dp ranks:
+    # every rank's shard must come back for the run to continue bit for bit.
+    (full, _), (resumed, _) = _resume(gpt2_data, tmp_path, 1, 2, 2, "--fp16", "--zero-stage",
+                                      "1")
+    assert max(abs(a - b) for a, b in zip(full, resumed)) <= 1e-6, (full, resumed)
+    assert full[-1] < full[0]
