@@ -47,8 +47,9 @@ def _precision(config, args, path):
 def build_deepspeed_config(args):
     """DeepSpeed's config dict: ``--deepspeed_config`` (if any) checked against the flags.
 
-    The batch sizes come from the flags (BATCHSIZE x GAS x dp); a JSON value that disagrees
-    is an error rather than a silent override. Precision follows the flags.
+    The batch sizes and clipping come from the flags (BATCHSIZE x GAS x dp, --clip-grad); a
+    JSON value that disagrees is an error rather than a silent override. Precision follows
+    the flags; the JSON's fp16 block supplies loss-scaler settings.
     """
     path = args.deepspeed_config or "(flags)"
     config = _read_json(args.deepspeed_config) if args.deepspeed_config else {}
@@ -59,7 +60,10 @@ def build_deepspeed_config(args):
                               f"(batch size {args.micro_batch_size} x gas {args.gas} x "
                               f"data-parallel {args.data_parallel_size}); make them agree")
     config.update(batch)
-    config.setdefault("gradient_clipping", args.clip_grad)
+    if config.get("gradient_clipping", args.clip_grad) != args.clip_grad:
+        raise ConfigError(f"{path}: gradient_clipping is {config['gradient_clipping']} but "
+                          f"--clip-grad is {args.clip_grad}; make them agree")
+    config["gradient_clipping"] = args.clip_grad
     config.setdefault("steps_per_print", 10**9)  # pretrain() logs
     config.setdefault("wall_clock_breakdown", False)
     _precision(config, args, path)

@@ -1,0 +1,78 @@
+#!/bin/bash
+# Pretrain GPT-2 with data x tensor x pipeline parallelism (CPM-Pretrain's launcher shape).
+#
+# Edit the variables below (or set them in the environment) and run this script on every
+# node:  bash examples/run_gpt2.sh
+# Multi-node: same script on each node with NNODES, NODE_RANK and MASTER_ADDR set, e.g.
+#   node 0:  NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash examples/run_gpt2.sh
+#   node 1:  NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash examples/run_gpt2.sh
+# Without GPUs, GPUS_PER_NODE CPU processes start and talk over gloo.
+# LAUNCHER=deepspeed uses the DeepSpeed launcher with examples/hostfile instead of torchrun.
+set -euo pipefail
+script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(dirname "$script_dir")
+
+# ---- cluster -------------------------------------------------------------------------
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}     # processes per node (GPUs, or CPU processes)
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+LAUNCHER=${LAUNCHER:-torchrun}        # torchrun | deepspeed
+HOSTFILE=${HOSTFILE:-$script_dir/hostfile}
+
+# ---- parallelism: world = GPUS_PER_NODE x NNODES = mp_size x pp_size x dp ------------
+mp_size=${mp_size:-2}                 # tensor parallel
+pp_size=${pp_size:-2}                 # pipeline stages (1 = no pipeline)
+
+# ---- model -----------------------------------------------------------------------------
+NLAYERS=${NLAYERS:-24}
+NHIDDEN=${NHIDDEN:-1024}
+NHEADS=${NHEADS:-16}
+SEQLEN=${SEQLEN:-1024}
+
+# ---- batch: global batch = BATCHSIZE x GAS x dp -----------------------------------------
+BATCHSIZE=${BATCHSIZE:-4}             # micro-batch per process
+GAS=${GAS:-8}                         # gradient accumulation (= micro-batches per pipeline step)
+TRAIN_ITERS=${TRAIN_ITERS:-100000}
+LR=${LR:-1.5e-4}
+PRECISION=${PRECISION:-fp16}          # fp32 | fp16 | bf16
+
+# ---- data and checkpoints ---------------------------------------------------------------
+DATA_PATH=${DATA_PATH:-$repo/data/corpus_text_document}
+VOCAB_FILE=${VOCAB_FILE:-$repo/data/gpt2-vocab.json}
+MERGE_FILE=${MERGE_FILE:-$repo/data/gpt2-merges.txt}
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-$repo/checkpoints/gpt2}
+config_json=${config_json:-$script_dir/ds_config_gpt2.json}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+
+precision_args=""
+[ "$PRECISION" = fp16 ] && precision_args="--fp16"
+[ "$PRECISION" = bf16 ] && precision_args="--bf16"
+ds_args=""
+if [ "$pp_size" -gt 1 ] || [ "${USE_DEEPSPEED:-0}" = 1 ]; then
+  ds_args="--deepspeed --deepspeed_config $config_json"
+fi
+
+gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
+  --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
+  --seq-length $SEQLEN --max-position-embeddings $SEQLEN \
+  --batch-size $BATCHSIZE --gas $GAS --train-iters $TRAIN_ITERS \
+  --lr $LR --min-lr 1.0e-5 --lr-decay-style cosine --warmup 0.01 --weight-decay 0.01 \
+  --clip-grad 1.0 --hidden-bias --checkpoint-activations \
+  --data-path $DATA_PATH --data-impl mmap --split 949,50,1 \
+  --tokenizer-type GPT2BPETokenizer --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE \
+  --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --save-interval 1000 \
+  --log-interval 10 --eval-interval 1000 --eval-iters 10 \
+  $precision_args $ds_args $EXTRA_ARGS"
+
+if [ "$LAUNCHER" = deepspeed ]; then
+  cmd="deepspeed --hostfile $HOSTFILE --num_nodes $NNODES --num_gpus $GPUS_PER_NODE \
+    --master_addr $MASTER_ADDR --master_port $MASTER_PORT $repo/pretrain_gpt2.py $gpt_args"
+else
+  cmd="torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
+    --master_addr $MASTER_ADDR --master_port $MASTER_PORT $repo/pretrain_gpt2.py $gpt_args"
+fi
+echo "$cmd"
+cd "$repo"
+exec $cmd
