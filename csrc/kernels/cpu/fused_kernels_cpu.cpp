@@ -18,8 +18,8 @@ namespace cpu {
 // are force-inlined into them, so they are vectorized for AVX-512 / AVX2 / SSE2.
 #define MTDS_DEFINE_ENTRIES(IO, suffix)                                                       \
   MTDS_CLONES void softmax_fwd_##suffix(const SoftmaxArgs& a, int64_t r0, int64_t r1,          \
-                                        float* buf) {                                         \
-    softmax_forward_rows<IO>(a, r0, r1, buf);                                                 \
+                                        float* buf, uint32_t* wide) {                         \
+    softmax_forward_rows<IO>(a, r0, r1, buf, wide);                                           \
   }                                                                                           \
   MTDS_CLONES void softmax_bwd_##suffix(const SoftmaxArgs& a, int64_t r0, int64_t r1) {        \
     softmax_backward_rows<IO>(a, r0, r1);                                                     \
@@ -59,8 +59,9 @@ void run_softmax_forward(const SoftmaxArgs& a, void*) {
   const int64_t rows = a.batches * a.heads * a.sq;
   at::parallel_for(0, rows, cpu::grain_rows(a.sk), [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(a.sk);  // fp32 scratch row, reused across this task's rows
-    if (bf16) cpu::softmax_fwd_bf16(a, r0, r1, buf.data());
-    else cpu::softmax_fwd_f32(a, r0, r1, buf.data());
+    std::vector<uint32_t> wide(a.mask != nullptr ? a.sk : 0);  // the mask row, widened
+    if (bf16) cpu::softmax_fwd_bf16(a, r0, r1, buf.data(), wide.data());
+    else cpu::softmax_fwd_f32(a, r0, r1, buf.data(), wide.data());
   });
 }
 

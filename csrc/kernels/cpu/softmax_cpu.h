@@ -21,26 +21,24 @@ MTDS_INLINE int64_t causal_valid(int64_t i, int64_t sq, int64_t sk) {
 
 // Scaled, masked scores of one row into buf[0, valid); returns their max. *live counts the
 // entries the mask keeps (a row with none is "dead": uniform output, zero gradient).
+// The mask bytes are first widened to 32 bits (`wide`, scratch): g++ 12 does not vectorize a
+// byte-mask select on float lanes under AVX-512, but vectorizes both of these loops fully.
 template <class IO>
 MTDS_INLINE float softmax_load_row(const typename IO::T* x, const uint8_t* mask, float* buf,
-                                   int64_t valid, float scale, int64_t* live) {
+                                   uint32_t* wide, int64_t valid, float scale, int64_t* live) {
   float mx = -INFINITY;
   if (mask != nullptr) {
-    // A branch-free bit select: g++ 12 leaves `mask[j] ? a : b` (byte mask, float data)
-    // scalar under AVX-512, but vectorizes the integer and/or form.
-    const uint32_t masked_bits = float_to_bits(kMaskedScore);
-#pragma omp simd reduction(max : mx)
+#pragma omp simd
+    for (int64_t j = 0; j < valid; ++j) wide[j] = mask[j];
+    int32_t kept = 0;
+#pragma omp simd reduction(max : mx) reduction(+ : kept)
     for (int64_t j = 0; j < valid; ++j) {
-      const uint32_t sel = 0u - uint32_t(mask[j] != 0);  // all ones where masked
-      const uint32_t scaled = float_to_bits(IO::load(x[j]) * scale);
-      const float v = bits_to_float((scaled & ~sel) | (masked_bits & sel));
+      const float scaled = IO::load(x[j]) * scale;  // computed either way: a select vectorizes
+      const float v = wide[j] != 0 ? kMaskedScore : scaled;
+      kept += wide[j] == 0 ? 1 : 0;
       buf[j] = v;
       mx = v > mx ? v : mx;
     }
-    // Counted apart: a 32-bit count over bytes vectorizes well, unlike one fused above.
-    int32_t kept = 0;
-#pragma omp simd reduction(+ : kept)
-    for (int64_t j = 0; j < valid; ++j) kept += mask[j] == 0 ? 1 : 0;
     *live = kept;
   } else {
 #pragma omp simd reduction(max : mx)
@@ -57,9 +55,9 @@ MTDS_INLINE float softmax_load_row(const typename IO::T* x, const uint8_t* mask,
 template <class IO>
 MTDS_INLINE void softmax_forward_row(const typename IO::T* x, const uint8_t* mask,
                                      typename IO::T* y, uint8_t* dead, float* buf,
-                                     int64_t sk, int64_t valid, float scale) {
+                                     uint32_t* wide, int64_t sk, int64_t valid, float scale) {
   int64_t live = 0;
-  const float mx = softmax_load_row<IO>(x, mask, buf, valid, scale, &live);
+  const float mx = softmax_load_row<IO>(x, mask, buf, wide, valid, scale, &live);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < valid; ++j) {
@@ -95,7 +93,8 @@ MTDS_INLINE void softmax_backward_row(const typename IO::T* dy, const typename I
 
 // Rows [r0, r1) of the forward; row r is (batch, head, i) = (r / (heads*sq), ., r % sq).
 template <class IO>
-MTDS_INLINE void softmax_forward_rows(const SoftmaxArgs& a, int64_t r0, int64_t r1, float* buf) {
+MTDS_INLINE void softmax_forward_rows(const SoftmaxArgs& a, int64_t r0, int64_t r1, float* buf,
+                                      uint32_t* wide) {
   const auto* x = static_cast<const typename IO::T*>(a.x);
   auto* y = static_cast<typename IO::T*>(a.out);
   for (int64_t r = r0; r < r1; ++r) {
@@ -104,7 +103,8 @@ MTDS_INLINE void softmax_forward_rows(const SoftmaxArgs& a, int64_t r0, int64_t 
     const uint8_t* mask = a.mask == nullptr ? nullptr
         : a.mask + (r / (a.heads * a.sq)) * a.mask_batch_stride + i * a.sk;
     uint8_t* dead = a.dead == nullptr ? nullptr : a.dead + r;
-    softmax_forward_row<IO>(x + r * a.sk, mask, y + r * a.sk, dead, buf, a.sk, valid, a.scale);
+    softmax_forward_row<IO>(x + r * a.sk, mask, y + r * a.sk, dead, buf, wide, a.sk, valid,
+                            a.scale);
   }
 }
 
