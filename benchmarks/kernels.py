@@ -112,6 +112,9 @@ def compiled(fn, enabled):
     """torch.compile(fn), or None when disabled or unavailable (reported as n/a)."""
     if not enabled:
         return None
+    # A fresh cache per case: every case compiles the same function (for new shapes and a
+    # new module), and past dynamo's recompile limit it would silently run eager instead.
+    torch._dynamo.reset()
     try:
         return torch.compile(fn, dynamic=False)
     except Exception as exc:  # e.g. no compiler for inductor on this machine

@@ -120,7 +120,7 @@ def load(args=None):
             from .build import last_error
 
             error = last_error(kind)
-            failure = f"build failed: {error}" if error else "build failed, see the warning above"
+            failure = f"build failed: {error}" if error else "kernels unavailable, see the log"
     _STATUS = KernelStatus(
         device=kind,
         masked_softmax=_path("masked_softmax_fusion", "--no-masked-softmax-fusion", module,

@@ -183,14 +183,46 @@ def load_kernels(kind):
     """
     if kind in _MODULES:  # the per-call path: no hashing, no subprocess
         return _MODULES[kind]
-    module = _ahead_of_time_module(kind)
-    if module is None:
+    what = f"fused {kind.upper()} kernels (csrc/kernels/{kind})"
+    module = None if kind == "cuda" and _unsupported_gpu(what) else _ahead_of_time_module(kind)
+    if module is None and kind not in _ERRORS:
         compile_fn = _compile_cpu if kind == "cpu" else _compile_cuda
         module = load_native(MODULE_NAMES[kind], hashed_files(kind), _guarded(kind, compile_fn),
-                             extra_key=_cache_key(kind),
-                             what=f"fused {kind.upper()} kernels (csrc/kernels/{kind})")
+                             extra_key=_cache_key(kind), what=what)
+    if module is not None and kind == "cuda" and not _runs_on_this_gpu(module, what):
+        module = None
     _MODULES[kind] = module
     return module
+
+
+def _unsupported_gpu(what):
+    """True (after one logged line) on a GPU older than the sm_80 the kernels are built for."""
+    major, minor = torch.cuda.get_device_capability()
+    if major >= int(CUDA_ARCHS[0][:-1]):
+        return False
+    _ERRORS["cuda"] = f"compute capability {major}.{minor} < 8.0, the kernels target sm_80+"
+    logger.warning("%s unavailable, using the fallback path (%s)", what, _ERRORS["cuda"])
+    return True
+
+
+def _runs_on_this_gpu(module, what):
+    """Launch each kernel once on tiny inputs: a binary without code for this GPU (or a
+    failed PTX JIT) fails here, once, instead of in the middle of training."""
+    from . import ops
+
+    try:
+        x = torch.randn(1, 1, 4, 32, device="cuda", dtype=torch.float16)
+        y, dead = ops.softmax_forward(module, x, None, 1.0, True)
+        ops.softmax_backward(module, x, y, dead, 1.0, True)
+        w = torch.ones(32, device="cuda")
+        h, mean, rstd = ops.norm_forward(module, x.view(4, 32), w, w, 1e-5, False)
+        ops.norm_backward(module, h, x.view(4, 32), w, mean, rstd, True, False)
+        torch.cuda.synchronize()
+        return True
+    except RuntimeError as exc:
+        _ERRORS["cuda"] = _summarize(exc)
+        logger.warning("%s unavailable, using the fallback path (%s)", what, _ERRORS["cuda"])
+        return False
 
 
 def aot_extensions():

@@ -138,8 +138,8 @@ class FusedScaleMaskSoftmax(nn.Module):
             return "empty input"
         if self.attn_mask_type == AttnMaskType.causal and sq > sk:
             return "causal with sq > sk"
-        if mask is not None and not _mask_supported(mask, b, sq, sk):
-            return f"mask of shape {tuple(mask.shape)} / {mask.dtype}"
+        if mask is not None and not _mask_supported(mask, b, sq, sk, device):
+            return f"mask of shape {tuple(mask.shape)} / {mask.dtype} on {mask.device}"
         if fused_kernels.get_module(device.type) is None:
             return "kernels unavailable"
         return None
@@ -171,7 +171,8 @@ class FusedScaleMaskSoftmax(nn.Module):
         return probs.to(input.dtype)
 
 
-def _mask_supported(mask, b, sq, sk):
+def _mask_supported(mask, b, sq, sk, device):
     return (mask.dtype in (torch.bool, torch.uint8) and mask.dim() == 4 and mask.shape[1] == 1
             and tuple(mask.shape[2:]) == (sq, sk) and mask.shape[0] in (1, b)
-            and mask.device.type != "meta")
+            and mask.device.type == device.type
+            and (device.index is None or mask.device.index == device.index))
