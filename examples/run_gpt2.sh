@@ -67,7 +67,11 @@ gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   $precision_args $ds_args $EXTRA_ARGS"
 
 if [ "$LAUNCHER" = deepspeed ]; then
-  cmd="deepspeed --hostfile $HOSTFILE --num_nodes $NNODES --num_gpus $GPUS_PER_NODE \
+  # The DeepSpeed launcher reaches the hosts of a hostfile over passwordless ssh (pdsh);
+  # on one node it starts the processes itself.
+  hosts=""
+  [ "$NNODES" -gt 1 ] && hosts="--hostfile $HOSTFILE"
+  cmd="deepspeed $hosts --num_nodes $NNODES --num_gpus $GPUS_PER_NODE \
     --master_addr $MASTER_ADDR --master_port $MASTER_PORT $repo/pretrain_gpt2.py $gpt_args"
 else
   cmd="torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
