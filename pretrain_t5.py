@@ -1,0 +1,100 @@
+"""Pretrain T5 (span corruption): the three providers, then megatron.training.pretrain().
+
+    torchrun --nproc_per_node 4 pretrain_t5.py --model-parallel-size 2 \\
+        --enc-seq-length 512 --dec-seq-length 128 ... (see examples/run_t5.sh)
+
+Works at every layout: T5Model without pipeline stages (``--pipe-parallel-size 1``),
+T5ModelPipe through tds's pipeline engine otherwise. T5 flags: megatron/model/t5_args.py.
+"""
+import torch
+
+from megatron import mpu
+from megatron.errors import run_main
+from megatron.global_vars import get_args, get_tokenizer
+from megatron.model.t5_args import add_t5_args, t5_defaults, validate_t5_command_line
+from megatron.training import pretrain
+from megatron.utils import print_rank_0
+
+ID_KEYS = ("text_enc", "text_dec", "labels")
+MASK_KEYS = ("enc_mask", "dec_mask", "enc_dec_mask", "loss_mask")
+
+
+def model_provider():
+    """T5Model, or T5ModelPipe when the run has pipeline stages."""
+    args = get_args()
+    print_rank_0("> building T5 model")
+    if args.pipeline_model_parallel_size > 1:
+        from megatron.model.t5_model_pipe import T5ModelPipe
+
+        model = T5ModelPipe.from_args(args)
+        model._megatron_batch_fn = get_batch_pipe  # tds reads it on the first/last stage
+        return model
+    from megatron.model.t5_model import T5Model
+
+    return T5Model.from_args(args)
+
+
+def _unpack(data):
+    """Broadcast tp rank 0's batch to its group; masks become bool, True = masked.
+
+    The dataset's masks are int64 with 1 = may attend; they travel as uint8 (8x less than
+    int64) and are inverted once here, to the softmax's convention.
+    """
+    ids = mpu.broadcast_data(list(ID_KEYS), data, torch.int64)
+    small = None if data is None else {k: data[k].to(torch.uint8) for k in MASK_KEYS}
+    masks = mpu.broadcast_data(list(MASK_KEYS), small, torch.uint8)
+
+    def blocked(mask):  # [b, sq, sk] 1 = attend -> [b, 1, sq, sk] True = masked
+        return (mask == 0).unsqueeze(1)
+
+    return (ids["text_enc"], ids["text_dec"], ids["labels"], masks["loss_mask"].float(),
+            blocked(masks["enc_mask"]), blocked(masks["dec_mask"]),
+            blocked(masks["enc_dec_mask"]))
+
+
+def get_batch(data_iterator):
+    """Read on tensor-parallel rank 0 (others pass None) and share the batch.
+
+    Returns:
+        enc_ids ``[b, se]``, dec_ids, labels, loss_mask (float) ``[b, sd]``, and the bool
+        masks enc ``[b, 1, se, se]``, dec ``[b, 1, sd, sd]``, cross ``[b, 1, sd, se]``.
+    """
+    return _unpack(next(data_iterator) if data_iterator is not None else None)
+
+
+def get_batch_pipe(data):
+    """tds batch function: raw batch -> ((ids and masks), (labels, loss_mask))."""
+    enc, dec, labels, loss_mask, enc_mask, dec_mask, cross_mask = _unpack(data)
+    return (enc, dec, enc_mask, dec_mask, cross_mask), (labels, loss_mask)
+
+
+def forward_step(data_iterator, model):
+    """Mean loss over the micro-batch's real label tokens."""
+    enc, dec, labels, loss_mask, enc_mask, dec_mask, cross_mask = get_batch(data_iterator)
+    losses = model(enc, dec, enc_mask, dec_mask, cross_mask, labels=labels)  # [b, sd]
+    loss = (losses.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def train_valid_test_datasets_provider(train_valid_test_num_samples):
+    from megatron.data.t5_dataset import build_train_valid_test_datasets
+
+    args = get_args()
+    print_rank_0("> building T5 datasets")
+    return build_train_valid_test_datasets(
+        data_prefix=args.data_path, splits_string=args.split,
+        train_valid_test_num_samples=train_valid_test_num_samples,
+        enc_seq_length=args.enc_seq_length, dec_seq_length=args.dec_seq_length,
+        seed=args.seed, tokenizer=get_tokenizer(), noise_density=args.noise_density,
+        mean_span_length=args.mean_span_length)
+
+
+def main(argv=None):
+    defaults = t5_defaults(argv)
+    validate_t5_command_line(argv, defaults)  # every T5 problem, before anything starts
+    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                    extra_args_provider=add_t5_args, args_defaults=defaults, argv=argv)
+
+
+if __name__ == "__main__":
+    run_main(main)
