@@ -44,3 +44,22 @@ def gpt2_data(tmp_path_factory):
     return {"prefix": f"{prefix}_text_document", "vocab": str(tok / "vocab.json"),
             "merges": str(tok / "merges.txt"), "corpus": str(corpus), "root": str(root)}
 
+
+@pytest.fixture(scope="session")
+def t5_data(tmp_path_factory):
+    """The sample corpus, a sentencepiece model trained on it (T5 layout: pad=0, eos=1,
+    sentinels appended at load time) and its indexed dataset, for pretrain_t5.py.
+
+    Returns a dict with ``prefix``, ``spm`` (the .model), ``corpus`` and ``root``.
+    """
+    root = tmp_path_factory.mktemp("t5_data")
+    corpus, tok = root / "corpus.jsonl", root / "tok"
+    _run_tool("tools/make_sample_corpus.py", "--output", str(corpus), "--max-mb", "0.4")
+    _run_tool("tools/train_tokenizer.py", "--type", "sentencepiece", "--input", str(corpus),
+              "--vocab-size", "400", "--output-dir", str(tok))
+    prefix = root / "corpus"
+    _run_tool("tools/preprocess_data.py", "--input", str(corpus), "--tokenizer-type",
+              "SentencePieceTokenizer", "--tokenizer-model", str(tok / "spm.model"),
+              "--append-eod", "--output-prefix", str(prefix), "--workers", "1")
+    return {"prefix": f"{prefix}_text_document", "spm": str(tok / "spm.model"),
+            "corpus": str(corpus), "root": str(root)}
