@@ -44,8 +44,29 @@ def _prompts(seed):
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 14)]
 
 
-def _decode(ckpt_dir, prompts, runs, boost_padding=False):
-    """Rank body: ``{name: generate(...)}`` for each ``name: (sampling kwargs, use_cache, eod)``."""
+def _generate_each(model, prompts, runs):
+    """``{name: generate(...)}`` for each ``name: (sampling kwargs, use_cache, eod)``."""
+    from megatron.text_generation import generate
+
+    return {name: generate(model, prompts, MAX_NEW, VOCAB,
+                           SamplingConfig(**kwargs) if kwargs else None, eod, use_cache)
+            for name, (kwargs, use_cache, eod) in runs.items()}
+
+
+def _boost_padding(model, prompt):
+    """Give the padded rows logits that would win every argmax; True if they now do."""
+    weight = model.word_embeddings_weight()  # [v_pad / tp, h]
+    start = model.embedding.word_embeddings.vocab_start_index
+    with torch.no_grad():
+        rows = torch.arange(start, start + weight.shape[0]) >= VOCAB
+        weight[rows] = 50.0 * torch.randn(int(rows.sum()), weight.shape[1])
+        ids = torch.tensor([prompt])
+        logits = model(ids, torch.arange(ids.shape[1])[None], None)[0, -1]
+    return bool(logits[VOCAB:].max() > logits[:VOCAB].max())
+
+
+def _decode_all(ckpt_dir, prompts, seed):
+    """Rank body: every decode the tests check, from one model load at this group's tp."""
     import torch.distributed as dist
 
     from megatron import mpu
@@ -55,22 +76,28 @@ def _decode(ckpt_dir, prompts, runs, boost_padding=False):
     mpu.initialize_model_parallel(dist.get_world_size(), 1)
     mpu.model_parallel_cuda_manual_seed(1)
     model, _ = load_gpt2_for_inference(ckpt_dir)
-    if boost_padding:  # padded rows that would win every argmax if they could be picked
-        weight = model.word_embeddings_weight()
-        start = model.embedding.word_embeddings.vocab_start_index
-        with torch.no_grad():
-            rows = torch.arange(start, start + weight.shape[0]) >= VOCAB
-            weight[rows] = 50.0 * torch.randn(int(rows.sum()), weight.shape[1])
-    out = {}
-    for name, (kwargs, use_cache, eod) in runs.items():
-        config = SamplingConfig(**kwargs) if kwargs else None
-        out[name] = generate(model, prompts, MAX_NEW, VOCAB, config, eod, use_cache)
-    if boost_padding:
-        ids = torch.tensor([prompts[0]])
-        with torch.no_grad():
-            logits = model(ids, torch.arange(ids.shape[1])[None], None)[0, -1]
-        out["padded_would_win"] = bool(logits[VOCAB:].max() > logits[:VOCAB].max())
+    out = _generate_each(model, prompts, {
+        "cache": ({}, True, None), "recompute": ({}, False, None),
+        "sampled": (dict(SAMPLED, seed=seed), True, None),
+        "top1": (dict(top_k=1, temperature=0.7, seed=seed), True, None)})
+    out["eod"] = out["cache"][1][4]  # an id greedy decoding produces: it must stop there
+    out["stopped"] = generate(model, prompts[1:2], MAX_NEW, VOCAB, None, out["eod"])[0]
+    out["padded_would_win"] = _boost_padding(model, prompts[0])
+    out["padded"] = _generate_each(model, prompts, {
+        "greedy": ({}, True, None), "topk": (dict(top_k=5, seed=seed), True, None),
+        "topp": (dict(top_p=0.95, seed=seed), True, None),
+        "hot": (dict(temperature=5.0, seed=seed), False, None)})
     return out
+
+
+@pytest.fixture(scope="module")
+def decoded(model_dirs, module_seed):
+    """``(prompts, tp=1 results, [tp=2 results per rank])`` of :func:`_decode_all`."""
+    _, root = model_dirs
+    prompts = _prompts(module_seed)
+    tp1 = run_distributed(_decode_all, 1, str(root / "tp1"), prompts, module_seed)[0]
+    tp2 = run_distributed(_decode_all, 2, str(root / "tp2"), prompts, module_seed)
+    return prompts, tp1, tp2
 
 
 def _hf_greedy(hf, prompt, max_new, eod=None):
@@ -95,52 +122,39 @@ def _assert_greedy_equal(hf, prompt, got, expected):
     assert len(got) == len(expected), (got, expected)
 
 
-def test_kv_cache_and_batching_equal_full_recompute_and_hf_generate(model_dirs, seed):
-    hf, root = model_dirs
-    prompts = _prompts(seed)
-    runs = {"cache": ({}, True, None), "recompute": ({}, False, None)}
-    out = run_distributed(_decode, 1, str(root / "tp1"), prompts, runs)[0]
-    for prompt, cached, full in zip(prompts, out["cache"], out["recompute"]):
+def test_kv_cache_and_batching_equal_full_recompute_and_hf_generate(model_dirs, decoded):
+    hf, _ = model_dirs
+    prompts, tp1, _ = decoded
+    for prompt, cached, full in zip(prompts, tp1["cache"], tp1["recompute"]):
         assert len(cached) == MAX_NEW
         _assert_greedy_equal(hf, prompt, cached, full)
         _assert_greedy_equal(hf, prompt, cached, _hf_greedy(hf, prompt, MAX_NEW))
 
 
-def test_stops_at_eod_like_hf(model_dirs, seed):
-    hf, root = model_dirs
-    prompt = _prompts(seed)[1]
-    free = _hf_greedy(hf, prompt, MAX_NEW)
-    eod = free[4]  # stop where greedy decoding produces this id first
-    out = run_distributed(_decode, 1, str(root / "tp1"), [prompt], {"e": ({}, True, eod)})[0]
-    stopped = _hf_greedy(hf, prompt, MAX_NEW, eod)
-    assert stopped[-1] == eod and out["e"][0] == stopped[:-1]  # ours drops the eod
+def test_stops_at_eod_like_hf(model_dirs, decoded):
+    hf, _ = model_dirs
+    prompts, tp1, _ = decoded
+    stopped = _hf_greedy(hf, prompts[1], MAX_NEW, tp1["eod"])
+    assert stopped[-1] == tp1["eod"] and tp1["stopped"] == stopped[:-1]  # ours drops the eod
 
 
-def test_tp2_gives_the_tokens_of_tp1(model_dirs, seed):
-    hf, root = model_dirs
-    prompts = _prompts(seed)
-    runs = {"greedy": ({}, True, None), "sampled": (dict(SAMPLED, seed=seed), True, None),
-            "top1": (dict(top_k=1, temperature=0.7, seed=seed), True, None)}
-    tp1 = run_distributed(_decode, 1, str(root / "tp1"), prompts, runs)[0]
-    tp2 = run_distributed(_decode, 2, str(root / "tp2"), prompts, runs)
+def test_tp2_gives_the_tokens_of_tp1(model_dirs, decoded):
+    hf, _ = model_dirs
+    prompts, tp1, tp2 = decoded
     assert tp2[0] == tp2[1]  # both tp ranks decode the same tokens
-    for prompt, a, b in zip(prompts, tp2[0]["greedy"], tp1["greedy"]):
+    for prompt, a, b in zip(prompts, tp2[0]["cache"], tp1["cache"]):
         _assert_greedy_equal(hf, prompt, a, b)
     assert tp2[0]["sampled"] == tp1["sampled"]
-    assert tp1["top1"] == tp1["greedy"]  # top-k = 1 is greedy whatever the temperature
-    assert tp1["sampled"] != tp1["greedy"]  # sampling really samples
+    assert tp1["top1"] == tp1["cache"]  # top-k = 1 is greedy whatever the temperature
+    assert tp1["sampled"] != tp1["cache"]  # sampling really samples
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_padded_vocabulary_is_never_sampled(model_dirs, seed, tp):
-    _, root = model_dirs
-    runs = {"greedy": ({}, True, None), "topk": (dict(top_k=5, seed=seed), True, None),
-            "topp": (dict(top_p=0.95, seed=seed), True, None),
-            "hot": (dict(temperature=5.0, seed=seed), False, None)}
-    out = run_distributed(_decode, tp, str(root / f"tp{tp}"), _prompts(seed), runs,
-                          boost_padding=True)[0]
-    assert out.pop("padded_would_win")
-    for name, outputs in out.items():
+def test_padded_vocabulary_is_never_sampled(decoded, tp):
+    _, tp1, tp2 = decoded
+    out = tp1 if tp == 1 else tp2[0]
+    assert out["padded_would_win"]  # so a missing cut-off would show
+    for name, outputs in out["padded"].items():
         ids = [i for seq in outputs for i in seq]
         assert len(ids) == 3 * MAX_NEW and max(ids) < VOCAB, name
 
