@@ -59,9 +59,12 @@ def _model(args, problems):
         problems.append(f"--seq-length ({args.seq_length}) is longer than "
                         f"--max-position-embeddings ({args.max_position_embeddings}); "
                         f"raise --max-position-embeddings or shorten the sequences")
-    if args.pipeline_model_parallel_size > args.num_layers:
+    stacks = getattr(args, "layer_stacks", 1)  # encoder-decoder: --num-layers per stack
+    if args.pipeline_model_parallel_size > stacks * args.num_layers:
+        layers = f"--num-layers ({args.num_layers})" if stacks == 1 else \
+            f"the {stacks} x --num-layers ({args.num_layers}) layers"
         problems.append(f"--pipe-parallel-size ({args.pipeline_model_parallel_size}) is larger "
-                        f"than --num-layers ({args.num_layers}); every stage needs a layer")
+                        f"than {layers}; every stage needs a layer")
     if not 1 <= args.checkpoint_num_layers <= args.num_layers:
         problems.append(f"--checkpoint-num-layers ({args.checkpoint_num_layers}) must be "
                         f"between 1 and --num-layers ({args.num_layers})")
