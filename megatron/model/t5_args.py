@@ -43,6 +43,7 @@ def add_t5_args(parser):
                    help="span corruption: fraction of tokens masked")
     g.add_argument("--mean-span-length", type=float, default=3.0,
                    help="span corruption: mean masked span length")
+    parser.set_defaults(layer_stacks=2)  # pipeline stages may hold up to 2 x --num-layers
     return parser
 
 
@@ -135,9 +136,6 @@ def check_t5_args(args, tokenizer):
     problems = []
     _length_problems(args, problems)
     _relative_attention_problems(args, problems)
-    if args.pipeline_model_parallel_size > 2 * args.num_layers:
-        problems.append(f"--pipe-parallel-size ({args.pipeline_model_parallel_size}) is larger "
-                        f"than the {2 * args.num_layers} encoder + decoder layers")
     if not problems:
         try:
             plan = make_plan(args.enc_seq_length, args.dec_seq_length, tokenizer,
