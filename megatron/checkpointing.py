@@ -307,7 +307,11 @@ def load_checkpoint(model, optimizer, lr_scheduler, args, train_state):
         return 0
     if lr_scheduler is not None and "lr_scheduler" in state:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if not args.no_load_rng:
+    if not args.no_load_rng and "rng_state" not in state:
+        # tools/convert_checkpoint.py writes weights only: dropout restarts from --seed
+        warn_rank_0(f"checkpoint in {args.load} has no RNG state (a converted, weights-only "
+                    f"checkpoint); random streams start from --seed")
+    elif not args.no_load_rng:
         rng_states = state["rng_state"]
         dp_rank = mpu.get_data_parallel_rank()
         set_rng_state(rng_states[dp_rank] if dp_rank < len(rng_states) else rng_states[0])
