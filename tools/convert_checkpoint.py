@@ -11,8 +11,8 @@
     python tools/convert_checkpoint.py --input ckpt-pp2 --output gpt2-out --output-format hf
 
 Native output holds weights only (plus the source's iteration, consumed samples and LR
-schedule): train from it with ``--finetune``, or resume with ``--no-load-optim
---no-load-rng``. See docs/conversion.md.
+schedule): train from it with ``--finetune``, or resume with ``--no-load-optim``.
+See docs/conversion.md.
 """
 import argparse
 import os

@@ -3,9 +3,9 @@
 The result has the layout :mod:`megatron.checkpointing` reads
 (``<root>/iter_N/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` and the tracker), with
 GPT2Model keys when pp = 1 and GPT2ModelPipe stage keys when pp > 1. It holds weights only:
-no optimizer state and no RNG state. A training run resumes from it with ``--finetune``
-(iteration 0, fresh optimizer) or ``--no-load-optim --no-load-rng`` (keeps the iteration,
-consumed samples and LR schedule carried over from the source).
+no optimizer state and no RNG state. A training run starts from it with ``--finetune``
+(iteration 0, fresh optimizer) or resumes with ``--no-load-optim`` (keeps the iteration,
+consumed samples and LR schedule carried over from the source; RNG from ``--seed``).
 
 Writing is atomic: every file goes to ``<root>/.tmp_convert_<pid>/`` first, the finished
 iteration folder is renamed into place, and the tracker is written last.
