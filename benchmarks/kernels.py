@@ -249,8 +249,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtypes", default=None,
                    help="comma list (default: bf16,fp16 on GPU; fp32,bf16 on CPU)")
-    p.add_argument("--seqs", default="512,1024,2048,4096")
-    p.add_argument("--hiddens", default="1024,2048,4096,8192")
+    p.add_argument("--seqs", default="512,1024,2048,4096", help="softmax s ('' for none)")
+    p.add_argument("--hiddens", default="1024,2048,4096,8192", help="LayerNorm hidden ('' for none)")
     p.add_argument("--batch", type=int, default=None, help="softmax b (GPU 4, CPU 1)")
     p.add_argument("--heads", type=int, default=None, help="softmax heads (GPU 16, CPU 2)")
     p.add_argument("--rows", type=int, default=None, help="LayerNorm rows (GPU 16384, CPU 2048)")
@@ -287,7 +287,7 @@ def main(argv=None):
     results = []
     for dtype in dtypes:
         name = str(dtype).replace("torch.", "")
-        for s in (int(v) for v in args.seqs.split(",")):
+        for s in (int(v) for v in args.seqs.split(",") if v):
             table = []
             for causal in (True, False):
                 case = bench_softmax_case(timer, device, dtype, b, h, s, causal,
@@ -297,7 +297,7 @@ def main(argv=None):
                 print_table(f"softmax {name} {b} x {h} x {s} x {s}", table, copy_bw, gpu, results)
             else:
                 print(f"\nsoftmax {name} {b} x {h} x {s} x {s}: no fused kernel for this case")
-        for hidden in (int(v) for v in args.hiddens.split(",")):
+        for hidden in (int(v) for v in args.hiddens.split(",") if v):
             case = bench_layer_norm_case(timer, device, dtype, rows, hidden, not args.no_compile)
             if case:
                 print_table(f"layer_norm {name} {rows} x {hidden}", case, copy_bw, gpu, results)
