@@ -1,4 +1,7 @@
 """Helpers for tests that train a tiny T5 through pretrain_t5.py (in harness ranks)."""
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def t5_argv(data, *extra, layers=2, hidden=32, heads=4, kv=8, ff=64, enc=32, dec=8):

@@ -1,0 +1,87 @@
+#!/bin/bash
+# Pretrain T5 (span corruption) with data x tensor x pipeline parallelism (CPM's launcher shape).
+#
+# Same variables as run_gpt2.sh, plus ENC_SEQLEN / DEC_SEQLEN (encoder / decoder tokens),
+# KV_HIDDEN (per-head size, HF's d_kv) and FF_HIDDEN (d_ff). Any layout works, pp_size=1
+# included (then there is no DeepSpeed pipeline: plain data + tensor parallelism).
+#   bash examples/run_t5.sh
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash examples/run_t5.sh   (and NODE_RANK=1 ...)
+# Without GPUs, GPUS_PER_NODE CPU processes start and talk over gloo.
+# LAUNCHER=deepspeed uses the DeepSpeed launcher (examples/hostfile for several nodes).
+# T5 v1.1 (gated-GeLU, untied output): EXTRA_ARGS="--t5-ff gated-gelu --untie-embeddings".
+set -euo pipefail
+script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(dirname "$script_dir")
+
+# ---- cluster -------------------------------------------------------------------------
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}     # processes per node (GPUs, or CPU processes)
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+LAUNCHER=${LAUNCHER:-torchrun}        # torchrun | deepspeed
+HOSTFILE=${HOSTFILE:-$script_dir/hostfile}
+
+# ---- parallelism: world = GPUS_PER_NODE x NNODES = mp_size x pp_size x dp ------------
+mp_size=${mp_size:-2}                 # tensor parallel
+pp_size=${pp_size:-2}                 # pipeline stages (1 = no pipeline)
+
+# ---- model (T5-base sizes; NLAYERS is per stack: encoder and decoder each) -------------
+NLAYERS=${NLAYERS:-12}
+NHIDDEN=${NHIDDEN:-768}
+NHEADS=${NHEADS:-12}
+KV_HIDDEN=${KV_HIDDEN:-64}            # per-head size (d_kv)
+FF_HIDDEN=${FF_HIDDEN:-3072}          # feed-forward size (d_ff)
+ENC_SEQLEN=${ENC_SEQLEN:-512}         # encoder tokens
+DEC_SEQLEN=${DEC_SEQLEN:-128}         # decoder tokens (>= 114 for 512 at 15% noise)
+
+# ---- batch: global batch = BATCHSIZE x GAS x dp -----------------------------------------
+BATCHSIZE=${BATCHSIZE:-8}             # micro-batch per process
+GAS=${GAS:-8}                         # gradient accumulation (= micro-batches per pipeline step)
+TRAIN_ITERS=${TRAIN_ITERS:-100000}
+LR=${LR:-1.0e-4}
+PRECISION=${PRECISION:-bf16}          # fp32 | fp16 | bf16 (T5 overflows easily in fp16)
+
+# ---- data and checkpoints ---------------------------------------------------------------
+DATA_PATH=${DATA_PATH:-$repo/data/corpus_text_document}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-$repo/data/spm.model}  # tools/train_tokenizer.py
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-$repo/checkpoints/t5}
+config_json=${config_json:-$script_dir/ds_config_t5.json}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+
+precision_args=""
+[ "$PRECISION" = fp16 ] && precision_args="--fp16"
+[ "$PRECISION" = bf16 ] && precision_args="--bf16"
+ds_args=""
+if [ "$pp_size" -gt 1 ] || [ "${USE_DEEPSPEED:-0}" = 1 ]; then
+  ds_args="--deepspeed --deepspeed_config $config_json"
+fi
+
+t5_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
+  --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
+  --kv-hidden-size $KV_HIDDEN --ff-hidden-size $FF_HIDDEN \
+  --enc-seq-length $ENC_SEQLEN --dec-seq-length $DEC_SEQLEN \
+  --batch-size $BATCHSIZE --gas $GAS --train-iters $TRAIN_ITERS \
+  --lr $LR --min-lr 1.0e-5 --lr-decay-style cosine --warmup 0.01 --weight-decay 0.01 \
+  --clip-grad 1.0 --checkpoint-activations \
+  --data-path $DATA_PATH --data-impl mmap --split 949,50,1 \
+  --tokenizer-type SentencePieceTokenizer --tokenizer-model $TOKENIZER_MODEL \
+  --vocab-extra-ids 100 \
+  --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --save-interval 1000 \
+  --log-interval 10 --eval-interval 1000 --eval-iters 10 \
+  $precision_args $ds_args $EXTRA_ARGS"
+
+if [ "$LAUNCHER" = deepspeed ]; then
+  # The DeepSpeed launcher reaches the hosts of a hostfile over passwordless ssh (pdsh);
+  # on one node it starts the processes itself.
+  hosts=""
+  [ "$NNODES" -gt 1 ] && hosts="--hostfile $HOSTFILE"
+  cmd="deepspeed $hosts --num_nodes $NNODES --num_gpus $GPUS_PER_NODE \
+    --master_addr $MASTER_ADDR --master_port $MASTER_PORT $repo/pretrain_t5.py $t5_args"
+else
+  cmd="torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
+    --master_addr $MASTER_ADDR --master_port $MASTER_PORT $repo/pretrain_t5.py $t5_args"
+fi
+echo "$cmd"
+cd "$repo"
+exec $cmd
