@@ -30,7 +30,9 @@ CHECKPOINT_FORMAT = "megatron-tds/1"
 #: Settings that must agree between a checkpoint and the flags that load it.
 MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "kv_channels",
               "ffn_hidden_size", "padded_vocab_size", "max_position_embeddings", "hidden_bias",
-              "tensor_model_parallel_size", "pipeline_model_parallel_size")
+              "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              # T5 (absent from GPT-2 checkpoints, so never compared for them)
+              "t5_ff", "untie_embeddings", "relative_attention_num_buckets")
 
 
 def iteration_dir(root, iteration):
