@@ -1,4 +1,6 @@
 """Bad input to pretrain_t5.py: one clear message, exit status 2, no hang, before any compute."""
+import os
+
 from gpt2_runs import run_script
 from t5_runs import t5_argv
 
@@ -51,3 +53,20 @@ def test_tokenizer_without_sentinels(t5_data, gpt2_data):
     result = run_script(argv)
     _assert_user_error(result, "T5 needs sentinel tokens", "GPT2BPETokenizer tokenizer has none",
                        "--tokenizer-type SentencePieceTokenizer")
+
+
+def test_load_a_checkpoint_of_another_t5_variant(t5_data, tmp_path, seed):
+    from t5_hf import make_hf_t5
+
+    from megatron.checkpoint_conversion.t5_convert import T5ConversionRequest, run_t5_conversion
+
+    make_hf_t5(tmp_path / "hf", seed)  # ReLU, tied
+    ckpt = str(tmp_path / "ckpt")
+    run_t5_conversion(T5ConversionRequest(str(tmp_path / "hf"), ckpt))
+    before = sorted(os.walk(ckpt))
+    result = run_script(_tiny(t5_data, "--load", ckpt, "--save", ckpt, "--finetune",
+                              "--t5-ff", "gated-gelu", "--untie-embeddings"))
+    _assert_user_error(result, "was made for a different model",
+                       "t5_ff: checkpoint 'relu', flags 'gated-gelu'",
+                       "untie_embeddings: checkpoint False, flags True")
+    assert sorted(os.walk(ckpt)) == before  # nothing written

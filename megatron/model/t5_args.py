@@ -19,9 +19,13 @@ import argparse
 from ..errors import ConfigError, DataError
 from .t5_layers import FF_TYPES
 
+#: T5 has no position embeddings; the generic --max-position-embeddings is set this high so
+#: any --enc-seq-length validates and a checkpoint loads at another length (fine-tuning).
+NO_POSITION_LIMIT = 2 ** 31 - 1
+
 #: Defaults pretrain_t5.py sets for the generic flags (a flag or config file overrides them).
 T5_DEFAULTS = {"tokenizer_type": "SentencePieceTokenizer", "layernorm_epsilon": 1e-6,
-               "hidden_bias": False}
+               "hidden_bias": False, "max_position_embeddings": NO_POSITION_LIMIT}
 
 
 def add_t5_args(parser):
