@@ -193,4 +193,4 @@ def full_to_hf(full, args, true_vocab):
             if hf_name.startswith("attn.c_attn"):
                 tensor = qkv_to_hf(tensor, heads)
             out[f"transformer.h.{i}.{hf_name}"] = tensor.t() if transpose else tensor
-    return {k: v.contiguous().clone() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in out.items()}

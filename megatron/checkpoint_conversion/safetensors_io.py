@@ -60,23 +60,23 @@ def load_file(path):
 
 
 def save_file(tensors, path, metadata=None):
-    """Write ``{name: tensor}`` as safetensors (tensors must not share memory).
+    """Write ``{name: tensor}`` as safetensors, one tensor at a time.
 
     Args:
         tensors: CPU or GPU tensors of a supported dtype.
         path: output file.
         metadata: optional ``{str: str}`` stored in the header.
     """
-    header, blobs, offset = {}, [], 0
+    header, ordered, offset = {}, [], 0
     for name in sorted(tensors):
-        tensor = tensors[name].detach().to("cpu").contiguous()
+        tensor = tensors[name]
         if tensor.dtype not in _NAMES:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be stored as safetensors")
-        blob = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        size = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
+                        "data_offsets": [offset, offset + size]}
+        ordered.append(tensor)
+        offset += size
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -84,5 +84,6 @@ def save_file(tensors, path, metadata=None):
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(text)))
         handle.write(text)
-        for blob in blobs:
-            handle.write(blob)
+        for tensor in ordered:  # one tensor's bytes at a time: no second copy of the model
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+            handle.write(flat.view(torch.uint8).numpy().tobytes())
