@@ -12,7 +12,12 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800
 
 def model_flops_per_step(args):
     """Megatron's count for one step of a GPT model (no recompute):
-    72 * B * s * l * h^2 * (1 + s / (6 h) + V / (12 l h)), B = global batch."""
+    72 * B * s * l * h^2 * (1 + s / (6 h) + V / (12 l h)), B = global batch.
+
+    A model whose count differs (T5) sets ``args.model_flops_per_step`` in its provider.
+    """
+    if getattr(args, "model_flops_per_step", None):
+        return float(args.model_flops_per_step)
     b, s, layers, h = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size
     vocab = args.padded_vocab_size
     return 72.0 * b * s * layers * h * h * (1.0 + s / (6.0 * h) + vocab / (12.0 * layers * h))
