@@ -21,8 +21,14 @@ MASK_KEYS = ("enc_mask", "dec_mask", "enc_dec_mask", "loss_mask")
 
 def model_provider():
     """T5Model, or T5ModelPipe when the run has pipeline stages."""
+    from megatron.model.t5_layers import T5TransformerConfig
+    from megatron.model.t5_model import t5_flops_per_step
+
     args = get_args()
     print_rank_0("> building T5 model")
+    args.model_flops_per_step = t5_flops_per_step(  # the log's TFLOP/s and MFU
+        T5TransformerConfig.from_args(args), args.enc_seq_length, args.dec_seq_length,
+        args.global_batch_size)
     if args.pipeline_model_parallel_size > 1:
         from megatron.model.t5_model_pipe import T5ModelPipe
 

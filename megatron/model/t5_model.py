@@ -158,3 +158,26 @@ class T5Model(nn.Module):
         if labels is None:
             return logits.transpose(0, 1)
         return lm_loss(logits, labels)
+
+
+def t5_flops_per_step(config, enc_len, dec_len, global_batch):
+    """Matmul FLOPs of one training step (forward + backward = 3 x forward, no recompute).
+
+    Args:
+        config: :class:`T5TransformerConfig`.
+        enc_len, dec_len: encoder / decoder tokens per sample.
+        global_batch: samples per step.
+    """
+    h, inner, v = config.hidden_size, config.inner_size, config.vocab_size
+    ff = config.ffn_hidden_size * (3 if config.ff_type == "gated-gelu" else 2)  # in + out
+
+    def attention(sq, sk, fused_qkv):  # projections, scores and context, output
+        projections = sq * h * inner * (3 if fused_qkv else 1) + (0 if fused_qkv else
+                                                                  2 * sk * h * inner)
+        return projections + 2 * sq * sk * inner + sq * inner * h
+
+    encoder = attention(enc_len, enc_len, True) + enc_len * h * ff
+    decoder = attention(dec_len, dec_len, True) + attention(dec_len, enc_len, False) + \
+        dec_len * h * ff
+    macs = config.num_layers * (encoder + decoder) + dec_len * h * v
+    return 3 * 2 * macs * global_batch
