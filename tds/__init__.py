@@ -6,6 +6,7 @@ tuples of tensors between stages (CPM-Pretrain's TDS). Every other attribute is
 DeepSpeed's own (``tds.zero``, ``tds.comm``, ``tds.checkpointing``, ...).
 """
 import contextlib
+import os
 
 import deepspeed as _deepspeed
 
@@ -23,6 +24,23 @@ def _check_version(version):
 
 
 _check_version(_deepspeed.__version__)
+
+
+def _skip_inference_shm_build():
+    """Do not compile DeepSpeed's CPU shared-memory all-reduce on first init.
+
+    On the CPU accelerator, DeepSpeed's communication backend JIT-compiles a C++ op the first
+    time it starts (one to two minutes, and it needs a compiler). The op only serves
+    ``inference_all_reduce``, which training never calls. ``TDS_BUILD_SHM_COMM=1`` keeps it.
+    """
+    if os.environ.get("TDS_BUILD_SHM_COMM", "0") == "1":
+        return
+    compatible = getattr(_deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
+_skip_inference_shm_build()
 
 from deepspeed import (  # noqa: E402  (re-exported API)
     DeepSpeedConfig,

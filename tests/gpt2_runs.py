@@ -36,3 +36,23 @@ def run_script(args, nproc=1, timeout=240, env=None):
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env=full_env)
+
+
+def full_and_resumed(entry, world_size, argv, ckpt, at, timeout=400):
+    """Train ``argv`` uninterrupted (saving at step ``at``), then resume a fresh run from that
+    checkpoint. Returns ``(full, resumed)``: (losses, eval losses) of the whole uninterrupted
+    run, and of the uninterrupted run's first ``at`` steps followed by the resumed steps.
+
+    The checkpoint is the one the uninterrupted run wrote at step ``at`` (the tracker is
+    pointed back at it), so a single extra run checks "N steps, save, resume, M steps"
+    against "N + M steps".
+    """
+    from harness import run_distributed
+
+    full = run_distributed(entry, world_size, [*argv, "--save", ckpt, "--save-interval",
+                                               str(at)], timeout=timeout)[0]
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write(str(at))
+    later = run_distributed(entry, world_size, [*argv, "--load", ckpt], timeout=timeout)[0]
+    early_eval = [e for e in full[1] if e[0] <= at]
+    return full, (full[0][:at] + later[0], early_eval + later[1])

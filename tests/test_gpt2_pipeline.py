@@ -1,7 +1,7 @@
 """GPT-2 through tds's pipeline engine: 3D layouts give the serial losses; exact resume."""
 import pytest
 
-from gpt2_runs import gpt2_argv, train_gpt2
+from gpt2_runs import full_and_resumed, gpt2_argv, train_gpt2
 from harness import run_distributed
 
 STEPS, MICRO, GLOBAL = 10, 2, 8
@@ -31,16 +31,9 @@ def test_3d_layouts_give_the_serial_losses(gpt2_data):
 
 
 def _resume(data, tmp_path, tp, pp, dp, *extra):
-    common = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-interval", "4",
-              *extra)
-    n = tp * pp * dp
-    full = run_distributed(train_gpt2, n, _argv(data, tp, pp, dp, *common), timeout=400)
-    ckpt = str(tmp_path / "ckpt")
-    first = run_distributed(train_gpt2, n, _argv(data, tp, pp, dp, *common, "--save", ckpt,
-                                                 "--exit-interval", "5"), timeout=400)
-    second = run_distributed(train_gpt2, n, _argv(data, tp, pp, dp, *common, "--save", ckpt,
-                                                  "--load", ckpt), timeout=400)
-    return full[0], (first[0][0] + second[0][0], first[0][1] + second[0][1])
+    argv = _argv(data, tp, pp, dp, "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                 "--eval-interval", "4", *extra)
+    return full_and_resumed(train_gpt2, tp * pp * dp, argv, str(tmp_path / "ckpt"), 5)
 
 
 @pytest.mark.slow

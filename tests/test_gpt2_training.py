@@ -1,7 +1,7 @@
 """GPT-2 end to end through pretrain(): layout equivalence and exact resume."""
 import pytest
 
-from gpt2_runs import gpt2_argv, train_gpt2
+from gpt2_runs import full_and_resumed, gpt2_argv, train_gpt2
 from harness import run_distributed
 
 STEPS = 20
@@ -39,18 +39,14 @@ def test_tensor_and_data_parallel_layouts_give_the_serial_losses(gpt2_data):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 2)])
 def test_resume_is_exact(gpt2_data, tmp_path, tp, dp):
-    # Dropout on, so the restored RNG states matter too.
-    common = ["--model-parallel-size", str(tp), "--batch-size", str(MICRO_BATCH),
-              "--gas", str(GLOBAL_BATCH // (MICRO_BATCH * dp)), "--train-iters", str(STEPS),
-              "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-interval", "5"]
-    full = run_distributed(train_gpt2, tp * dp, gpt2_argv(gpt2_data, *common), timeout=300)
-    ckpt = str(tmp_path / "ckpt")
-    first = run_distributed(train_gpt2, tp * dp, gpt2_argv(
-        gpt2_data, *common, "--save", ckpt, "--exit-interval", str(STEPS // 2)), timeout=300)
-    second = run_distributed(train_gpt2, tp * dp, gpt2_argv(
-        gpt2_data, *common, "--save", ckpt, "--load", ckpt), timeout=300)
-    uninterrupted, resumed = full[0][0], first[0][0] + second[0][0]
-    assert len(resumed) == STEPS
-    assert max(abs(a - b) for a, b in zip(uninterrupted, resumed)) <= 1e-6, \
-        (uninterrupted, resumed)
-    assert full[0][1] == first[0][1] + second[0][1]  # validation losses too
+    # Dropout on, so the restored RNG states matter too; evaluation on, so the validation
+    # data position is restored.
+    argv = gpt2_argv(gpt2_data, "--model-parallel-size", str(tp), "--batch-size",
+                     str(MICRO_BATCH), "--gas", str(GLOBAL_BATCH // (MICRO_BATCH * dp)),
+                     "--train-iters", str(STEPS), "--hidden-dropout", "0.1",
+                     "--attention-dropout", "0.1", "--eval-interval", "5")
+    full, resumed = full_and_resumed(train_gpt2, tp * dp, argv, str(tmp_path / "ckpt"),
+                                     STEPS // 2)
+    assert len(resumed[0]) == STEPS
+    assert max(abs(a - b) for a, b in zip(full[0], resumed[0])) <= 1e-6, (full, resumed)
+    assert full[1] == resumed[1]  # validation losses too

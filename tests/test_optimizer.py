@@ -12,7 +12,7 @@ from megatron.optimizer import DynamicGradScaler, MegatronOptimizer, get_param_g
 
 
 def _compare_with_deepspeed(seed, window, hysteresis):
-    import deepspeed
+    import tds as deepspeed
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
     deepspeed.init_distributed(dist_backend="gloo")  # its scaler logs via deepspeed.comm

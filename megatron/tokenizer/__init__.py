@@ -70,6 +70,7 @@ def build_tokenizer(args):
                           f"{', '.join(TOKENIZER_TYPES)}")
     divisible_by = getattr(args, "make_vocab_size_divisible_by", None) or 128
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    args.true_vocab_size = tokenizer.vocab_size  # saved with checkpoints (resharding needs it)
     args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, divisible_by, tp)
     if rank == 0:
         logger.info("> building %s tokenizer: vocab %d padded with %d dummy tokens to %d "
