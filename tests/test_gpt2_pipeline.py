@@ -20,14 +20,26 @@ def _run(data, tp, pp, dp, *extra):
 
 
 @pytest.mark.slow
-def test_3d_layouts_give_the_serial_losses(gpt2_data):
-    serial = _run(gpt2_data, 1, 1, 1)[0][0]
+def test_3d_layouts_give_the_serial_losses_and_weights(gpt2_data, tmp_path):
+    from megatron.checkpoint_conversion.native_reader import read_native
+
+    def run(tp, pp, dp):
+        save = str(tmp_path / f"tp{tp}_pp{pp}_dp{dp}")
+        per_rank = _run(gpt2_data, tp, pp, dp, "--save", save, "--no-save-optim")
+        return per_rank, read_native(save).state  # full weights, gathered from every rank
+
+    serial_ranks, serial_weights = run(1, 1, 1)
+    serial = serial_ranks[0][0]
     assert serial[-1] < serial[0] - 0.2
     for tp, pp, dp in [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 4, 2)]:
-        per_rank = _run(gpt2_data, tp, pp, dp)
+        per_rank, weights = run(tp, pp, dp)
         for rank, (losses, _) in enumerate(per_rank):
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, serial))
             assert diff < 1e-4, ((tp, pp, dp), rank, losses, serial)
+        assert weights.keys() == serial_weights.keys()
+        for name, tensor in weights.items():
+            err = (tensor.float() - serial_weights[name].float()).abs().max().item()
+            assert err < 1e-4, ((tp, pp, dp), name, err)
 
 
 def _resume(data, tmp_path, tp, pp, dp, *extra):
