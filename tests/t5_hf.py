@@ -94,3 +94,32 @@ def native_generate(source, enc, enc_real, max_new_tokens):
     cached = greedy_generate(model, enc, enc_real, max_new_tokens, **kwargs)
     full = greedy_generate(model, enc, enc_real, max_new_tokens, use_cache=False, **kwargs)
     return cached.numpy(), full.numpy()
+
+
+def load_into_pipe(ckpt_dir):
+    """Rank body (tp x pp ranks): build T5ModelPipe at the checkpoint's layout and load this
+    rank's converted file strictly; returns the loaded keys."""
+    import torch.distributed as dist
+
+    from megatron import mpu
+    from megatron.checkpoint_conversion.native_reader import load_rank_file, rank_files
+    from megatron.checkpoint_conversion.t5_convert import t5_config_from_args
+    from megatron.checkpointing import iteration_dir
+    from megatron.model.t5_model_pipe import T5ModelPipe
+    from tds.pipe import PipeModelDataParallelTopology
+
+    import tds
+
+    files = rank_files(iteration_dir(ckpt_dir, 0))
+    args = load_rank_file(files[(0, 0)])["args"]
+    tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
+    assert dist.get_world_size() == tp * pp
+    tds.init_distributed(dist_backend="gloo")
+    mpu.initialize_model_parallel(tp, pp)
+    mpu.model_parallel_cuda_manual_seed(1)
+    model = T5ModelPipe(t5_config_from_args(args),
+                        PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=1))
+    state = load_rank_file(files[(mpu.get_tensor_model_parallel_rank(),
+                                  mpu.get_pipeline_model_parallel_rank())])["model"]
+    model.load_state_dict(state, strict=True)
+    return sorted(state)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from t5_hf import VOCAB, hf_logits, make_hf_t5, native_logits, random_batch
+from t5_hf import VOCAB, hf_logits, load_into_pipe, make_hf_t5, native_logits, random_batch
 from megatron.checkpoint_conversion import safetensors_io
 from megatron.checkpoint_conversion.t5_convert import T5ConversionRequest, run_t5_conversion
 from megatron.checkpoint_conversion.t5_native import read_native_t5
@@ -75,3 +75,17 @@ def test_tool_rejects_a_layout_that_does_not_divide(tmp_path, seed):
     assert "attention heads (4) is not divisible by --target-tensor-parallel-size 3" \
         in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("v1_1", [False, True], ids=["v1.0", "v1.1"])
+def test_pipeline_layout_loads_strictly_into_t5_model_pipe(tmp_path, seed, v1_1):
+    # 2 layers per stack on 4 stages: relative-bias copies and the tied embedding (v1.0) sit
+    # on several stages, and every stage's file must hold exactly its module's tensors.
+    make_hf_t5(tmp_path / "hf", seed, v1_1)
+    out = tmp_path / "native"
+    run_t5_conversion(T5ConversionRequest(str(tmp_path / "hf"), str(out), tp=1, pp=4))
+    keys = run_distributed(load_into_pipe, 4, str(out))
+    assert "encoder_relative_bias.weight" in keys[0] and "encoder_relative_bias.weight" in keys[1]
+    assert "decoder_relative_bias.weight" in keys[2] and "decoder_relative_bias.weight" in keys[3]
+    assert ("tied_modules.embed.word_embeddings.weight" in keys[3]) == (not v1_1)
+    assert ("7.lm_head.weight" in keys[3]) == v1_1
