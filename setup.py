@@ -23,7 +23,7 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    "test": ["pytest", "transformers", "tokenizers"],
+    "test": ["pytest", "transformers", "tokenizers", "tensorboard"],
     "tensorboard": ["tensorboard"],
 }
 

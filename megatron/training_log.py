@@ -62,7 +62,7 @@ def log_training_step(args, state, stats, interval_s, writer):
     if args.fp16:
         parts.append(f"loss scale: {state.loss_scale:.1f}")
     parts += [f"skipped iterations: {state.skipped_in_interval:3d}",
-              f"tokens/s: {tokens_s:.0f}", f"TFLOP/s/device: {tflops:.2f}",
+              f"tokens/s: {tokens_s:.0f}", f"TFLOP/s/device: {tflops:.3g}",
               f"MFU: {mfu * 100:.1f}%" if mfu is not None else "MFU: n/a"]
     print_rank_last(" | ".join(parts))
     if writer is not None:

@@ -195,3 +195,41 @@ def _contract_error(seed, contract, seq):
 def test_contract_errors_raise_on_every_rank(seed, contract, seq, message):
     messages = run_distributed(_contract_error, 4, seed, contract, seq, timeout=120)
     assert all(m is not None and message in m for m in messages), messages
+
+
+def test_deepspeed_version_outside_the_supported_range_is_refused():
+    import tds
+
+    tds._check_version("0.19.8")
+    for version in ("0.18.9", "0.20.0", "1.0.0"):
+        with pytest.raises(ImportError, match="pip install 'deepspeed>=0.19,<0.20'"):
+            tds._check_version(version)
+
+
+def _plain_module_engine(seed):
+    """tds.initialize on a non-pipeline module is DeepSpeed's own engine and step."""
+    import deepspeed as real
+    import tds
+
+    tds.init_distributed(dist_backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2,
+              "gradient_clipping": 0.0, "steps_per_print": 10**9}
+    losses = {}
+    for name, api in (("tds", tds), ("deepspeed", real)):
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 3)
+        engine, *_ = api.initialize(model=model, config=config,
+                                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        x = torch.randn(2, 4)
+        for _ in range(2):
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        losses[name] = (type(engine).__name__, float(loss))
+    return losses
+
+
+def test_initialize_on_a_plain_module_is_deepspeed(seed):
+    (losses,) = run_distributed(_plain_module_engine, 1, seed)
+    assert losses["tds"] == losses["deepspeed"]
+    assert losses["tds"][0] == "DeepSpeedEngine"
