@@ -180,18 +180,17 @@ class T5ModelPipe(PipelineModule):
                                                  num_dp=s.dp_size)
         return cls(T5TransformerConfig.from_args(args), topology)
 
-    def _stages_with(self, stack):
+    def _stages_with(self, stack, num_layers):
         """Pipeline stages holding at least one layer of ``stack``, in order."""
-        L = (self._num_layers - 4) // 2
-        first = 1 if stack == "encoder" else L + 2
-        return sorted({self.stage_owner(i) for i in range(first, first + L)})
+        first = 1 if stack == "encoder" else num_layers + 2  # spec indices, see _specs
+        return sorted({self.stage_owner(i) for i in range(first, first + num_layers)})
 
     def _build_shared_bias(self, config, stack, shared):
         """This stage's copy of ``stack``'s bias table, and the groups tying the copies.
 
         Collective: every rank creates every (dp, tp) group, in the same order.
         """
-        stages = self._stages_with(stack)
+        stages = self._stages_with(stack, config.num_layers)
         module = None
         if self.stage_id in stages:
             with init_rng(config.seed, f"t5_{stack}", "relative_bias"):  # = T5Model's table
