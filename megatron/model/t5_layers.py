@@ -81,6 +81,7 @@ class T5TransformerConfig:
 
 
 def rms_norm(config):
+    """T5's layer norm (RMS, no bias, no mean) of width d_model, on the compute device."""
     return MixedFusedRMSNorm(config.hidden_size, eps=config.layernorm_epsilon,
                              device=mpu.get_device())
 
@@ -263,6 +264,9 @@ class T5MLP(nn.Module):
     Gated-GeLU fuses T5 v1.1's ``wi_0`` (gate) and ``wi_1`` into one weight whose rows are
     interleaved ``[d_ff, (gate, linear)]``, so one GEMM computes both and a contiguous
     tensor-parallel split keeps every gate next to its linear unit.
+
+    Args:
+        config: :class:`T5TransformerConfig` (``ff_type``, sizes, dropout).
     """
 
     def __init__(self, config):
@@ -293,6 +297,10 @@ class T5EncoderLayer(nn.Module):
 
     Weights come from the seed ``(seed, "t5_encoder_layer", layer_number)``, so layer i is
     the same in T5Model and on any pipeline stage of T5ModelPipe.
+
+    Args:
+        config: :class:`T5TransformerConfig`.
+        layer_number: 1-based position in the encoder.
     """
 
     def __init__(self, config, layer_number):
@@ -312,7 +320,12 @@ class T5EncoderLayer(nn.Module):
 
 
 class T5DecoderLayer(nn.Module):
-    """Causal self-attention, cross-attention to the encoder output, feed-forward."""
+    """Causal self-attention, cross-attention to the encoder output, feed-forward.
+
+    Args:
+        config: :class:`T5TransformerConfig`.
+        layer_number: 1-based position in the decoder (seed key and KV-cache slot).
+    """
 
     def __init__(self, config, layer_number):
         super().__init__()
