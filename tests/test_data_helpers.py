@@ -36,7 +36,6 @@ def test_sample_idx_cpp_numpy_bruteforce(seed):
 
 
 def test_sample_idx_large_random(seed):
-    # > 65536 documents: the C++ builder splits the work into blocks on several threads.
     rng = np.random.default_rng(seed)
     sizes = rng.integers(0, 300, 50000).astype(np.int32)
     doc_idx = np.concatenate([rng.permutation(50000), rng.permutation(50000)])

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace py = pybind11;
@@ -16,65 +15,16 @@ using ConstI32 = py::array_t<int32_t, py::array::c_style | py::array::forcecast>
 using ConstI64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using ConstF64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
-// Runs fn(0..blocks-1), block 0 on the calling thread and the others on their own threads.
-template <typename Fn>
-static void run_blocks(int64_t blocks, Fn fn) {
-  std::vector<std::thread> threads;
-  for (int64_t b = 1; b < blocks; ++b) threads.emplace_back(fn, b);
-  fn(0);
-  for (auto& t : threads) t.join();
-}
-
-// Gathers sizes[doc_idx[p]] for p in [begin, end) into g, returning their sum. The loads
-// are independent (the sum is not needed to issue them) and prefetched ahead, so they
-// overlap instead of waiting on each other: the table is read in random order.
-static int64_t gather_sizes(const int32_t* sz, const int64_t* docs, int64_t n_sizes,
-                            int64_t begin, int64_t end, int32_t* g, bool* bad_doc) {
-  constexpr int64_t kAhead = 32;
-  int64_t sum = 0;
-  for (int64_t p = begin; p < end; ++p) {
-    if (p + kAhead < end) {
-      const int64_t ahead = docs[p + kAhead];
-      if (ahead >= 0 && ahead < n_sizes) __builtin_prefetch(sz + ahead);
-    }
-    const int64_t doc = docs[p];
-    if (doc < 0 || doc >= n_sizes) {
-      *bad_doc = true;
-      return sum;
-    }
-    g[p] = sz[doc];
-    sum += g[p];
-  }
-  return sum;
-}
-
-// Writes the samples whose first token falls in documents [begin, end); `start` is the
-// global index of document `begin`'s first token.
-static void emit_samples(const int32_t* g, int64_t begin, int64_t end, int64_t start,
-                         int64_t seq_length, int64_t num_samples, int64_t* o) {
-  int64_t i = (start + seq_length - 1) / seq_length;
-  int64_t target = i * seq_length;
-  for (int64_t pos = begin; pos < end && i <= num_samples; ++pos) {
-    const int64_t size = g[pos];
-    while (i <= num_samples && target < start + size) {
-      o[2 * i] = pos;
-      o[2 * i + 1] = target - start;
-      ++i;
-      target += seq_length;
-    }
-    start += size;
-  }
-}
-
 // sample_idx[i] = (position in doc_idx, token offset in that document) of global token
 // i * seq_length of the stream made by concatenating the documents in doc_idx order.
 // Sample i spans tokens [i * seq_length, (i + 1) * seq_length], i.e. seq_length + 1 tokens:
 // consecutive samples share their boundary token (the last input is the next label).
-// Two passes over contiguous blocks of doc_idx, each block on its own thread: gather the
-// block's sizes (and total), then emit the samples that start in it.
-// Returns int64 [num_samples + 1, 2].
+// One pass over doc_idx. The walk is bound by random reads of the size table (doc_idx is
+// shuffled), so the size kAhead documents ahead is prefetched: the loads overlap instead of
+// waiting on each other. Returns int64 [num_samples + 1, 2].
 py::array_t<int64_t> build_sample_idx(ConstI32 sizes, ConstI64 doc_idx, int64_t seq_length,
                                       int64_t num_samples) {
+  constexpr int64_t kAhead = 32;
   if (seq_length <= 0 || num_samples < 0) throw std::invalid_argument("seq_length must be > 0");
   const int32_t* sz = sizes.data();
   const int64_t* docs = doc_idx.data();
@@ -82,33 +32,30 @@ py::array_t<int64_t> build_sample_idx(ConstI32 sizes, ConstI64 doc_idx, int64_t 
   py::array_t<int64_t> out({num_samples + 1, static_cast<int64_t>(2)});
   int64_t* o = out.mutable_data();
   bool bad_doc = false;
-  int64_t total = 0;
+  int64_t i = 0;  // next sample to place
   {
     py::gil_scoped_release release;
-    const int64_t hw = std::max<int64_t>(1, std::thread::hardware_concurrency());
-    const int64_t blocks = n_docs < (1 << 16) ? 1 : std::min<int64_t>(hw, 8);
-    std::vector<int32_t> g(n_docs);
-    std::vector<int64_t> sums(blocks, 0);
-    std::vector<char> bad(blocks, 0);
-    auto lo = [&](int64_t b) { return n_docs * b / blocks; };
-    run_blocks(blocks, [&](int64_t b) {
-      bool flag = false;
-      sums[b] = gather_sizes(sz, docs, n_sizes, lo(b), lo(b + 1), g.data(), &flag);
-      bad[b] = flag;
-    });
-    for (int64_t b = 0; b < blocks; ++b) bad_doc = bad_doc || bad[b];
-    for (int64_t b = 0; b < blocks; ++b) total += sums[b];
-    if (!bad_doc && total > num_samples * seq_length) {
-      run_blocks(blocks, [&](int64_t b) {
-        int64_t start = 0;
-        for (int64_t u = 0; u < b; ++u) start += sums[u];
-        emit_samples(g.data(), lo(b), lo(b + 1), start, seq_length, num_samples, o);
-      });
+    int64_t target = 0, doc_start = 0;  // first token of sample i; of the current document
+    for (int64_t pos = 0; pos < n_docs && i <= num_samples; ++pos) {
+      if (pos + kAhead < n_docs) {
+        const int64_t ahead = docs[pos + kAhead];
+        if (ahead >= 0 && ahead < n_sizes) __builtin_prefetch(sz + ahead);
+      }
+      const int64_t doc = docs[pos];
+      if (doc < 0 || doc >= n_sizes) {  // checked on the fly: one pass over doc_idx
+        bad_doc = true;
+        break;
+      }
+      const int64_t doc_end = doc_start + sz[doc];
+      for (; i <= num_samples && target < doc_end; ++i, target += seq_length) {
+        o[2 * i] = pos;
+        o[2 * i + 1] = target - doc_start;
+      }
+      doc_start = doc_end;
     }
   }
   if (bad_doc) throw std::out_of_range("doc_idx entry out of range");
-  if (total <= num_samples * seq_length)
-    throw std::out_of_range("not enough tokens for num_samples samples");
+  if (i <= num_samples) throw std::out_of_range("not enough tokens for num_samples samples");
   return out;
 }
 

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = CSRC_DIR / "data" / "helpers.cpp"
 MODULE_NAME = "megatron_data_helpers"
-CXXFLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-pthread")
+CXXFLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17")
 
 
 def _builder(directory):
