@@ -11,7 +11,7 @@ from tds.pipe import LayerSpec, PipelineModule, PipeModelDataParallelTopology, T
 
 from .. import mpu
 from .language_model import Embedding, lm_loss, parallel_lm_logits
-from .transformer import ParallelTransformerLayer, TransformerConfig, _layer_norm
+from .transformer import ParallelTransformerLayer, TransformerConfig, make_layer_norm
 
 TIED_WEIGHT = "word_embeddings.weight"
 
@@ -42,7 +42,7 @@ class FinalLayerNormPipe(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.norm = _layer_norm(config)
+        self.norm = make_layer_norm(config)
 
     def forward(self, inputs):
         hidden, _ = inputs

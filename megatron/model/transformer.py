@@ -57,7 +57,7 @@ class TransformerConfig:
                    compute_dtype=args.compute_dtype, seed=args.seed)
 
 
-def _layer_norm(config):
+def make_layer_norm(config):
     return MixedFusedLayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
                                device=mpu.get_device())
 
@@ -147,9 +147,9 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         with init_rng(config.seed, "transformer_layer", layer_number):
-            self.input_layernorm = _layer_norm(config)
+            self.input_layernorm = make_layer_norm(config)
             self.attention = ParallelSelfAttention(config, layer_number)
-            self.post_attention_layernorm = _layer_norm(config)
+            self.post_attention_layernorm = make_layer_norm(config)
             self.mlp = ParallelMLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
@@ -167,7 +167,7 @@ class ParallelTransformer(nn.Module):
         self.config = config
         self.layers = nn.ModuleList(
             ParallelTransformerLayer(config, i + 1) for i in range(config.num_layers))
-        self.final_layernorm = _layer_norm(config)
+        self.final_layernorm = make_layer_norm(config)
 
     def _run(self, start, end):
         def run(hidden, attention_mask):
