@@ -35,8 +35,28 @@ def reference(x, norm):
     return y, params
 
 
+def _grads_of(fn, x, norm, grad, dtype):
+    """Output and gradients (x, then parameters) of ``fn`` evaluated in ``dtype``."""
+    xi = x.detach().to(dtype).requires_grad_()
+    params = [p.detach().to(dtype).requires_grad_() for p in norm.parameters()]
+    y = fn(xi, params)
+    y.backward(grad.to(dtype))
+    return [y, xi.grad] + [p.grad for p in params]
+
+
+def _eager(norm):
+    if isinstance(norm, MixedFusedRMSNorm):
+        return lambda x, ps: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * ps[0]
+    return lambda x, ps: F.layer_norm(x, norm.normalized_shape, ps[0], ps[1], norm.eps)
+
+
 def run_and_compare(norm, x, tol):
-    """Forward + backward through ``norm`` and through the fp64 reference; compare all grads."""
+    """Forward + backward through ``norm`` and through the fp64 reference; compare all grads.
+
+    An fp32 result must be within ``tol`` (relative, in norm) of fp64, or no worse than 4x
+    the error of PyTorch's own fp32 computation of the same function: on tiny rows the input
+    gradient is a difference of nearly equal terms, and fp32 cannot do better than that.
+    """
     xk = x.clone().requires_grad_()
     y = norm(xk)
     assert y.dtype == x.dtype and y.shape == x.shape
@@ -47,11 +67,17 @@ def run_and_compare(norm, x, tol):
     yr.backward(grad.double())
     pairs = [(y, yr), (xk.grad, xr.grad)] + [(p.grad, r.grad) for p, r in
                                              zip(norm.parameters(), params)]
-    for got, want in pairs:
+    eager = _grads_of(_eager(norm), x, norm, grad, torch.float32) \
+        if x.dtype == torch.float32 else [None] * len(pairs)
+
+    def rel(got, want):  # relative in norm, with a floor for exact zeros (hidden 1: dw == 0)
+        return ((got.double() - want).norm() / want.norm().clamp_min(1e-6)).item()
+
+    for (got, want), plain in zip(pairs, eager):
         assert got.dtype in (x.dtype, norm.weight.dtype) and not got.isnan().any()
-        # Relative in norm, with a floor for exact zeros (hidden 1: dweight == 0).
-        err = ((got.double() - want).norm() / want.norm().clamp_min(1e-6)).item()
-        assert err < tol, f"relative error {err} > {tol}"
+        bound = tol if plain is None else max(tol, 4 * rel(plain, want))
+        err = rel(got, want)
+        assert err < bound, f"relative error {err} > {bound}"
 
 
 @pytest.fixture
