@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import run_distributed
 from megatron import mpu

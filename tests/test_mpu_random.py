@@ -1,6 +1,5 @@
 """RNG tracker streams and activation checkpointing with dropout."""
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import run_distributed

@@ -5,7 +5,6 @@ hidden state split across tensor-parallel ranks for the send.
 """
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 

@@ -91,18 +91,21 @@ def _check_layout(files, tp, pp, folder):
                               f"layout tp={tp} x pp={pp}: files from different runs are mixed")
 
 
-def _agree(a, b, what):
+def replicas_agree(a, b, what):
+    """Raise unless two copies of a replicated tensor are equal (up to REPLICA_TOLERANCE)."""
     if a.shape != b.shape or (a.float() - b.float()).abs().max().item() > REPLICA_TOLERANCE:
         raise CheckpointError(f"{what} differs between the ranks that hold it: the checkpoint "
-                              f"mixes files from different runs")
+                              f"mixes files from different runs, or tied copies drifted apart")
 
 
-def merge_tensor_parallel(shards, where):
-    """One stage's tp shards (rank order, GPT2Model keys) -> full tensors.
+def merge_tensor_parallel(shards, where, split_dim=gpt2_keys.tp_split_dim):
+    """One stage's tp shards (rank order, full-model keys) -> full tensors.
 
     Args:
         shards: list of state dicts, one per tensor-parallel rank.
         where: description for error messages.
+        split_dim: key -> the dimension it is split on, or None when replicated (the model
+            family's key table: GPT-2's by default).
     """
     keys = list(shards[0])
     for rank, shard in enumerate(shards[1:], start=1):
@@ -110,10 +113,11 @@ def merge_tensor_parallel(shards, where):
             raise CheckpointError(f"{where}: tp rank {rank} holds other tensors than tp rank 0")
     merged = {}
     for key in keys:
-        dim = gpt2_keys.tp_split_dim(key)
+        dim = split_dim(key)
         if dim is None:
             for rank, shard in enumerate(shards[1:], start=1):
-                _agree(shards[0][key], shard[key], f"{where}: replicated {key} (tp rank {rank})")
+                replicas_agree(shards[0][key], shard[key],
+                               f"{where}: replicated {key} (tp rank {rank})")
             merged[key] = shards[0][key]
         else:
             merged[key] = torch.cat([shard[key] for shard in shards], dim=dim)
@@ -138,7 +142,7 @@ def _add_stage(full, stage, pp_rank):
         if key not in full:
             full[key] = tensor
         elif key == gpt2_keys.WORD_EMBEDDINGS:
-            _agree(full[key], tensor, f"tied {key} (pipeline stage {pp_rank})")
+            replicas_agree(full[key], tensor, f"tied {key} (pipeline stage {pp_rank})")
         elif key != gpt2_keys.POSITION_EMBEDDINGS:
             raise CheckpointError(f"{key} appears on two pipeline stages (again on stage "
                                   f"{pp_rank})")

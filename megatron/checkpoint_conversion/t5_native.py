@@ -16,34 +16,9 @@ from ..checkpointing import CHECKPOINT_FORMAT, TRACKER_FILENAME, checkpoint_name
 from ..errors import CheckpointError, ConfigError
 from ..tokenizer import vocab_size_with_padding
 from . import t5_keys
-from .native_reader import CARRIED_KEYS, FullCheckpoint, load_rank_file, rank_files, \
-    resolve_iteration
+from .native_reader import CARRIED_KEYS, FullCheckpoint, load_rank_file, \
+    merge_tensor_parallel, rank_files, replicas_agree, resolve_iteration
 from .vocab_padding import resolve_true_vocab_size, target_padded_size
-
-REPLICA_TOLERANCE = 1e-6
-
-
-def _agree(a, b, what):
-    if a.shape != b.shape or (a.float() - b.float()).abs().max().item() > REPLICA_TOLERANCE:
-        raise CheckpointError(f"{what} differs between the ranks that hold it: the checkpoint "
-                              f"mixes files from different runs, or tied copies drifted apart")
-
-
-def _merge_tp(shards, where):
-    """One stage's tp shards (full key names) -> full tensors; replicated ones must agree."""
-    merged = {}
-    for key in shards[0]:
-        if any(key not in s for s in shards):
-            raise CheckpointError(f"{where}: {key} is missing on some tensor-parallel ranks")
-        dim = t5_keys.tp_split_dim(key)
-        if dim is None:
-            for rank, shard in enumerate(shards[1:], start=1):
-                _agree(shards[0][key], shard[key], f"{where}: {key} (tp rank {rank})")
-            merged[key] = shards[0][key]
-        else:
-            merged[key] = torch.cat([s[key] for s in shards], dim=dim)
-    return merged
-
 
 def _full_names(state, num_layers):
     if not t5_keys.is_pipe_state(state):
@@ -89,9 +64,11 @@ def read_native_t5(root, iteration=None):
         shards = [_full_names((first if (t, pp_rank) == (0, 0) else
                                load_rank_file(files[(t, pp_rank)])).get("model", {}),
                               args["num_layers"]) for t in range(tp)]
-        for key, tensor in _merge_tp(shards, f"{folder} stage {pp_rank}").items():
+        merged = merge_tensor_parallel(shards, f"{folder} stage {pp_rank}",
+                                       split_dim=t5_keys.tp_split_dim)
+        for key, tensor in merged.items():
             if key in full:  # a replica on a later stage: embedding or relative-bias copy
-                _agree(full[key], tensor, f"{key} (pipeline stage {pp_rank})")
+                replicas_agree(full[key], tensor, f"{key} (pipeline stage {pp_rank})")
             else:
                 full[key] = tensor
     extras = {k: first[k] for k in CARRIED_KEYS if k in first}
