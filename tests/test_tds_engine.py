@@ -140,7 +140,8 @@ def test_pipeline_matches_serial(seed, tp, pp, dp):
     for rank, (losses, _) in enumerate(results):
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, serial)) < 1e-5, \
             (rank, losses, serial)
-    assert serial[-1] < serial[0]
+    # No "loss falls" check: 3 SGD steps on random labels may go either way. Steps 2 and 3 are
+    # computed with updated weights, so matching them means the engine took the same steps.
 
 
 def test_partitioned_position_halves_p2p_volume(seed):
