@@ -14,60 +14,33 @@ Native output holds weights only (plus the source's iteration, consumed samples 
 schedule): train from it with ``--finetune``, or resume with ``--no-load-optim``.
 See docs/conversion.md.
 """
-import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint_conversion import ConversionRequest, run_conversion  # noqa: E402
 from megatron.checkpoint_conversion.convert import FORMATS  # noqa: E402
+from megatron.checkpoint_conversion.cli import (  # noqa: E402
+    conversion_parser,
+    convert_and_report,
+    parse_conversion_args,
+)
 from megatron.errors import entry_point  # noqa: E402
 
 
 def get_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--input", required=True,
-                        help="native --save directory or HF save_pretrained directory")
-    parser.add_argument("--output", required=True, help="directory to write (new or empty)")
-    parser.add_argument("--input-format", choices=FORMATS, default=None,
-                        help="default: hf if the input has config.json, else native")
-    parser.add_argument("--output-format", choices=FORMATS, default="native")
-    parser.add_argument("--target-tensor-parallel-size", "--target-tp", dest="tp", type=int,
-                        default=None, help="native output: tensor-parallel size "
-                                           "(default: the source's, 1 for HF input)")
-    parser.add_argument("--target-pipeline-parallel-size", "--target-pp", dest="pp", type=int,
-                        default=None, help="native output: pipeline stages "
-                                           "(default: the source's, 1 for HF input)")
-    parser.add_argument("--make-vocab-size-divisible-by", dest="divisible_by", type=int,
-                        default=None, help="native output: vocabulary padding multiple "
-                                           "(x tp); default: the source's, 128 for HF input")
-    parser.add_argument("--iteration", type=int, default=None,
-                        help="native input: the iteration to read (default: latest); "
-                             "HF input: the iteration to save as (default: 0)")
-    parser.add_argument("--true-vocab-size", dest="true_vocab", type=int, default=None,
-                        help="real vocabulary rows, if the checkpoint's tokenizer files are "
-                             "gone and the padded size must change")
+    parser = conversion_parser(__doc__.split("\n\n")[0], FORMATS)
     parser.add_argument("--vocab-file", default=None,
                         help="GPT-2 vocab.json to record (HF input) or copy (HF output)")
     parser.add_argument("--merge-file", default=None, help="GPT-2 merges.txt, likewise")
-    args = parser.parse_args(argv)
-    for name in ("tp", "pp", "divisible_by", "true_vocab"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"sizes must be >= 1 (got {value})")
-    return args
+    return parse_conversion_args(parser, argv)
 
 
 @entry_point
 def main(argv=None):
     args = get_args(argv)
-    start = time.time()
-    request = ConversionRequest(**vars(args))
-    written = run_conversion(request)
-    print(f"wrote {written} ({args.output_format}) from {args.input} in "
-          f"{time.time() - start:.1f}s", flush=True)
+    convert_and_report(run_conversion, ConversionRequest(**vars(args)), args)
 
 
 if __name__ == "__main__":
