@@ -17,8 +17,8 @@ FORMATS = ("native", "hf")
 
 
 @dataclass
-class ConversionRequest:
-    """What to convert and how (the conversion tool's flags).
+class BaseConversionRequest:
+    """What to convert and where: the flags every conversion tool takes.
 
     Attributes:
         input, output: source and destination directories.
@@ -28,8 +28,6 @@ class ConversionRequest:
         iteration: native input: the iteration to read (None: latest); HF input: the
             iteration the native output is saved as (None: 0).
         true_vocab: real vocabulary rows, when the checkpoint's tokenizer files are gone.
-        vocab_file, merge_file: GPT-2 tokenizer files recorded in the native output's args
-            (HF input) or copied into the HF output (default: the source's).
     """
 
     input: str
@@ -41,6 +39,17 @@ class ConversionRequest:
     divisible_by: Optional[int] = None
     iteration: Optional[int] = None
     true_vocab: Optional[int] = None
+
+
+@dataclass
+class ConversionRequest(BaseConversionRequest):
+    """A GPT-2 conversion (the flags of tools/convert_checkpoint.py).
+
+    Attributes:
+        vocab_file, merge_file: GPT-2 tokenizer files recorded in the native output's args
+            (HF input) or copied into the HF output (default: the source's).
+    """
+
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
 

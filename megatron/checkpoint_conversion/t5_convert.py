@@ -13,36 +13,19 @@ import torch
 from .. import mpu
 from ..errors import CheckpointError, ConfigError
 from . import hf_io, t5_hf
+from .convert import FORMATS, BaseConversionRequest  # noqa: F401 (FORMATS: tool flags)
 from .native_reader import FullCheckpoint
 from .t5_native import read_native_t5, reshard_t5, stage_state_t5, write_native_t5
 from .vocab_padding import resolve_true_vocab_size, tokenizer_from_args
 
-FORMATS = ("native", "hf")
-
-
 @dataclass
-class T5ConversionRequest:
-    """What to convert (the flags of tools/convert_checkpoint_t5.py).
+class T5ConversionRequest(BaseConversionRequest):
+    """A T5 conversion (the flags of tools/convert_checkpoint_t5.py).
 
     Attributes:
-        input, output: source and destination directories.
-        input_format, output_format: ``native`` or ``hf`` (input None: detect).
-        tp, pp: native output layout (None: the source's; 1 for HF input).
-        divisible_by: native output vocabulary padding multiple (None: source's / 128).
-        iteration: native input's iteration (None: latest); HF input: the one to save as.
-        true_vocab: real vocabulary rows when the tokenizer files are gone.
         tokenizer_model: sentencepiece model recorded in the native output's args.
     """
 
-    input: str
-    output: str
-    input_format: Optional[str] = None
-    output_format: str = "native"
-    tp: Optional[int] = None
-    pp: Optional[int] = None
-    divisible_by: Optional[int] = None
-    iteration: Optional[int] = None
-    true_vocab: Optional[int] = None
     tokenizer_model: Optional[str] = None
 
 
