@@ -46,13 +46,8 @@ CHECKPOINT_PATH=${CHECKPOINT_PATH:-$repo/checkpoints/gpt2}
 config_json=${config_json:-$script_dir/ds_config_gpt2.json}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 
-precision_args=""
-[ "$PRECISION" = fp16 ] && precision_args="--fp16"
-[ "$PRECISION" = bf16 ] && precision_args="--bf16"
-ds_args=""
-if [ "$pp_size" -gt 1 ] || [ "${USE_DEEPSPEED:-0}" = 1 ]; then
-  ds_args="--deepspeed --deepspeed_config $config_json"
-fi
+source "$script_dir/launch_common.sh"
+megatron_precision_and_deepspeed_args
 
 gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
@@ -66,17 +61,4 @@ gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --log-interval 10 --eval-interval 1000 --eval-iters 10 \
   $precision_args $ds_args $EXTRA_ARGS"
 
-if [ "$LAUNCHER" = deepspeed ]; then
-  # The DeepSpeed launcher reaches the hosts of a hostfile over passwordless ssh (pdsh);
-  # on one node it starts the processes itself.
-  hosts=""
-  [ "$NNODES" -gt 1 ] && hosts="--hostfile $HOSTFILE"
-  cmd="deepspeed $hosts --num_nodes $NNODES --num_gpus $GPUS_PER_NODE \
-    --master_addr $MASTER_ADDR --master_port $MASTER_PORT $repo/pretrain_gpt2.py $gpt_args"
-else
-  cmd="torchrun --nproc_per_node $GPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
-    --master_addr $MASTER_ADDR --master_port $MASTER_PORT $repo/pretrain_gpt2.py $gpt_args"
-fi
-echo "$cmd"
-cd "$repo"
-exec $cmd
+megatron_launch "$repo/pretrain_gpt2.py" "$gpt_args"
