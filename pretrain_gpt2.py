@@ -6,25 +6,20 @@ import torch
 
 from megatron import mpu
 from megatron.errors import run_main
+from megatron.families.gpt2 import FAMILY as GPT2
 from megatron.global_vars import get_args, get_tokenizer
 from megatron.model.utils import get_ltor_masks_and_position_ids
 from megatron.training import pretrain
 from megatron.utils import print_rank_0
 
 
-def model_provider():
-    """GPT2Model, or GPT2ModelPipe when the run has pipeline stages."""
-    args = get_args()
+def model_provider(pipeline=False):
+    """GPT2Model, or GPT2ModelPipe when the training backend runs pipeline stages."""
     print_rank_0("> building GPT-2 model")
-    if args.pipeline_model_parallel_size > 1:
-        from megatron.model.gpt2_model_pipe import GPT2ModelPipe
-
-        model = GPT2ModelPipe.from_args(args)
+    model = GPT2.build_model(get_args(), pipeline)
+    if pipeline:
         model._megatron_batch_fn = get_batch_pipe  # tds reads it on the first/last stage
-        return model
-    from megatron.model.gpt2_model import GPT2Model
-
-    return GPT2Model.from_args(args)
+    return model
 
 
 def _unpack(data):
@@ -62,19 +57,13 @@ def forward_step(data_iterator, model):
 
 
 def train_valid_test_datasets_provider(train_valid_test_num_samples):
-    from megatron.data.gpt2_dataset import build_train_valid_test_datasets
-
-    args = get_args()
     print_rank_0("> building GPT-2 datasets")
-    return build_train_valid_test_datasets(
-        data_prefix=args.data_path, splits_string=args.split,
-        train_valid_test_num_samples=train_valid_test_num_samples,
-        seq_length=args.seq_length, seed=args.seed)
+    return GPT2.build_datasets(get_args(), get_tokenizer(), train_valid_test_num_samples)
 
 
 def main(argv=None):
     return pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, argv=argv)
+                    family=GPT2, argv=argv)
 
 
 if __name__ == "__main__":

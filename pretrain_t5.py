@@ -4,14 +4,14 @@
         --enc-seq-length 512 --dec-seq-length 128 ... (see examples/run_t5.sh)
 
 Works at every layout: T5Model without pipeline stages (``--pipe-parallel-size 1``),
-T5ModelPipe through tds's pipeline engine otherwise. T5 flags: megatron/model/t5_args.py.
+T5ModelPipe through tds's pipeline engine otherwise. T5 flags: megatron/families/t5.py.
 """
 import torch
 
 from megatron import mpu
 from megatron.errors import run_main
+from megatron.families.t5 import FAMILY as T5
 from megatron.global_vars import get_args, get_tokenizer
-from megatron.model.t5_args import add_t5_args, t5_defaults, validate_t5_command_line
 from megatron.training import pretrain
 from megatron.utils import print_rank_0
 
@@ -19,25 +19,13 @@ ID_KEYS = ("text_enc", "text_dec", "labels")
 MASK_KEYS = ("enc_mask", "dec_mask", "enc_dec_mask", "loss_mask")
 
 
-def model_provider():
-    """T5Model, or T5ModelPipe when the run has pipeline stages."""
-    from megatron.model.t5_layers import T5TransformerConfig
-    from megatron.model.t5_model import t5_flops_per_step
-
-    args = get_args()
+def model_provider(pipeline=False):
+    """T5Model, or T5ModelPipe when the training backend runs pipeline stages."""
     print_rank_0("> building T5 model")
-    args.model_flops_per_step = t5_flops_per_step(  # the log's TFLOP/s and MFU
-        T5TransformerConfig.from_args(args), args.enc_seq_length, args.dec_seq_length,
-        args.global_batch_size)
-    if args.pipeline_model_parallel_size > 1:
-        from megatron.model.t5_model_pipe import T5ModelPipe
-
-        model = T5ModelPipe.from_args(args)
+    model = T5.build_model(get_args(), pipeline)
+    if pipeline:
         model._megatron_batch_fn = get_batch_pipe  # tds reads it on the first/last stage
-        return model
-    from megatron.model.t5_model import T5Model
-
-    return T5Model.from_args(args)
+    return model
 
 
 def _unpack(data):
@@ -83,23 +71,13 @@ def forward_step(data_iterator, model):
 
 
 def train_valid_test_datasets_provider(train_valid_test_num_samples):
-    from megatron.data.t5_dataset import build_train_valid_test_datasets
-
-    args = get_args()
     print_rank_0("> building T5 datasets")
-    return build_train_valid_test_datasets(
-        data_prefix=args.data_path, splits_string=args.split,
-        train_valid_test_num_samples=train_valid_test_num_samples,
-        enc_seq_length=args.enc_seq_length, dec_seq_length=args.dec_seq_length,
-        seed=args.seed, tokenizer=get_tokenizer(), noise_density=args.noise_density,
-        mean_span_length=args.mean_span_length)
+    return T5.build_datasets(get_args(), get_tokenizer(), train_valid_test_num_samples)
 
 
 def main(argv=None):
-    defaults = t5_defaults(argv)
-    validate_t5_command_line(argv, defaults)  # every T5 problem, before anything starts
     return pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
-                    extra_args_provider=add_t5_args, args_defaults=defaults, argv=argv)
+                    family=T5, argv=argv)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ ahead of time here instead; a failed ahead-of-time build is reported and the
 install continues, because every kernel has a PyTorch fallback.
 """
 import os
+import shutil
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # torch is a floor only: on a CPU machine install `torch==2.13.0` (the CPU
 # wheel) first, and this range will not pull several GB of CUDA wheels.
@@ -20,11 +24,15 @@ INSTALL_REQUIRES = [
     "regex",
     "pybind11",
     "pyyaml",
+    "safetensors",
+    "tqdm",
 ]
 
 EXTRAS_REQUIRE = {
-    "test": ["pytest", "transformers", "tokenizers", "tensorboard"],
+    "test": ["pytest", "transformers", "tokenizers", "tensorboard", "wandb", "matplotlib"],
     "tensorboard": ["tensorboard"],
+    "wandb": ["wandb"],  # --wandb-project
+    "plot": ["matplotlib"],  # tools/plot_runs.py, benchmarks/kernels.py --plot
 }
 
 
@@ -42,7 +50,27 @@ def _ext_modules():
         return [], {}
 
 
+class BuildPyWithSources(build_py):
+    """Copy the top-level ``csrc/`` into the built package as ``megatron/csrc``.
+
+    The repository keeps the kernel sources at the top (DESIGN.md's layout); a wheel or
+    ``pip install .`` must carry them inside the package so that the just-in-time build
+    finds them (megatron.build_utils.find_csrc_dir looks there first). An editable install
+    compiles from the checkout's ``csrc/`` and needs no copy.
+    """
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        target = os.path.join(self.build_lib, "megatron", "csrc")
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(os.path.join(HERE, "csrc"), target,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.o", "*.so"))
+
+
 ext_modules, cmdclass = _ext_modules()
+cmdclass = dict(cmdclass, build_py=BuildPyWithSources)
 
 setup(
     name="megatron-tds",
@@ -52,7 +80,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["megatron", "megatron.*", "tds", "tds.*"]),
-    package_data={"megatron": ["../csrc/*", "../csrc/**/*"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     ext_modules=ext_modules,

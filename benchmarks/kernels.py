@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron import fused_kernels  # noqa: E402
+from megatron import fused_kernels, run_plots  # noqa: E402
 from megatron.model.fused_layer_norm import MixedFusedLayerNorm  # noqa: E402
 from megatron.model.fused_softmax import AttnMaskType, FusedScaleMaskSoftmax  # noqa: E402
 
@@ -258,6 +258,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--plot", default=None,
+                   help="also draw the tables (speed-up vs eager) into this PNG (needs matplotlib)")
     return p.parse_args(argv)
 
 
@@ -266,6 +268,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot:  # fail on a missing matplotlib before the benchmark, not after it
+        run_plots.check_matplotlib()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
@@ -308,6 +312,9 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(dict(command=sys.argv, machine=machine(device), copy_gbps=copy_bw,
                            results=results, targets_met=met), f, indent=1)
+    if args.plot:
+        run_plots.plot_tables(results, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -1,16 +1,28 @@
 # Shared by run_gpt2.sh and run_t5.sh (sourced after their variables are set): the flags
 # that follow from PRECISION / pp_size, and the launcher command. Edit the run scripts.
 
-# Sets precision_args (--fp16 / --bf16) and ds_args (DeepSpeed for pipeline runs or when
-# USE_DEEPSPEED=1).
+# Sets precision_args (--fp16 / --bf16) and ds_args: the DeepSpeed config is always passed
+# (pretrain() uses it when it trains through an engine: pipeline stages, or --deepspeed),
+# and USE_DEEPSPEED=1 asks for DeepSpeed's data parallelism without pipeline stages.
 megatron_precision_and_deepspeed_args() {
   precision_args=""
   [ "$PRECISION" = fp16 ] && precision_args="--fp16"
   [ "$PRECISION" = bf16 ] && precision_args="--bf16"
-  ds_args=""
-  if [ "$pp_size" -gt 1 ] || [ "${USE_DEEPSPEED:-0}" = 1 ]; then
-    ds_args="--deepspeed --deepspeed_config $config_json"
+  ds_args="--deepspeed_config $config_json"
+  if [ "${USE_DEEPSPEED:-0}" = 1 ]; then
+    ds_args="--deepspeed $ds_args"
   fi
+}
+
+# Sets speed_args from RECOMPUTE (1: recompute each layer's activations in backward, for
+# models that do not fit otherwise; 0, the default: no recompute, the faster step),
+# ATTENTION_BACKEND (auto = scaled_dot_product_attention; unfused/local = Megatron's bmm +
+# fused softmax) and COMPILE (1: torch.compile each transformer layer).
+megatron_speed_args() {
+  speed_args="--attention-backend ${ATTENTION_BACKEND:-auto}"
+  [ "${RECOMPUTE:-0}" = 1 ] && speed_args="$speed_args --checkpoint-activations"
+  [ "${COMPILE:-0}" = 1 ] && speed_args="$speed_args --compile"
+  return 0
 }
 
 # megatron_launch ENTRY_SCRIPT "FLAGS": start ENTRY_SCRIPT on this node with torchrun or the

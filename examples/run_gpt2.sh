@@ -46,15 +46,21 @@ CHECKPOINT_PATH=${CHECKPOINT_PATH:-$repo/checkpoints/gpt2}
 config_json=${config_json:-$script_dir/ds_config_gpt2.json}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 
+# ---- speed ------------------------------------------------------------------------------
+RECOMPUTE=${RECOMPUTE:-0}             # 1: activation recompute (--checkpoint-activations)
+ATTENTION_BACKEND=${ATTENTION_BACKEND:-auto}  # auto|flash|fused: SDPA; unfused|local: bmm
+COMPILE=${COMPILE:-0}                 # 1: torch.compile each transformer layer
+
 source "$script_dir/launch_common.sh"
 megatron_precision_and_deepspeed_args
+megatron_speed_args
 
 gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
   --seq-length $SEQLEN --max-position-embeddings $SEQLEN \
   --batch-size $BATCHSIZE --gas $GAS --train-iters $TRAIN_ITERS \
   --lr $LR --min-lr 1.0e-5 --lr-decay-style cosine --warmup 0.01 --weight-decay 0.01 \
-  --clip-grad 1.0 --hidden-bias --checkpoint-activations \
+  --clip-grad 1.0 --hidden-bias $speed_args \
   --data-path $DATA_PATH --data-impl mmap --split 949,50,1 \
   --tokenizer-type GPT2BPETokenizer --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE \
   --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --save-interval 1000 \

@@ -5,11 +5,12 @@ Used by the fused kernels and by the data-index helpers. A build goes to
 the sources' hash plus whatever else the binary depends on (torch, CUDA and Python
 versions, flags), so a changed source or an upgraded torch rebuilds, and an unchanged
 one loads in milliseconds. A file lock keeps concurrent builders (several ranks, several
-test processes) from writing the same folder. Under torch.distributed, rank 0 builds first
-and tells the others whether it worked; they then load from the cache (or fall back too).
+test processes) from writing the same folder; a killed builder can neither keep it nor
+leave torch's baton file behind to block the next build, and a wait for a live builder is
+bounded, then the caller falls back (see :mod:`megatron.locks`). Under torch.distributed,
+rank 0 builds first and tells the others whether it worked; they then load from the cache
+(or fall back too).
 """
-import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -18,10 +19,23 @@ from pathlib import Path
 
 import torch
 
+from .locks import owned_lock, remove_stale_baton
+
 logger = logging.getLogger(__name__)
 
-CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
-"""The repository's csrc/ folder (the package is installed in place, ``pip install -e``)."""
+#: Where a wheel / ``pip install .`` puts the sources (setup.py's build_py copies csrc/ there).
+PACKAGED_CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+#: The repository's top-level csrc/ (a checkout, or ``pip install -e .``).
+REPO_CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+
+
+def find_csrc_dir():
+    """The native sources: inside the installed package first, else the repository's."""
+    return PACKAGED_CSRC_DIR if PACKAGED_CSRC_DIR.is_dir() else REPO_CSRC_DIR
+
+
+CSRC_DIR = find_csrc_dir()
+"""The csrc/ folder this installation compiles from (see :func:`find_csrc_dir`)."""
 
 _LOADED = {}
 
@@ -41,23 +55,12 @@ def build_dir(name, sources, extra_key=()):
     return build_root() / f"{name}_{digest.hexdigest()[:16]}"
 
 
-@contextlib.contextmanager
-def file_lock(path):
-    """Exclusive lock on ``path`` (created if needed) for the duration of the block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _try_build(name, sources, builder, extra_key):
     try:
         directory = build_dir(name, sources, extra_key)
-        with file_lock(directory.with_suffix(".lock")):
+        with owned_lock(directory.with_suffix(".lock"), what=f"the build of {name}"):
             directory.mkdir(parents=True, exist_ok=True)
+            remove_stale_baton(directory)  # a killed build's; torch would wait for it forever
             return builder(directory), None
     except Exception as exc:  # any failure means: use the PyTorch/NumPy path
         lines = str(exc).strip().splitlines()

@@ -26,20 +26,66 @@ class CheckpointError(MegatronError):
     """A checkpoint that is missing, incomplete or made for another model."""
 
 
+class DivergenceError(MegatronError):
+    """fp32/bf16 training produced a non-finite loss, gradient norm or weight."""
+
+
+def not_text(path, exc, hint, error_type=DataError):
+    """The clear error for a file that should be UTF-8 text but is not (binary garbage,
+    another encoding).
+
+    Args:
+        path: the file.
+        exc: the ``UnicodeDecodeError`` raised while reading it.
+        hint: what the file should be, e.g. "--merge-file must be a GPT-2 merges.txt".
+        error_type: the error class to return.
+    """
+    return error_type(f"{path} is not UTF-8 text (undecodable byte at offset {exc.start}); "
+                      f"{hint}")
+
+
 #: Exit status for a user error (argparse uses 2 as well).
 USER_ERROR_EXIT = 2
 
 _USER_ERRORS = (MegatronError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
 
+#: Exit status of a rank that stops because another rank died (killed, crashed).
+PEER_LOST_EXIT = 3
+
+# How gloo / NCCL / the TCP store say that the other end of a collective has gone away.
+_PEER_LOST_SIGNS = ("Connection closed by peer", "Connection reset by peer",
+                    "remote worker crash", "Broken pipe", "remote process exited")
+
+
 def run_main(main, *args, **kwargs):
-    """Call ``main``; print a user error as ``error: <message>`` and exit with status 2."""
+    """Call ``main``; print a user error as ``error: <message>`` and exit with status 2.
+
+    A rank whose peer died (``kill -9`` of one rank, an out-of-memory kill) prints one line
+    saying so and exits with status 3, instead of a traceback from inside the collective.
+    """
     try:
         return main(*args, **kwargs)
     except _USER_ERRORS as exc:
         rank = _rank_prefix()
         print(f"{rank}error: {exc}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_EXIT)
+    except RuntimeError as exc:
+        if not _peer_lost(exc):
+            raise
+        first = str(exc).strip().splitlines()[0][:300]
+        print(f"{_rank_prefix()}error: another rank stopped (killed or crashed; its own log "
+              f"says why), so this one stops too: {first}", file=sys.stderr, flush=True)
+        sys.exit(PEER_LOST_EXIT)
+
+
+def _peer_lost(exc):
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    network_error = getattr(dist, "DistNetworkError", ())
+    return isinstance(exc, network_error) or any(sign in str(exc) for sign in _PEER_LOST_SIGNS)
 
 
 def entry_point(main):

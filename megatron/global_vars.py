@@ -11,9 +11,9 @@ from typing import Any, Optional
 @dataclass
 class RunGlobals:
     args: Any = None
-    """Validated ``argparse.Namespace``."""
+    """The frozen :class:`~megatron.config.RunConfig`."""
     tokenizer: Any = None
-    """Tokenizer built from the args (sets ``args.padded_vocab_size``)."""
+    """Tokenizer built with the run configuration."""
     timers: Any = None
     """``megatron.timers.Timers``."""
     tensorboard_writer: Optional[Any] = None

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from . import mpu
-from .arguments import parse_args
+from .config import build_run_config
 from .global_vars import reset_globals, set_globals
+from .metrics_writers import build_metrics_writer
 from .timers import Timers
 from .utils import print_rank_0
 
@@ -27,8 +28,10 @@ def _free_port():
 def init_distributed(args):
     """Start torch.distributed (env:// rendezvous, as torchrun and deepspeed set it up).
 
-    A single process started without a launcher gets a local rendezvous of its own.
-    Does nothing if the default group already exists (tests, DeepSpeed launcher).
+    The only place the default process group is created; a DeepSpeed backend attaches its
+    communication layer to it later (megatron/training/backend_engine.py). A single process
+    started without a launcher gets a local rendezvous of its own. Does nothing if the
+    default group already exists (tests, DeepSpeed launcher).
     """
     if args.distributed_backend == "nccl":
         torch.cuda.set_device(args.local_rank % torch.cuda.device_count())
@@ -42,10 +45,6 @@ def init_distributed(args):
         dist.init_process_group(backend=args.distributed_backend, rank=args.rank,
                                 world_size=args.world_size,
                                 timeout=timedelta(seconds=DIST_TIMEOUT_S))
-    if args.pipeline_model_parallel_size > 1 or args.deepspeed:
-        import tds  # DeepSpeed's communication layer wraps the group made above
-
-        tds.init_distributed(dist_backend=args.distributed_backend)
 
 
 def set_random_seed(seed):
@@ -84,26 +83,24 @@ def _tensorboard_writer(args):
 
 
 def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
-                        build_tokenizer_fn=None):
-    """Parse and validate flags, then set up distributed state, seeds, kernels, tokenizer.
+                        family=None):
+    """Build the run configuration, then set up distributed state, seeds, kernels.
 
-    Validation runs first, on every rank, before any process group exists: a bad flag
-    fails everywhere at once instead of leaving ranks waiting for each other.
+    The configuration (flags, YAML, every check, the tokenizer) is built first, on every
+    rank, before any process group exists: a bad flag fails everywhere at once instead of
+    leaving ranks waiting for each other.
 
     Args:
-        extra_args_provider: adds model-specific flags to the parser.
+        extra_args_provider: adds a user model's flags to the parser.
         args_defaults: defaults set by the entry script.
         argv: flags (default: ``sys.argv[1:]``).
-        build_tokenizer_fn: ``f(args) -> tokenizer`` (default: megatron.tokenizer's).
+        family: model family (``gpt2``, ``t5``) whose flags and checks join the pass.
 
     Returns:
-        The validated args (also available as ``megatron.get_args()``).
+        The frozen run configuration (also available as ``megatron.get_args()``).
     """
     reset_globals()
-    args = parse_args(argv, extra_args_provider, args_defaults)
-    if build_tokenizer_fn is None:
-        from .tokenizer import build_tokenizer as build_tokenizer_fn
-    tokenizer = build_tokenizer_fn(args)  # files are read before any process group exists
+    args, tokenizer = build_run_config(argv, family, extra_args_provider, args_defaults)
     init_distributed(args)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
@@ -112,9 +109,8 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
     set_random_seed(args.seed)
     _load_kernels(args)
     set_globals(args=args, tokenizer=tokenizer, timers=Timers(),
-                tensorboard_writer=_tensorboard_writer(args))
+                tensorboard_writer=build_metrics_writer(args, _tensorboard_writer(args)))
     print_rank_0(f"> initialized: world {args.world_size} = tp {args.tensor_model_parallel_size}"
                  f" x pp {args.pipeline_model_parallel_size} x dp {args.data_parallel_size}, "
-                 f"backend {args.distributed_backend}, compute dtype "
-                 f"{str(args.compute_dtype).replace('torch.', '')}")
+                 f"backend {args.distributed_backend}, compute dtype {args.precision.name}")
     return args

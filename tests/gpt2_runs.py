@@ -56,3 +56,21 @@ def full_and_resumed(entry, world_size, argv, ckpt, at, timeout=400):
     later = run_distributed(entry, world_size, [*argv, "--load", ckpt], timeout=timeout)[0]
     early_eval = [e for e in full[1] if e[0] <= at]
     return full, (full[0][:at] + later[0], early_eval + later[1])
+
+
+def error_with_precision_support(argv, fp16, bf16):
+    """Rank body: run pretrain_gpt2.main(argv) on a device whose DeepSpeed accelerator reports
+    the given fp16 / bf16 support (emulated); return the user error's message, or None."""
+    from deepspeed.accelerator import get_accelerator
+
+    import pretrain_gpt2
+    from megatron.errors import MegatronError
+
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: fp16
+    accelerator.is_bf16_supported = lambda: bf16
+    try:
+        pretrain_gpt2.main(argv)
+    except MegatronError as exc:
+        return str(exc)
+    return None

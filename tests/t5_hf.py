@@ -103,8 +103,8 @@ def load_into_pipe(ckpt_dir):
 
     from megatron import mpu
     from megatron.checkpoint_conversion.native_reader import load_rank_file, rank_files
-    from megatron.checkpoint_conversion.t5_convert import t5_config_from_args
-    from megatron.checkpointing import iteration_dir
+    from megatron.families import get_family
+    from megatron.training.checkpointing import iteration_dir
     from megatron.model.t5_model_pipe import T5ModelPipe
     from tds.pipe import PipeModelDataParallelTopology
 
@@ -117,7 +117,7 @@ def load_into_pipe(ckpt_dir):
     tds.init_distributed(dist_backend="gloo")
     mpu.initialize_model_parallel(tp, pp)
     mpu.model_parallel_cuda_manual_seed(1)
-    model = T5ModelPipe(t5_config_from_args(args),
+    model = T5ModelPipe(get_family("t5").config_from_saved(args),
                         PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=1))
     state = load_rank_file(files[(mpu.get_tensor_model_parallel_rank(),
                                   mpu.get_pipeline_model_parallel_rank())])["model"]

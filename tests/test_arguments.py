@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from megatron.arguments import parse_args
+from megatron.config import parse_args
 from megatron.errors import ConfigError
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",

@@ -1,9 +1,9 @@
 """HF GPT-2 <-> native conversion against transformers' GPT2LMHeadModel (the reference).
 
 - HF -> native at tp = 1 and 2: GPT2Model's logits equal GPT2LMHeadModel's (max abs < 1e-4,
-  fp32) on fresh random ids; the padded vocabulary rows give zero logits.
+  fp32) on fresh random ids; the padded vocabulary rows give -inf logits.
 - native -> HF gives back the original tensors bit for bit, and transformers loads it.
-- Our safetensors reader/writer agree with the safetensors package.
+- The safetensors wrapper round-trips through the library and reports a bad file clearly.
 """
 import json
 
@@ -14,6 +14,7 @@ from gpt2_hf import hf_logits, make_hf_gpt2, native_logits
 from harness import run_distributed
 from megatron.checkpoint_conversion import ConversionRequest, read_native, run_conversion
 from megatron.checkpoint_conversion import safetensors_io
+from megatron.errors import CheckpointError
 
 TOL = 1e-4
 VOCAB = 300  # pads to 384 at tp=1 and 512 at tp=2 with --make-vocab-size-divisible-by 128
@@ -37,7 +38,8 @@ def test_hf_to_native_logits_match_transformers(hf_model, tmp_path, seed, tp):
         assert logits.shape == (3, 20, padded)
         err = (logits[..., :VOCAB] - expected).abs().max().item()
         assert err < TOL, f"tp={tp}: max abs logit difference {err}"
-        assert logits[..., VOCAB:].abs().max().item() == 0.0  # zero padding rows
+        # Padded rows take no probability: their logits are -inf (the model knows VOCAB).
+        assert torch.isneginf(logits[..., VOCAB:]).all()
     saved = read_native(str(out)).args
     assert (saved["padded_vocab_size"], saved["true_vocab_size"]) == (padded, VOCAB)
 
@@ -73,18 +75,22 @@ def test_hf_n_inner_and_epsilon_are_carried(tmp_path, seed):
     assert (logits[..., :100] - hf_logits(model, ids)).abs().max().item() < TOL
 
 
-def test_safetensors_io_matches_the_package(tmp_path, seed):
-    from safetensors.torch import load_file, save_file
+def test_safetensors_io_round_trip_and_bad_file(tmp_path, seed):
+    """The wrapper writes what the library reads (non-contiguous tensors included) and
+    reports a truncated file as a CheckpointError naming it."""
+    from safetensors.torch import load_file
 
     g = torch.Generator().manual_seed(seed)
-    tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).bfloat16(),
+    tensors = {"f32": torch.randn(5, 3, generator=g).t(), "bf16": torch.randn(7, generator=g).bfloat16(),
                "f16": torch.randn(2, 2, 3, generator=g).half(), "i64": torch.arange(5),
-               "bool": torch.rand(9, generator=g) > 0.5, "u8": torch.arange(3, dtype=torch.uint8),
-               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
-    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
-    safetensors_io.save_file(tensors, str(ours), metadata={"format": "pt"})
-    save_file(tensors, str(theirs))
-    for loaded in (load_file(str(ours)), safetensors_io.load_file(str(theirs))):
+               "bool": torch.rand(9, generator=g) > 0.5, "scalar": torch.tensor(2.5)}
+    out = tmp_path / "ours.safetensors"
+    safetensors_io.save_file(tensors, str(out), metadata={"format": "pt"})
+    for loaded in (load_file(str(out)), safetensors_io.load_file(str(out))):
         assert sorted(loaded) == sorted(tensors)
         for key, tensor in tensors.items():
             assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(out.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match="bad.safetensors"):
+        safetensors_io.load_file(str(bad))

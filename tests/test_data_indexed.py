@@ -1,5 +1,6 @@
 """MMIDIDX files: our reader/builder against an independent writer/reader made from the spec."""
 import os
+import re
 import struct
 
 import numpy as np
@@ -143,3 +144,53 @@ def test_bad_files_raise_data_error(tmp_path, seed):
     open(prefix + ".bin", "wb").write(b"\x00\x00")
     with pytest.raises(DataError, match="data file is truncated"):
         ids.make_dataset(prefix)
+
+
+def _rewrite_index(prefix, edit):
+    """Apply ``edit(sizes, pointers, doc_idx)`` (NumPy copies) to the .idx at ``prefix``."""
+    raw = bytearray(open(prefix + ".idx", "rb").read())
+    n, d = struct.unpack_from("<QQ", raw, 18)
+    off = 34
+    sizes = np.frombuffer(raw, np.int32, n, off).copy()
+    pointers = np.frombuffer(raw, np.int64, n, off + 4 * n).copy()
+    doc_idx = np.frombuffer(raw, np.int64, d, off + 12 * n).copy()
+    edit(sizes, pointers, doc_idx)
+    raw[off:] = sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes()
+    open(prefix + ".idx", "wb").write(bytes(raw))
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda s, p, d: p.__setitem__(3, p[3] + 10 ** 9), "past the end of the .bin|starts at"),
+    (lambda s, p, d: s.__setitem__(3, -2), "negative size -2"),
+    (lambda s, p, d: p.__setitem__(3, p[2]), "starts at byte"),
+    (lambda s, p, d: d.__setitem__(1, 10 ** 6), "document 1 starts at sequence 1000000"),
+])
+def test_bad_entry_in_the_middle_is_named(tmp_path, seed, monkeypatch, edit, reason):
+    """Every entry is checked at open, not only the last; blocks must not hide an entry."""
+    monkeypatch.setattr("megatron.data.index_check.BLOCK", 2)  # several blocks, odd split
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, 500, int(rng.integers(1, 9))).tolist() for _ in range(8)]
+    prefix = str(tmp_path / "d")
+    spec_write(prefix, seqs, [0, 2, 5, 8], 8)
+    assert spec_read(prefix)[1] == seqs and len(ids.make_dataset(prefix)) == 8  # good as is
+    _rewrite_index(prefix, edit)
+    with pytest.raises(DataError) as info:
+        ids.make_dataset(prefix)
+    message = str(info.value)
+    assert re.search(r"d\.idx: (sequence 3 is corrupt|document 1 )", message), message
+    assert re.search(reason, message), message
+
+
+def test_bad_entry_with_the_last_one_intact_fails_before_any_cache(tmp_path, seed):
+    """The issue's case: a middle pointer past the end, the last entry fine; the GPT-2 dataset
+    build stops at open, so no index cache is written next to the data."""
+    from megatron.data.gpt2_dataset import build_train_valid_test_datasets
+
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, 500, 40).tolist() for _ in range(20)]
+    prefix = str(tmp_path / "d")
+    spec_write(prefix, seqs, list(range(21)), 8)
+    _rewrite_index(prefix, lambda s, p, d: p.__setitem__(7, 10 ** 7))
+    with pytest.raises(DataError, match="sequence 7 is corrupt"):
+        build_train_valid_test_datasets([prefix], "98,2,0", [8, 2, 0], 16, 1234)
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]

@@ -9,6 +9,7 @@ import pytest
 
 from datautil import random_text, random_unicode, run_tool, training_corpus
 from megatron.errors import ConfigError, DataError
+from megatron.config.validation import derive_vocab
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.tokenizer.bpe_trainer import count_words, train_bpe
 
@@ -147,6 +148,7 @@ def test_padded_vocab_size(seed, vocabs):
                  merge_file=str(vocabs / "gpt2" / "merges.txt"),
                  make_vocab_size_divisible_by=128, tensor_model_parallel_size=2)
     tok = build_tokenizer(args)
+    derive_vocab(args, tok.vocab_size)  # the run configuration derives it, once
     assert args.padded_vocab_size == vocab_size_with_padding(tok.vocab_size, 128, 2)
 
 

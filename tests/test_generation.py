@@ -54,15 +54,20 @@ def _generate_each(model, prompts, runs):
 
 
 def _boost_padding(model, prompt):
-    """Give the padded rows logits that would win every argmax; True if they now do."""
+    """Give the padded rows logits that would win every argmax, and turn the model's own
+    padding mask off (so generate()'s cut-off is what the decodes test); True if they win.
+    Also returns whether, with the mask on, those logits are -inf."""
     weight = model.word_embeddings_weight()  # [v_pad / tp, h]
     start = model.embedding.word_embeddings.vocab_start_index
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         rows = torch.arange(start, start + weight.shape[0]) >= VOCAB
         weight[rows] = 50.0 * torch.randn(int(rows.sum()), weight.shape[1])
-        ids = torch.tensor([prompt])
+        masked = model(ids, torch.arange(ids.shape[1])[None], None)[0, -1]
+        model.config.true_vocab_size = None
         logits = model(ids, torch.arange(ids.shape[1])[None], None)[0, -1]
-    return bool(logits[VOCAB:].max() > logits[:VOCAB].max())
+    return (bool(logits[VOCAB:].max() > logits[:VOCAB].max()),
+            bool(torch.isneginf(masked[VOCAB:]).all()))
 
 
 def _decode_all(ckpt_dir, prompts, seed):
@@ -82,7 +87,7 @@ def _decode_all(ckpt_dir, prompts, seed):
         "top1": (dict(top_k=1, temperature=0.7, seed=seed), True, None)})
     out["eod"] = out["cache"][1][4]  # an id greedy decoding produces: it must stop there
     out["stopped"] = generate(model, prompts[1:2], MAX_NEW, VOCAB, None, out["eod"])[0]
-    out["padded_would_win"] = _boost_padding(model, prompts[0])
+    out["padded_would_win"], out["padding_masked"] = _boost_padding(model, prompts[0])
     out["padded"] = _generate_each(model, prompts, {
         "greedy": ({}, True, None), "topk": (dict(top_k=5, seed=seed), True, None),
         "topp": (dict(top_p=0.95, seed=seed), True, None),
@@ -153,6 +158,7 @@ def test_tp2_gives_the_tokens_of_tp1(model_dirs, decoded):
 def test_padded_vocabulary_is_never_sampled(decoded, tp):
     _, tp1, tp2 = decoded
     out = tp1 if tp == 1 else tp2[0]
+    assert out["padding_masked"]  # the model itself gives padded ids -inf
     assert out["padded_would_win"]  # so a missing cut-off would show
     for name, outputs in out["padded"].items():
         ids = [i for seq in outputs for i in seq]

@@ -6,6 +6,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from harness import run_distributed
 from megatron import mpu
+from megatron.mpu import v1
 
 
 def _layouts(world):
@@ -49,8 +50,10 @@ def _describe_every_layout(world):
             "prev": mpu.get_pipeline_model_parallel_prev_rank(),
             "is_first": mpu.is_pipeline_first_stage(),
             "is_last": mpu.is_pipeline_last_stage(),
-            "aliases": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(),
+            "replica": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(),
                         mpu.get_model_parallel_src_rank()),
+            "v1": (v1.get_model_parallel_rank(), v1.get_model_parallel_world_size(),
+                   v1.get_model_parallel_src_rank()),
         }
         mpu.destroy_model_parallel()
     return out
@@ -84,7 +87,9 @@ def _expected(topo, rank, tp, pp, dp):
         "prev": pipe[(coord.pipe - 1) % pp],
         "is_first": coord.pipe == 0,
         "is_last": coord.pipe == pp - 1,
-        "aliases": (coord.model, tp, topo.get_rank(pipe=coord.pipe, data=coord.data, model=0)),
+        # megatron.mpu: "model parallel" is the tp x pp replica; v1: tensor parallel.
+        "replica": (mp.index(rank), tp * pp, mp[0]),
+        "v1": (coord.model, tp, topo.get_rank(pipe=coord.pipe, data=coord.data, model=0)),
     }
 
 

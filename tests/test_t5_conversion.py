@@ -2,7 +2,7 @@
 
 - HF -> native at tp = 1 and 2, T5 v1.0 (ReLU, tied + scaled) and v1.1 (gated-GeLU, untied):
   T5Model's logits equal transformers' (max abs < 1e-4, fp32) on fresh random ids with
-  padding in both stacks; the padded vocabulary rows give zero logits.
+  padding in both stacks; the padded vocabulary rows give -inf logits.
 - native (tp=2, pp=2) -> HF gives back the original tensors bit for bit.
 - the tool's bad input exits 2 with a message.
 """
@@ -17,7 +17,7 @@ from harness import run_distributed
 from t5_hf import VOCAB, hf_logits, load_into_pipe, make_hf_t5, native_logits, random_batch
 from megatron.checkpoint_conversion import safetensors_io
 from megatron.checkpoint_conversion.t5_convert import T5ConversionRequest, run_t5_conversion
-from megatron.checkpoint_conversion.t5_native import read_native_t5
+from megatron.checkpoint_conversion.t5_convert import read_native_t5
 
 TOL = 1e-4
 REPO = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
@@ -37,7 +37,7 @@ def test_hf_to_native_logits_match_transformers(tmp_path, seed, tp, v1_1):
         assert logits.shape == (3, 9, padded)
         err = (logits[..., :VOCAB] - expected)[real].abs().max().item()
         assert err < TOL, f"tp={tp} v1_1={v1_1}: max abs logit difference {err}"
-        assert logits[..., VOCAB:].abs().max().item() == 0.0  # zero padding rows
+        assert torch.isneginf(logits[..., VOCAB:]).all()  # padded rows take no probability
     saved = read_native_t5(str(out)).args
     assert (saved["padded_vocab_size"], saved["true_vocab_size"]) == (padded, VOCAB)
     assert saved["untie_embeddings"] == v1_1 and saved["t5_ff"] == ("gated-gelu" if v1_1
@@ -63,6 +63,22 @@ def test_native_pipeline_layout_to_hf_round_trip_is_exact(tmp_path, seed, v1_1):
     reloaded = T5ForConditionalGeneration.from_pretrained(str(back))
     assert reloaded.config.scale_decoder_outputs == (not v1_1)
     assert config["feed_forward_proj"] == ("gated-gelu" if v1_1 else "relu")
+    # dropout_rate survives both ways (make_hf_t5 saves 0.0; the old default was 0.1).
+    saved = read_native_t5(str(native)).args
+    assert (saved["hidden_dropout"], saved["attention_dropout"]) == (0.0, 0.0)
+    assert config["dropout_rate"] == 0.0 and reloaded.config.dropout_rate == 0.0
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.25])
+def test_dropout_rate_maps_to_both_native_dropouts_and_back(rate):
+    from megatron.checkpoint_conversion import t5_hf
+
+    hf = {"num_layers": 1, "d_model": 8, "num_heads": 2, "d_kv": 4, "d_ff": 16,
+          "vocab_size": 32, "dropout_rate": rate}
+    args = t5_hf.hf_args(hf)
+    assert (args["hidden_dropout"], args["attention_dropout"]) == (rate, rate)
+    assert t5_hf.hf_args({k: v for k, v in hf.items() if k != "dropout_rate"})[
+        "hidden_dropout"] == 0.1  # HF's own default when the config omits it
 
 
 def test_tool_rejects_a_layout_that_does_not_divide(tmp_path, seed):

@@ -7,7 +7,7 @@ import pytest
 
 from gpt2_runs import gpt2_argv
 from harness import run_distributed
-from megatron.training_log import model_flops_per_step, throughput
+from megatron.training.training_log import model_flops_per_step, throughput
 
 
 def _matmul_flops(b, s, layers, h, vocab):

@@ -63,7 +63,7 @@ def make_tokenizer(args):
 
     saved = {}
     if not hf_io.is_hf_dir(args.load):
-        from megatron.checkpoint_conversion.t5_native import read_native_t5
+        from megatron.checkpoint_conversion.t5_convert import read_native_t5
 
         saved = read_native_t5(args.load, args.iteration).args
     model_file = args.tokenizer_model or saved.get("tokenizer_model")

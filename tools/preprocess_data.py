@@ -10,6 +10,12 @@ JSONL, a JSON array (GPT2-Chinese's ``train.json``) or plain text (documents sep
 blank lines); see megatron/data/text_input.py. A malformed line is an error naming the file
 and line, unless ``--skip-bad-lines`` skips and counts it. Output files appear only when
 the whole input went through.
+
+The output is byte-identical to Megatron-LM's tools/preprocess_data.py (v2.6 and today's)
+for the same input and vocabulary: a document whose text tokenizes to nothing is skipped
+(no lone end-of-document token), and a literal ``<|endoftext|>`` inside a text is
+tokenized as text, not as the end-of-document id (``--eod-in-text`` restores that, HF's
+reading). See docs/data.md.
 """
 import argparse
 import itertools
@@ -25,6 +31,7 @@ import numpy as np  # noqa: E402
 from megatron.data import indexed_dataset  # noqa: E402
 from megatron.data.text_input import FORMATS, check_input, detect_format, iter_units, parse_unit  # noqa: E402,E501
 from megatron.errors import DataError, entry_point  # noqa: E402
+from megatron.progress import progress as make_progress  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 CHUNK = 64  # documents per task sent to a worker: amortizes the inter-process traffic
@@ -48,6 +55,9 @@ def get_args(argv=None):
     group.add_argument("--vocab-extra-ids", type=int, default=100)
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to every document")
+    group.add_argument("--eod-in-text", action="store_true",
+                       help="read a literal <|endoftext|> in a text as the end-of-document id "
+                            "(HF's reading; Megatron-LM, and the default, tokenize it as text)")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True)
     group.add_argument("--dataset-impl", default="mmap", choices=["mmap"])
@@ -65,9 +75,15 @@ def get_args(argv=None):
 _TOKENIZER = None
 
 
+_TOKENIZE = None
+
+
 def _init_worker(args):
-    global _TOKENIZER
+    global _TOKENIZER, _TOKENIZE
     _TOKENIZER = build_tokenizer(args)
+    # Megatron's GPT-2 tokenizer has no special tokens: "<|endoftext|>" is just text.
+    as_text = getattr(_TOKENIZER, "tokenize_as_text", None)
+    _TOKENIZE = _TOKENIZER.tokenize if args.eod_in_text or as_text is None else as_text
 
 
 def encode_chunk(task):
@@ -86,8 +102,8 @@ def encode_chunk(task):
             continue
         arrays, nbytes = {}, 0
         for key, text in doc.items():
-            ids = _TOKENIZER.tokenize(text)
-            if append_eod:
+            ids = _TOKENIZE(text)
+            if append_eod and ids:  # as Megatron: an empty document gets no EOD either
                 ids.append(_TOKENIZER.eod)
             arrays[key] = np.asarray(ids, dtype=dtype)
             nbytes += len(text.encode("utf-8"))
@@ -123,18 +139,26 @@ def _validate_inputs(args):
 
 
 class _Progress:
+    """Documents done: a bar on a terminal, a line every ``--log-interval`` docs otherwise."""
+
     def __init__(self, interval):
-        self.interval, self.start = interval, time.time()
+        self.bar = make_progress(desc="tokenizing", unit="docs", every=interval)
+        self.start = time.time()
         self.docs = self.bytes = self.skipped = self.empty = 0
 
     def add(self, nbytes):
         self.docs += 1
         self.bytes += nbytes
-        if self.docs % self.interval == 0:
-            self.report("processed")
+        if self.docs % 1000 == 0:  # the byte rate; refreshing it per document costs time
+            self.bar.set_postfix_str(f"{self.bytes / self._elapsed() / 1e6:.2f} MB/s")
+        self.bar.update(1)
+
+    def _elapsed(self):
+        return max(time.time() - self.start, 1e-9)
 
     def report(self, what):
-        elapsed = max(time.time() - self.start, 1e-9)
+        self.bar.close()
+        elapsed = self._elapsed()
         print(f"{what} {self.docs} documents ({self.docs / elapsed:.1f} docs/s, "
               f"{self.bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
 

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.data.text_input import FORMATS, check_input, iter_documents  # noqa: E402
 from megatron.errors import DataError, entry_point  # noqa: E402
+from megatron.progress import progress  # noqa: E402
 
 CHAR_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[SPACE]"]
 
@@ -49,15 +50,26 @@ def _texts(args):
         skipped[path] += 1
         print(f"skipped {path}:{lineno}: {msg}", file=sys.stderr)
 
-    for doc in iter_documents(args.input, args.json_keys, args.input_format,
-                              args.skip_bad_lines, on_skip):
+    docs = iter_documents(args.input, args.json_keys, args.input_format, args.skip_bad_lines,
+                          on_skip)
+    for doc in progress(docs, desc="reading documents", unit="docs"):
         yield from doc.values()
 
 
 def train_gpt2(args):
     from megatron.tokenizer.bpe_trainer import save_bpe, train_bpe
 
-    vocab, merges = train_bpe(_texts(args), args.vocab_size, args.min_frequency)
+    bars = []
+
+    def on_merge():  # the merges' bar starts once reading (its own bar) is over
+        if not bars:
+            bars.append(progress(total=max(args.vocab_size - 257, 1), desc="learning merges",
+                                 unit="merges"))
+        bars[0].update(1)
+
+    vocab, merges = train_bpe(_texts(args), args.vocab_size, args.min_frequency, on_merge)
+    for bar in bars:
+        bar.close()
     if len(merges) == 0:
         raise DataError("no pair occurs --min-frequency times; the input is too small")
     paths = save_bpe(vocab, merges, args.output_dir)

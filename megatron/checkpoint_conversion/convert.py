@@ -1,7 +1,10 @@
-"""Whole conversions: HF or native (any layout) in, HF or native (any layout) out.
+"""Whole conversions: HF or native (any layout) in, HF or native (any layout) out, for
+every model family.
 
-Everything goes through a :class:`~.native_reader.FullCheckpoint` (GPT2Model keys, whole
-tensors), so each format needs one reader and one writer and any pair combines.
+Everything goes through a :class:`~.native_reader.FullCheckpoint` (whole-model keys, whole
+tensors), so each format needs one reader and one writer and any pair combines. Native
+checkpoints use the generic reader/writer with the family's key map; only the HF mapping
+is per family (GPT-2 here, T5 in :mod:`.t5_convert`).
 """
 import os
 from dataclasses import dataclass
@@ -40,6 +43,9 @@ class BaseConversionRequest:
     iteration: Optional[int] = None
     true_vocab: Optional[int] = None
 
+    family = None
+    """``gpt2`` or ``t5``: set by each family's request class."""
+
 
 @dataclass
 class ConversionRequest(BaseConversionRequest):
@@ -52,6 +58,8 @@ class ConversionRequest(BaseConversionRequest):
 
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
+
+    family = "gpt2"
 
 
 def detect_format(path):
@@ -83,6 +91,15 @@ def read_hf(path, request):
     return FullCheckpoint(state, args, request.iteration or 0, {})
 
 
+def _hf_io(family):
+    """(reader, writer) of the family's Hugging Face format."""
+    if family == "t5":
+        from .t5_convert import read_hf_t5, write_hf_t5
+
+        return read_hf_t5, write_hf_t5
+    return read_hf, write_hf
+
+
 def write_hf(ckpt, path, request):
     """Write ``ckpt`` as an HF GPT-2 directory (config, safetensors, tokenizer files)."""
     args = {**ckpt.args, **_tokenizer_files(request)}
@@ -104,7 +121,8 @@ def write_hf(ckpt, path, request):
 
 
 def run_conversion(request):
-    """Convert as ``request`` says; returns the path written.
+    """Convert as ``request`` says (its class names the model family); returns the path
+    written.
 
     Raises:
         CheckpointError / ConfigError: bad input, before anything is written.
@@ -115,14 +133,15 @@ def run_conversion(request):
             raise ConfigError(f"--{name}-format {value!r}: use one of {FORMATS}")
     if os.path.abspath(request.input) == os.path.abspath(request.output):
         raise ConfigError("--input and --output are the same directory")
+    hf_reader, hf_writer = _hf_io(request.family)
     if in_format == "hf":
-        ckpt = read_hf(request.input, request)
+        ckpt = hf_reader(request.input, request)
     else:
-        ckpt = read_native(request.input, request.iteration)
+        ckpt = read_native(request.input, request.iteration, request.family)
     if request.output_format == "hf":
         if request.tp not in (None, 1) or request.pp not in (None, 1):
             raise ConfigError("--target-tensor/pipeline-parallel-size apply to native output")
-        write_hf(ckpt, request.output, request)
+        hf_writer(ckpt, request.output, request)
         return request.output
     tp = request.tp or ckpt.args.get("tensor_model_parallel_size", 1)
     pp = request.pp or ckpt.args.get("pipeline_model_parallel_size", 1)

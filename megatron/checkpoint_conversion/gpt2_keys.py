@@ -159,3 +159,45 @@ def stage_full_keys(full_keys_list, num_layers, bounds):
             if int(pipe_key.split(".", 1)[0]) in specs:
                 out[key] = pipe_key
     return out
+
+
+# ---------------------------------------------------------------- the schema the generic
+# reader, writer and resharder use (megatron/checkpoint_conversion/native_*.py)
+NAME = "GPT-2"
+VOCAB_KEYS = (WORD_EMBEDDINGS,)
+"""Tensors with one row per (padded) vocabulary entry."""
+
+
+def expected_keys(args):
+    """Every key of the full state dict the saved ``args`` describe."""
+    return full_keys(args["num_layers"], args.get("hidden_bias", True))
+
+
+def describe(args):
+    return f"{args['num_layers']}-layer GPT-2"
+
+
+def stage_bounds(args, pp):
+    return stage_spec_bounds(args["num_layers"], pp)
+
+
+def stage_keys(full_keys_list, args, bounds):
+    return stage_full_keys(full_keys_list, args["num_layers"], bounds)
+
+
+def stage_replica(key):
+    """How a tensor found on a second pipeline stage is treated: ``agree`` (a tied copy
+    that must equal the first), ``first`` (an unused copy: the first stage's is real) or
+    None (it must not repeat). The last stage's embedding copy serves the tied output layer;
+    its position embedding is never used there and keeps its initial values."""
+    return {WORD_EMBEDDINGS: "agree", POSITION_EMBEDDINGS: "first"}.get(key)
+
+
+TP_DIVIDES = (("num_attention_heads", "attention heads"), ("ffn_hidden_size", "ffn hidden size"),
+              ("padded_vocab_size", "padded vocabulary size"))
+"""Sizes a tensor-parallel layout must divide, with their names in messages."""
+
+
+def pipeline_capacity(args):
+    """(most pipeline stages, how to name that limit in a message)."""
+    return args["num_layers"], f"the number of layers ({args['num_layers']})"

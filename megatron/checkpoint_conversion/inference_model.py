@@ -5,28 +5,13 @@ saved at that same tp without pipeline stages is loaded file by file; any other 
 merged and resharded in memory (:mod:`.native_reader` / :mod:`.native_writer`), so a
 pipeline run's checkpoint or one of another tp generates without converting it first.
 """
-import torch
-
 from .. import mpu
-from ..checkpointing import checkpoint_name, iteration_dir
+from ..training.checkpointing import checkpoint_name, iteration_dir
 from ..errors import CheckpointError, ConfigError
+from ..families import get_family
 from . import gpt2_keys
 from .native_reader import load_rank_file, rank_files, read_native, resolve_iteration
 from .native_writer import reshard, stage_state
-
-
-def transformer_config(args, compute_dtype=torch.float32):
-    """A dropout-free :class:`TransformerConfig` from a saved args dict."""
-    from ..model.transformer import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=args["num_layers"], hidden_size=args["hidden_size"],
-        num_attention_heads=args["num_attention_heads"], kv_channels=args["kv_channels"],
-        ffn_hidden_size=args["ffn_hidden_size"], hidden_dropout=0.0, attention_dropout=0.0,
-        layernorm_epsilon=args.get("layernorm_epsilon", 1e-5),
-        bias=args.get("hidden_bias", True),
-        masked_softmax_fusion=args.get("masked_softmax_fusion", True),
-        compute_dtype=compute_dtype)
 
 
 def _own_weights(root, iteration, true_vocab):
@@ -44,7 +29,7 @@ def _own_weights(root, iteration, true_vocab):
         return state["model"], args
     full = read_native(root, iteration)
     target = reshard(full, tp, 1, true_vocab=true_vocab)
-    return stage_state(target.state, target.args["num_layers"], tp, tp_rank), target.args
+    return stage_state(target.state, target.args, tp_rank), target.args
 
 
 def load_gpt2_for_inference(root, iteration=None, true_vocab=None):
@@ -71,7 +56,7 @@ def load_gpt2_for_inference(root, iteration=None, true_vocab=None):
     if heads % tp:
         raise ConfigError(f"the model's {heads} attention heads do not divide by the "
                           f"{tp} processes launched; launch a divisor of {heads}")
-    model = GPT2Model(transformer_config(args), args["padded_vocab_size"],
+    model = GPT2Model(get_family("gpt2").config_from_saved(args), args["padded_vocab_size"],
                       args["max_position_embeddings"], parallel_output=False)
     try:
         model.load_state_dict(state)

@@ -1,9 +1,12 @@
-"""Read a native GPT-2 checkpoint of any (tp, pp) layout into one full state dict.
+"""Read a native checkpoint of any model family and any (tp, pp) layout into one full
+state dict.
 
 The files of ``<root>/iter_N/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` are read with
 ``torch.load(weights_only=True)``; tensor-parallel shards are concatenated along their split
-dimension (:mod:`.gpt2_keys`), pipeline-stage keys are renamed to GPT2Model's, and the result
-is checked for completeness against the model sizes in the saved args.
+dimension, pipeline-stage keys are renamed to the whole model's, copies held by several
+stages are checked to agree, and the result is checked for completeness against the model
+sizes in the saved args. What differs between GPT-2 and T5 comes from the family's key map
+(:mod:`.gpt2_keys`, :mod:`.t5_keys`; ``ModelFamily.keys()``).
 """
 import os
 import re
@@ -11,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpointing import TRACKER_FILENAME, iteration_dir, read_tracker
+from ..training.checkpointing import TRACKER_FILENAME, iteration_dir, read_tracker
 from ..errors import CheckpointError
+from ..progress import progress
 from . import gpt2_keys
 
 #: Replicated tensors (LayerNorms, row-parallel biases, the tied embedding copies) must agree
@@ -28,10 +32,11 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 @dataclass
 class FullCheckpoint:
-    """A whole GPT-2 in GPT2Model key names, independent of any parallel layout.
+    """A whole model in its unsplit key names (GPT2Model's, T5Model's), independent of any
+    parallel layout.
 
     Attributes:
-        state: ``{GPT2Model key: full tensor}``.
+        state: ``{model key: full tensor}``.
         args: the saved args dict (model sizes, tokenizer, the source layout).
         iteration: the training iteration it was saved at (0 for converted HF weights).
         extras: progress carried to a converted checkpoint (:data:`CARRIED_KEYS`).
@@ -124,53 +129,97 @@ def merge_tensor_parallel(shards, where, split_dim=gpt2_keys.tp_split_dim):
     return merged
 
 
-def _to_full_keys(state, num_layers):
-    if not gpt2_keys.is_pipe_state(state):
+def family_of(args):
+    """The model family a checkpoint's saved ``args`` describe (``gpt2`` or ``t5``)."""
+    return "t5" if "t5_ff" in args else "gpt2"
+
+
+def key_map(family):
+    """The conversion key map module of ``family`` (a name or a ModelFamily)."""
+    from ..families import get_family
+
+    return get_family(family).keys()
+
+
+def _to_full_keys(keys, state, num_layers):
+    if not keys.is_pipe_state(state):
         return dict(state)
-    return {gpt2_keys.pipe_to_full_key(k, num_layers): v for k, v in state.items()}
+    return {keys.pipe_to_full_key(k, num_layers): v for k, v in state.items()}
 
 
-def _add_stage(full, stage, pp_rank):
-    """Add one stage's tensors; stages come in order, so stage 0's embedding wins.
-
-    The last stage holds a copy of the whole embedding module for the tied output layer:
-    its word embedding is kept equal to the first stage's (the engine reduces their
-    gradients), but its position embedding is never used there and keeps its initial
-    values, so only the first stage's copy is real.
-    """
+def _add_stage(keys, full, stage, pp_rank):
+    """Add one stage's tensors; stages come in order, so the first copy of a tensor held by
+    several stages is kept, and later copies are checked (``keys.stage_replica``)."""
     for key, tensor in stage.items():
         if key not in full:
             full[key] = tensor
-        elif key == gpt2_keys.WORD_EMBEDDINGS:
-            replicas_agree(full[key], tensor, f"tied {key} (pipeline stage {pp_rank})")
-        elif key != gpt2_keys.POSITION_EMBEDDINGS:
+            continue
+        rule = keys.stage_replica(key)
+        if rule == "agree":
+            replicas_agree(full[key], tensor, f"{key} (pipeline stage {pp_rank})")
+        elif rule != "first":
             raise CheckpointError(f"{key} appears on two pipeline stages (again on stage "
                                   f"{pp_rank})")
 
 
-def _check_complete(full, args, folder):
-    expected = gpt2_keys.full_keys(args["num_layers"], args.get("hidden_bias", True))
+def check_complete(keys, full, args, folder):
+    expected = keys.expected_keys(args)
     missing = [k for k in expected if k not in full]
     unexpected = sorted(set(full) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {folder} does not hold a {args['num_layers']}-layer "
-                              f"GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    vocab = full[gpt2_keys.WORD_EMBEDDINGS].shape[0]
+        raise CheckpointError(f"checkpoint {folder} does not hold a {keys.describe(args)}: "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    vocab = full[keys.VOCAB_KEYS[0]].shape[0]
     if vocab != args["padded_vocab_size"]:
         raise CheckpointError(f"checkpoint {folder}: word embeddings have {vocab} rows but its "
                               f"args say padded_vocab_size={args['padded_vocab_size']}")
     return {k: full[k] for k in expected}
 
 
-def read_native(root, iteration=None):
+def _check_family(args, family, path):
+    saved = family_of(args)
+    if family is not None and family != saved:
+        tool = "tools/convert_checkpoint_t5.py" if saved == "t5" else \
+            "tools/convert_checkpoint.py"
+        raise CheckpointError(f"{path} is not a {key_map(family).NAME} checkpoint (it holds a "
+                              f"{key_map(saved).NAME}); use {tool}")
+    return saved
+
+
+def merge_layout(keys, args, local_state, where):
+    """Per-rank state dicts of the (tp, pp) layout in ``args`` -> one whole-model dict.
+
+    Tensor-parallel shards are concatenated, pipeline-stage keys renamed to the whole
+    model's, and tensors held by several stages checked to agree. Used for the weights and,
+    by a resume at another layout, for each Adam moment (keyed like the weights).
+
+    Args:
+        keys: the family's key map (:func:`key_map`).
+        args: the saved args (layout and ``num_layers``).
+        local_state: ``f(tp_rank, pp_rank) -> {local key: tensor}``, called stage by stage.
+        where: description for error messages.
+    """
+    tp, pp = args["tensor_model_parallel_size"], args.get("pipeline_model_parallel_size", 1)
+    full = {}
+    for pp_rank in progress(range(pp), desc="reading stages", unit="stages"):
+        stage = [_to_full_keys(keys, local_state(t, pp_rank), args["num_layers"])
+                 for t in range(tp)]
+        merged = merge_tensor_parallel(stage, f"{where} stage {pp_rank}",
+                                       split_dim=keys.tp_split_dim)
+        _add_stage(keys, full, merged, pp_rank)
+    return full
+
+
+def read_native(root, iteration=None, family=None):
     """Read and merge a native checkpoint into a :class:`FullCheckpoint`.
 
     Args:
         root: a ``--save`` directory.
         iteration: which iteration (default: the tracker's).
+        family: ``gpt2`` or ``t5`` to insist on one (default: what the saved args say).
 
     Raises:
-        CheckpointError: missing, incomplete, mixed or non-GPT-2 checkpoint.
+        CheckpointError: missing, incomplete, mixed or other-family checkpoint.
     """
     iteration = resolve_iteration(root, iteration)
     folder = iteration_dir(root, iteration)
@@ -183,14 +232,15 @@ def read_native(root, iteration=None):
     if not all(k in args for k in required):
         raise CheckpointError(f"{files[(0, 0)]} has no saved model args: not a megatron-tds "
                               f"checkpoint")
+    keys = key_map(_check_family(args, family, files[(0, 0)]))
     tp, pp = args["tensor_model_parallel_size"], args.get("pipeline_model_parallel_size", 1)
     _check_layout(files, tp, pp, folder)
-    full = {}
-    for pp_rank in range(pp):
-        shards = [first if (t, pp_rank) == (0, 0) else load_rank_file(files[(t, pp_rank)])
-                  for t in range(tp)]
-        stage = [_to_full_keys(s.get("model", {}), args["num_layers"]) for s in shards]
-        _add_stage(full, merge_tensor_parallel(stage, f"{folder} stage {pp_rank}"), pp_rank)
+
+    def model_of(tp_rank, pp_rank):
+        state = first if (tp_rank, pp_rank) == (0, 0) else load_rank_file(files[(tp_rank, pp_rank)])
+        return state.get("model", {})
+
+    full = merge_layout(keys, args, model_of, folder)
     extras = {k: first[k] for k in CARRIED_KEYS if k in first}
-    return FullCheckpoint(_check_complete(full, args, folder), args,
+    return FullCheckpoint(check_complete(keys, full, args, folder), args,
                           int(first.get("iteration", iteration)), extras)

@@ -1,8 +1,10 @@
-"""Split a full GPT-2 state dict into a (tp, pp) layout and write a native checkpoint.
+"""Split a full state dict (any model family) into a (tp, pp) layout and write a native
+checkpoint.
 
-The result has the layout :mod:`megatron.checkpointing` reads
+The result has the layout :mod:`megatron.training.checkpointing` reads
 (``<root>/iter_N/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` and the tracker), with
-GPT2Model keys when pp = 1 and GPT2ModelPipe stage keys when pp > 1. It holds weights only:
+whole-model keys when pp = 1 and pipeline-stage keys when pp > 1 (the family's key map
+says which). It holds weights only:
 no optimizer state and no RNG state. A training run starts from it with ``--finetune``
 (iteration 0, fresh optimizer) or resumes with ``--no-load-optim`` (keeps the iteration,
 consumed samples and LR schedule carried over from the source; RNG from ``--seed``).
@@ -15,27 +17,25 @@ import shutil
 
 import torch
 
-from ..checkpointing import CHECKPOINT_FORMAT, TRACKER_FILENAME, checkpoint_name, iteration_dir
+from ..training.checkpointing import CHECKPOINT_FORMAT, TRACKER_FILENAME, checkpoint_name, iteration_dir
 from ..errors import CheckpointError, ConfigError
-from . import gpt2_keys
-from .native_reader import FullCheckpoint
-from .vocab_padding import repad_word_embeddings, resolve_true_vocab_size, target_padded_size
+from ..progress import progress
+from ..tokenizer import vocab_size_with_padding
+from ..training.backend import uses_pipeline_engine
+from .native_reader import FullCheckpoint, family_of, key_map
+from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size, target_padded_size
 
 
 def check_layout(args, tp, pp):
     """Raise ConfigError unless the model in ``args`` splits into ``tp`` x ``pp``."""
     if tp < 1 or pp < 1:
         raise ConfigError(f"target sizes must be >= 1, got tp={tp}, pp={pp}")
-    problems = []
-    for name, what in (("num_attention_heads", "attention heads"),
-                       ("ffn_hidden_size", "ffn hidden size"),
-                       ("padded_vocab_size", "padded vocabulary size")):
-        if args[name] % tp:
-            problems.append(f"{what} ({args[name]}) is not divisible by "
-                            f"--target-tensor-parallel-size {tp}")
-    if pp > args["num_layers"]:
-        problems.append(f"--target-pipeline-parallel-size {pp} is larger than the number of "
-                        f"layers ({args['num_layers']})")
+    keys = key_map(family_of(args))
+    problems = [f"{what} ({args[name]}) is not divisible by --target-tensor-parallel-size {tp}"
+                for name, what in keys.TP_DIVIDES if args[name] % tp]
+    stages, limit = keys.pipeline_capacity(args)
+    if pp > stages:
+        problems.append(f"--target-pipeline-parallel-size {pp} is larger than {limit}")
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -54,21 +54,23 @@ def _shard(tensor, dim, tp, tp_rank):
     return torch.chunk(tensor, tp, dim=dim)[tp_rank].clone()
 
 
-def stage_state(full_state, num_layers, tp, tp_rank, stage_bounds=None):
-    """The state dict one (tp_rank, stage) of the target layout loads.
+def stage_state(full_state, args, tp_rank, stage_bounds=None):
+    """The state dict one (tp_rank, stage) of the layout in ``args`` loads.
 
     Args:
-        full_state: full GPT2Model state dict.
-        num_layers: transformer layers.
-        tp, tp_rank: tensor-parallel size and this rank.
+        full_state: full state dict (whole-model keys).
+        args: the target layout's args (``tensor_model_parallel_size``, model sizes).
+        tp_rank: this tensor-parallel rank.
         stage_bounds: ``(start, end)`` layer-spec indices for a pipeline stage, or None for
-            a GPT2Model (pp = 1) state dict.
+            a whole-model (pp = 1) state dict.
     """
+    keys = key_map(family_of(args))
+    tp = args["tensor_model_parallel_size"]
     if stage_bounds is None:
         names = {k: k for k in full_state}
     else:
-        names = gpt2_keys.stage_full_keys(list(full_state), num_layers, stage_bounds)
-    return {new: _shard(full_state[old], gpt2_keys.tp_split_dim(old), tp, tp_rank)
+        names = keys.stage_keys(list(full_state), args, stage_bounds)
+    return {new: _shard(full_state[old], keys.tp_split_dim(old), tp, tp_rank)
             for old, new in names.items()}
 
 
@@ -93,30 +95,32 @@ def _publish(root, tmp_root, iteration):
     os.replace(tracker + ".tmp", tracker)
 
 
-def write_native(ckpt, root, tp, pp, source="converted"):
+def write_native(ckpt, root, tp=None, pp=None, source="converted"):
     """Write ``ckpt`` (a :class:`FullCheckpoint` already padded for ``tp``) as a checkpoint.
 
     Args:
         ckpt: the full model and its args (``padded_vocab_size`` must match the tensor).
         root: output ``--save``-style directory.
-        tp, pp: target tensor- and pipeline-parallel sizes.
+        tp, pp: target tensor- and pipeline-parallel sizes (default: the args' layout).
         source: where the weights came from (recorded in each file).
 
     Returns:
         The iteration folder written.
     """
+    tp = tp or ckpt.args["tensor_model_parallel_size"]
+    pp = pp or ckpt.args.get("pipeline_model_parallel_size", 1)
     args = layout_args(ckpt.args, tp, pp)
     check_layout(args, tp, pp)
-    num_layers = args["num_layers"]
-    bounds = gpt2_keys.stage_spec_bounds(num_layers, pp) if pp > 1 else [None]
+    keys = key_map(family_of(args))
+    bounds = keys.stage_bounds(args, pp) if uses_pipeline_engine(pp) else [None]
     tmp_root = _prepare_output(root, ckpt.iteration)
     try:
-        for pp_rank, stage_bounds in enumerate(bounds):
+        for pp_rank, stage_bounds in progress(list(enumerate(bounds)), desc="writing stages",
+                                              unit="stages"):
             for tp_rank in range(tp):
                 state = {"format": CHECKPOINT_FORMAT, "iteration": ckpt.iteration,
                          "args": args, "converted_from": source, "weights_only": True,
-                         "model": stage_state(ckpt.state, num_layers, tp, tp_rank,
-                                              stage_bounds),
+                         "model": stage_state(ckpt.state, args, tp_rank, stage_bounds),
                          **ckpt.extras}
                 path = checkpoint_name(tmp_root, ckpt.iteration, tp_rank, pp_rank)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -131,17 +135,21 @@ def reshard(ckpt, tp, pp, divisible_by=None, true_vocab=None):
     """``ckpt`` with its vocabulary padded for ``tp`` and its args updated (no files written).
 
     Args:
-        ckpt: a :class:`FullCheckpoint`.
+        ckpt: a :class:`FullCheckpoint` (padded rows, or only the real ones fresh from HF).
         tp, pp: target layout.
         divisible_by: ``--make-vocab-size-divisible-by`` of the target (default: the
             source's, else 128).
         true_vocab: real vocabulary rows, or None to look them up
             (:func:`~.vocab_padding.resolve_true_vocab_size`).
     """
+    keys = key_map(family_of(ckpt.args))
     divisible_by = divisible_by or ckpt.args.get("make_vocab_size_divisible_by") or 128
     true_vocab = resolve_true_vocab_size(ckpt.args, true_vocab)
-    padded = target_padded_size(ckpt.args, tp, divisible_by, true_vocab)
-    state = repad_word_embeddings(ckpt.state, true_vocab, padded)
+    if "padded_vocab_size" in ckpt.args:
+        padded = target_padded_size(ckpt.args, tp, divisible_by, true_vocab)
+    else:  # fresh from HF: only the real rows so far
+        padded = vocab_size_with_padding(true_vocab, divisible_by, tp)
+    state = repad_vocab_rows(ckpt.state, true_vocab, padded, keys.VOCAB_KEYS)
     args = layout_args(ckpt.args, tp, pp)
     args.update(padded_vocab_size=padded, make_vocab_size_divisible_by=divisible_by)
     if true_vocab is not None:

@@ -60,6 +60,9 @@ def hf_args(config):
                                                           128),
             "t5_ff": ff, "untie_embeddings": not scales_output(config),
             "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-6), "hidden_bias": False,
+            # HF T5 has one dropout_rate for hidden states and attention probabilities.
+            "hidden_dropout": config.get("dropout_rate", 0.1),
+            "attention_dropout": config.get("dropout_rate", 0.1),
             "tokenizer_type": "SentencePieceTokenizer"}
 
 
@@ -194,6 +197,8 @@ def full_to_hf(state, args, vocab_size, pad_id=0, eos_id=1):
         "feed_forward_proj": ff, "layer_norm_epsilon": args.get("layernorm_epsilon", 1e-6),
         "tie_word_embeddings": not untied, "scale_decoder_outputs": not untied,
         "is_encoder_decoder": True, "pad_token_id": pad_id, "eos_token_id": eos_id,
-        "decoder_start_token_id": pad_id, "dropout_rate": 0.1, "initializer_factor": 1.0,
+        "decoder_start_token_id": pad_id, "initializer_factor": 1.0,
+        # One rate in HF: the hidden-state dropout (T5 trains both at the same rate).
+        "dropout_rate": args.get("hidden_dropout", 0.1),
     }
     return config, {k: v.contiguous() for k, v in weights.items()}

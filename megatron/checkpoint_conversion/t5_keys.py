@@ -159,3 +159,50 @@ def stage_full_keys(full_keys_list, num_layers, bounds, tied=True):
         if keep:
             out[key] = pipe_key
     return out
+
+
+# ---------------------------------------------------------------- the schema the generic
+# reader, writer and resharder use (megatron/checkpoint_conversion/native_*.py)
+NAME = "T5"
+VOCAB_KEYS = (WORD_EMBEDDINGS, LM_HEAD)
+"""Tensors with one row per (padded) vocabulary entry."""
+
+
+def _tied(args):
+    return not args.get("untie_embeddings", False)
+
+
+def expected_keys(args):
+    """Every key of the full state dict the saved ``args`` describe."""
+    return full_keys(args["num_layers"], _tied(args))
+
+
+def describe(args):
+    return f"{args['num_layers']}-layer {'tied' if _tied(args) else 'untied'} T5"
+
+
+def stage_bounds(args, pp):
+    return stage_spec_bounds(args["num_layers"], pp)
+
+
+def stage_keys(full_keys_list, args, bounds):
+    return stage_full_keys(full_keys_list, args["num_layers"], bounds, tied=_tied(args))
+
+
+def stage_replica(key):
+    """Tensors that repeat across pipeline stages (the tied embedding, each stack's
+    relative-bias table on every stage of the stack) must agree everywhere."""
+    if key == WORD_EMBEDDINGS or ".relative_bias." in key:
+        return "agree"
+    return None
+
+
+TP_DIVIDES = (("num_attention_heads", "attention heads"), ("ffn_hidden_size", "d_ff"),
+              ("padded_vocab_size", "padded vocabulary size"))
+"""Sizes a tensor-parallel layout must divide, with their names in messages."""
+
+
+def pipeline_capacity(args):
+    """(most pipeline stages, how to name that limit in a message)."""
+    layers = 2 * args["num_layers"]
+    return layers, f"the {layers} encoder + decoder layers"

@@ -86,20 +86,26 @@ def target_padded_size(args, tp, divisible_by, true_vocab):
                           "--vocab-file/--merge-file)")
 
 
-def repad_word_embeddings(state, true_vocab, padded):
-    """``state`` with the word embedding re-padded to ``padded`` rows (a new dict).
+def repad_vocab_rows(state, true_vocab, padded, vocab_keys=(WORD_EMBEDDINGS,)):
+    """``state`` with its vocabulary tensors re-padded to ``padded`` rows (a new dict).
 
     Args:
-        state: full state dict (GPT2Model keys).
+        state: full state dict.
         true_vocab: real rows to keep (None: only allowed when the size does not change).
         padded: target number of rows.
+        vocab_keys: the tensors with a row per vocabulary entry (the family's ``VOCAB_KEYS``:
+            the word embedding, and T5's untied lm head).
     """
-    weight = state[WORD_EMBEDDINGS]  # [v_pad_old, h]
-    if weight.shape[0] == padded:
-        return state
-    if true_vocab is None or true_vocab > min(weight.shape[0], padded):
-        raise CheckpointError(f"cannot re-pad {weight.shape[0]} vocabulary rows to {padded} "
-                              f"without knowing the real vocabulary size (got {true_vocab})")
-    new = torch.zeros(padded, weight.shape[1], dtype=weight.dtype)  # [v_pad_new, h]
-    new[:true_vocab] = weight[:true_vocab]
-    return {**state, WORD_EMBEDDINGS: new}
+    out = dict(state)
+    for key in vocab_keys:
+        if key not in state or state[key].shape[0] == padded:
+            continue
+        weight = state[key]  # [v_pad_old, h]
+        if true_vocab is None or true_vocab > min(weight.shape[0], padded):
+            raise CheckpointError(f"cannot re-pad {weight.shape[0]} vocabulary rows to "
+                                  f"{padded} without knowing the real vocabulary size (got "
+                                  f"{true_vocab}); pass --true-vocab-size")
+        new = torch.zeros(padded, weight.shape[1], dtype=weight.dtype)  # [v_pad_new, h]
+        new[:true_vocab] = weight[:true_vocab]
+        out[key] = new
+    return out

@@ -20,6 +20,7 @@ from megatron.data import helpers
 from megatron.data.dataset_utils import build_blended_splits, get_train_valid_test_split_  # noqa: F401
 from megatron.data.index_cache import cached_arrays
 from megatron.errors import ConfigError, DataError
+from megatron.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +47,19 @@ def build_index_arrays(documents, sizes, num_samples, seq_length, seed):
     total = max(int(num_samples), -(-(tokens_per_epoch - 1) // seq_length))
     num_epochs = -(-(total * seq_length + 1) // tokens_per_epoch)
     rng = np.random.RandomState(seed)
+    # Three whole-array steps, each long on a big corpus: the bar shows which one runs.
+    bar = progress(total=3, desc=f"sample index ({total} samples)", unit="steps")
     docs = np.tile(np.asarray(documents, dtype=np.int64), num_epochs)
     doc_epoch = np.repeat(np.arange(num_epochs), len(documents))
     doc_idx = _epoch_shuffle(docs, doc_epoch, rng)
+    bar.update(1)
     sample_idx = helpers.build_sample_idx(sizes, doc_idx, seq_length, total)
+    bar.update(1)
     starts = np.arange(total, dtype=np.int64) * seq_length
     shuffle_idx = _epoch_shuffle(np.arange(total, dtype=np.int64),
                                  starts // tokens_per_epoch, rng)
+    bar.update(1)
+    bar.close()
     return {"doc": doc_idx, "sample": sample_idx, "shuffle": shuffle_idx}
 
 

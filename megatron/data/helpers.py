@@ -15,6 +15,7 @@ import sysconfig
 import numpy as np
 
 from megatron.build_utils import CSRC_DIR, load_native
+from megatron.locks import remove_stale_tmps, tmp_name
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ def _builder(directory):
     if not target.exists():
         includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], check=True,
                                   capture_output=True, text=True).stdout.split()
-        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+        remove_stale_tmps(target)  # a killed compiler's output
+        tmp = tmp_name(target)
         cmd = [os.environ.get("CXX", "g++"), *CXXFLAGS, *includes, str(SOURCE), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from megatron.errors import DataError
+from megatron.locks import remove_stale_tmps, tmp_name
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ def _valid(paths, desc_path, desc):
 
 
 def _atomic_write(path, write):
-    tmp = f"{path}.tmp-{os.getpid()}"
+    remove_stale_tmps(path)  # a killed writer's leftovers
+    tmp = tmp_name(path)
     try:
         with open(tmp, "wb") as f:
             write(f)

@@ -21,7 +21,9 @@ import struct
 
 import numpy as np
 
+from megatron.data.index_check import check_doc_idx, check_entries
 from megatron.errors import ConfigError, DataError
+from megatron.locks import remove_stale_tmps, tmp_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -62,7 +64,8 @@ def dataset_exists(prefix):
 
 
 def _tmp_name(path):
-    return f"{path}.tmp-{os.getpid()}"
+    remove_stale_tmps(path)  # a killed writer's leftovers
+    return tmp_name(path)
 
 
 def _check_prefix(prefix):
@@ -83,6 +86,9 @@ class _Index:
         file_size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(_HEADER.size)
+        if head[:8] == b"TNTIDX\x00\x00":
+            raise DataError(f"{path} is in Megatron's older lazy/cached format: open it with "
+                            f"indexed_dataset.make_dataset() (read-only)")
         if len(head) < _HEADER.size or head[:9] != MAGIC:
             raise DataError(f"{path} is not a Megatron mmap index (bad magic); rebuild it with "
                             f"tools/preprocess_data.py")
@@ -125,6 +131,10 @@ class MMapIndexedDataset:
         if have < need:
             raise DataError(f"{bin_path}: {have} bytes, the index needs {need}; the data file is "
                             f"truncated or belongs to another index, rebuild it")
+        idx_path = index_file_path(path_prefix)
+        check_entries(idx_path, self._index.sizes, self._index.pointers, self.dtype.itemsize,
+                      have)
+        check_doc_idx(idx_path, self._index.doc_idx, len(self._index.sizes))
         # np.memmap refuses empty files; an empty dataset gets an empty buffer.
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if have else np.zeros(0, np.uint8)
 
@@ -269,9 +279,20 @@ class MMapIndexedDatasetBuilder:
 
 
 def make_dataset(path, impl="mmap", skip_warmup=True):
-    """Open the indexed dataset at prefix ``path``; only ``impl="mmap"`` (or "infer") exists."""
-    if impl not in ("mmap", "infer"):
-        raise ConfigError(f"--data-impl {impl!r} is not supported; use 'mmap'")
+    """Open the indexed dataset at prefix ``path``.
+
+    The format is read from the file's magic whatever ``impl`` says: ``MMIDIDX`` (mmap),
+    or Megatron's older ``TNTIDX`` ("lazy"/"cached", read-only, see
+    :mod:`megatron.data.legacy_indexed_dataset`).
+    """
+    from .legacy_indexed_dataset import LegacyIndexedDataset, is_legacy_index
+
+    if impl not in ("mmap", "infer", "lazy", "cached"):
+        raise ConfigError(f"--data-impl {impl!r} is not supported; use 'mmap' (lazy/cached "
+                          f"files are recognised and read as well)")
+    if is_legacy_index(path):
+        _check_prefix(path)
+        return LegacyIndexedDataset(path, DTYPES)
     return MMapIndexedDataset(path, skip_warmup=skip_warmup)
 
 

@@ -107,8 +107,8 @@ def load(args=None):
     """
     global _STATUS
     if args is not None:
-        for name in _FLAGS:
-            _FLAGS[name] = bool(getattr(args, name, True))
+        _FLAGS.update(masked_softmax_fusion=bool(args.masked_softmax_fusion),
+                      layernorm_fusion=bool(args.layernorm_fusion))
     from megatron.mpu.utils import get_device
 
     kind = get_device().type

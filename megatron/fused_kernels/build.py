@@ -136,7 +136,9 @@ def _compile_cuda(directory):
 
 
 def _cache_key(kind):
-    key = [kind, os.environ.get("CXX", "c++"), *CPU_CFLAGS, *CPU_LDFLAGS]
+    # The checkout's path too: torch's build.ninja names the sources by absolute path, so
+    # two checkouts sharing one folder would rebuild (under the lock) at every switch.
+    key = [kind, str(KERNEL_DIR), os.environ.get("CXX", "c++"), *CPU_CFLAGS, *CPU_LDFLAGS]
     if kind == "cuda":
         from torch.utils.cpp_extension import CUDA_HOME
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from megatron import fused_kernels
 from megatron.fused_kernels import ops
+from megatron.mpu.sequence_parallel import mark_sequence_parallel, sequence_parallel_param
 
 CUDA_MAX_HIDDEN = 8192
 
@@ -102,16 +103,23 @@ class MixedFusedLayerNorm(nn.Module):
         eps: added to the variance.
         params_dtype: dtype of ``weight`` / ``bias`` (default fp32; the math is fp32 anyway).
         device: where the parameters live.
+        sequence_parallel: the input is a sequence shard (``--sequence-parallel``): the
+            gradients of weight and bias are summed across the tensor-parallel ranks.
     """
 
-    def __init__(self, normalized_shape, eps=1e-5, *, params_dtype=None, device=None):
+    def __init__(self, normalized_shape, eps=1e-5, *, params_dtype=None, device=None,
+                 sequence_parallel=False):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = True
+        self.sequence_parallel = sequence_parallel
         kwargs = dict(dtype=params_dtype or torch.float32, device=device)
         self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kwargs))
         self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kwargs))
+        if sequence_parallel:
+            mark_sequence_parallel(self.weight)
+            mark_sequence_parallel(self.bias)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -119,10 +127,12 @@ class MixedFusedLayerNorm(nn.Module):
         nn.init.zeros_(self.bias)
 
     def forward(self, input):
-        if norm_kernel_unavailable_reason(input, self.weight) is None:
-            return _FusedNorm.apply(input, self.weight, self.bias, self.eps, False)
-        return layer_norm_reference(input, self.weight, self.bias, self.eps,
-                                    self.normalized_shape)
+        weight, bias = self.weight, self.bias
+        if self.sequence_parallel:
+            weight, bias = sequence_parallel_param(weight), sequence_parallel_param(bias)
+        if norm_kernel_unavailable_reason(input, weight) is None:
+            return _FusedNorm.apply(input, weight, bias, self.eps, False)
+        return layer_norm_reference(input, weight, bias, self.eps, self.normalized_shape)
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}"
@@ -136,22 +146,28 @@ class MixedFusedRMSNorm(nn.Module):
         eps: added to the mean square.
         params_dtype: dtype of ``weight`` (default fp32).
         device: where the parameter lives.
+        sequence_parallel: as in MixedFusedLayerNorm.
     """
 
-    def __init__(self, normalized_shape, eps=1e-6, *, params_dtype=None, device=None):
+    def __init__(self, normalized_shape, eps=1e-6, *, params_dtype=None, device=None,
+                 sequence_parallel=False):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
+        self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.ones(self.normalized_shape,
                                               dtype=params_dtype or torch.float32, device=device))
+        if sequence_parallel:
+            mark_sequence_parallel(self.weight)
 
     def reset_parameters(self):
         nn.init.ones_(self.weight)
 
     def forward(self, input):
-        if norm_kernel_unavailable_reason(input, self.weight) is None:
-            return _FusedNorm.apply(input, self.weight, None, self.eps, True)
-        return rms_norm_reference(input, self.weight, self.eps, self.normalized_shape)
+        weight = sequence_parallel_param(self.weight) if self.sequence_parallel else self.weight
+        if norm_kernel_unavailable_reason(input, weight) is None:
+            return _FusedNorm.apply(input, weight, None, self.eps, True)
+        return rms_norm_reference(input, weight, self.eps, self.normalized_shape)
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}"

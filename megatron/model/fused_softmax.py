@@ -15,23 +15,16 @@ The fused path takes the compiled kernel (CUDA: fp16/bf16; CPU: fp32/bf16) when
 computes the same function. The kernels hard-code the -10000 fill: give a ``mask_func``
 with other semantics and the two paths differ (use ``--no-masked-softmax-fusion``).
 """
-import enum
 
 import torch
 from torch import nn
 
 from megatron import fused_kernels
 from megatron.fused_kernels import ops
+from megatron.model.enums import AttnMaskType  # noqa: F401 (one class, re-exported here)
 
 #: Megatron's sequence-length bound for the CUDA kernel (a row lives in a warp's registers).
 CUDA_MAX_KEYS = 4096
-
-
-class AttnMaskType(enum.Enum):
-    """Which mask the softmax applies: a padding mask, or the causal triangle (+ mask)."""
-
-    padding = 1
-    causal = 2
 
 
 class _FusedMaskedSoftmax(torch.autograd.Function):

@@ -2,14 +2,14 @@
 from torch import nn
 
 from .language_model import Embedding, lm_loss, parallel_lm_logits
-from .transformer import ParallelTransformer, TransformerConfig
+from .transformer import ParallelTransformer
 
 
 class GPT2Model(nn.Module):
     """GPT-2: learned positions, pre-LN blocks, final LN, output tied to the word embedding.
 
     Args:
-        config: :class:`TransformerConfig`.
+        config: :class:`TransformerConfig` (its ``true_vocab_size`` masks the padding).
         vocab_size: padded vocabulary size.
         max_position_embeddings: learned positions.
         parallel_output: return vocab-split logits (as the loss needs) when no labels.
@@ -20,13 +20,10 @@ class GPT2Model(nn.Module):
         self.config = config
         self.parallel_output = parallel_output
         self.embedding = Embedding(config.hidden_size, vocab_size, max_position_embeddings,
-                                   config.hidden_dropout, config.init_method_std, config.seed)
+                                   config.hidden_dropout, config.init_method_std, config.seed,
+                                   true_vocab_size=config.true_vocab_size,
+                                   sequence_parallel=config.sequence_parallel)
         self.transformer = ParallelTransformer(config)
-
-    @classmethod
-    def from_args(cls, args, parallel_output=True):
-        return cls(TransformerConfig.from_args(args), args.padded_vocab_size,
-                   args.max_position_embeddings, parallel_output)
 
     def word_embeddings_weight(self):
         return self.embedding.word_embeddings.weight
@@ -45,7 +42,9 @@ class GPT2Model(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1])
         logits = parallel_lm_logits(hidden, self.word_embeddings_weight(),
-                                    self.parallel_output or labels is not None)  # [s, b, v/tp]
+                                    self.parallel_output or labels is not None,
+                                    true_vocab_size=self.config.true_vocab_size,
+                                    sequence_parallel=self.config.sequence_parallel)  # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1)
         return lm_loss(logits, labels)

@@ -1,17 +1,18 @@
 """GPT-2 as a tds PipelineModule: the same layers and weights as GPT2Model, split into stages.
 
 Stage boundary tuple: ``(hidden [s, b, h] float, attention_mask [1, 1, s, s] bool)``, the
-hidden state split across tensor-parallel ranks for the send. The word embedding is a
+hidden state split across tensor-parallel ranks for the send (with --sequence-parallel it is
+already the rank's ``[s/tp, b, h]`` shard and travels as is). The word embedding is a
 ``TiedLayerSpec`` on the first stage (lookup) and the last (output logits); tds reduces its
 gradient between the two.
 """
 from torch import nn
 
-from tds.pipe import LayerSpec, PipelineModule, PipeModelDataParallelTopology, TiedLayerSpec
+from tds.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from .. import mpu
 from .language_model import Embedding, lm_loss, parallel_lm_logits
-from .transformer import ParallelTransformerLayer, TransformerConfig, make_layer_norm
+from .transformer import ParallelTransformerLayer, make_layer_norm
 
 TIED_WEIGHT = "word_embeddings.weight"
 
@@ -26,7 +27,9 @@ class EmbeddingPipe(Embedding):
 
 def lm_head(embedding, hidden):
     """The tied copy on the last stage: ``[s, b, h] -> [s, b, v/tp]`` logits."""
-    return parallel_lm_logits(hidden, embedding.word_embeddings.weight, parallel_output=True)
+    return parallel_lm_logits(hidden, embedding.word_embeddings.weight, parallel_output=True,
+                              true_vocab_size=embedding.true_vocab_size,
+                              sequence_parallel=embedding.sequence_parallel)
 
 
 class ParallelTransformerLayerPipe(ParallelTransformerLayer):
@@ -70,12 +73,15 @@ class GPT2ModelPipe(PipelineModule):
     def __init__(self, config, vocab_size, max_position_embeddings, topology):
         embed_args = (config.hidden_size, vocab_size, max_position_embeddings,
                       config.hidden_dropout, config.init_method_std, config.seed)
-        specs = [TiedLayerSpec("embed", EmbeddingPipe, *embed_args, tied_weight_attr=TIED_WEIGHT)]
+        embed_kwargs = {"true_vocab_size": config.true_vocab_size,
+                        "sequence_parallel": config.sequence_parallel}
+        specs = [TiedLayerSpec("embed", EmbeddingPipe, *embed_args, tied_weight_attr=TIED_WEIGHT,
+                               **embed_kwargs)]
         specs += [LayerSpec(ParallelTransformerLayerPipe, config, i + 1)
                   for i in range(config.num_layers)]
         specs += [LayerSpec(FinalLayerNormPipe, config),
                   TiedLayerSpec("embed", EmbeddingPipe, *embed_args, forward_fn=lm_head,
-                                tied_weight_attr=TIED_WEIGHT)]
+                                tied_weight_attr=TIED_WEIGHT, **embed_kwargs)]
         interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
         super().__init__(layers=specs, loss_fn=gpt2_loss, topology=topology,
                          partition_method="type:transformer",
@@ -84,12 +90,5 @@ class GPT2ModelPipe(PipelineModule):
                          checkpointable_layers=["ParallelTransformerLayerPipe"])
         self._input_type = ["float", "bool"]
         self._input_grad = [True, False]
-        self._input_pipe_partitioned = [True, False]
-
-    @classmethod
-    def from_args(cls, args):
-        s = mpu.get_parallel_state()
-        topology = PipeModelDataParallelTopology(num_pp=s.pp_size, num_mp=s.tp_size,
-                                                 num_dp=s.dp_size)
-        return cls(TransformerConfig.from_args(args), args.padded_vocab_size,
-                   args.max_position_embeddings, topology)
+        # Under sequence parallelism the hidden state already is 1/tp of the sequence.
+        self._input_pipe_partitioned = [not config.sequence_parallel, False]

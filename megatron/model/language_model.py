@@ -16,27 +16,39 @@ class Embedding(nn.Module):
         dropout: embedding dropout.
         init_method_std: std of the normal initialisation.
         seed: base seed; the embedding draws from its own derived seed.
+        true_vocab_size: the tokenizer's vocabulary (rows beyond it are padding), or None.
+        sequence_parallel: return this rank's part of the sequence ``[s/tp, b, h]``.
     """
 
     def __init__(self, hidden_size, vocab_size, max_position_embeddings, dropout,
-                 init_method_std, seed):
+                 init_method_std, seed, true_vocab_size=None, sequence_parallel=False):
         super().__init__()
+        # The tied output layer reads it to keep padded rows out of the softmax.
+        self.true_vocab_size = true_vocab_size
+        self.sequence_parallel = sequence_parallel
         init = init_method_normal(init_method_std)
         with init_rng(seed, "embedding"):
             self.word_embeddings = mpu.VocabParallelEmbedding(vocab_size, hidden_size,
                                                               init_method=init)
+        # A stream of their own: drawn after the word embedding, the positions would
+        # depend on how many padded vocabulary rows were drawn first (i.e. on tp).
+        with init_rng(seed, "position_embedding"):
             self.position_embeddings = nn.Embedding(max_position_embeddings, hidden_size,
                                                     _weight=replicated_parameter(
                                                         (max_position_embeddings, hidden_size),
                                                         init, mpu.get_device()))
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, input_ids, position_ids):  # [b, s] -> [s, b, h]
+    def forward(self, input_ids, position_ids):  # [b, s] -> [s, b, h] (SP: [s/tp, b, h])
         embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
-        return self.dropout(embeddings.transpose(0, 1).contiguous())
+        embeddings = embeddings.transpose(0, 1).contiguous()
+        if self.sequence_parallel:
+            embeddings = mpu.scatter_to_sequence_parallel_region(embeddings)
+        return mpu.sequence_parallel_dropout(self.dropout, embeddings, self.sequence_parallel)
 
 
-def parallel_lm_logits(hidden, word_embeddings_weight, parallel_output, bias=None):
+def parallel_lm_logits(hidden, word_embeddings_weight, parallel_output, bias=None,
+                       true_vocab_size=None, sequence_parallel=False):
     """Logits against the (tied) word embedding: ``[s, b, h] -> [s, b, v/tp]`` (or ``v``).
 
     Args:
@@ -45,9 +57,18 @@ def parallel_lm_logits(hidden, word_embeddings_weight, parallel_output, bias=Non
         parallel_output: keep the vocabulary split (for vocab_parallel_cross_entropy);
             False gathers the full logits.
         bias: optional ``[v/tp]`` output bias.
+        true_vocab_size: logits of ids at or beyond it (vocabulary padding) are -inf, so
+            they take no probability in the loss, in evaluation or in sampling.
+        sequence_parallel: ``hidden`` is this rank's ``[s/tp, b, h]``: all-gather it (the
+            gradient is reduce-scattered back) instead of ``f``.
     """
-    hidden = mpu.copy_to_tensor_model_parallel_region(hidden)
+    if sequence_parallel:
+        hidden = mpu.gather_from_sequence_parallel_region(hidden, True)  # [s, b, h]
+    else:
+        hidden = mpu.copy_to_tensor_model_parallel_region(hidden)
     logits = F.linear(hidden, word_embeddings_weight, bias)
+    # In place on the matmul output (linear does not save it), last partition only.
+    mpu.mask_padded_vocab_logits_(logits, true_vocab_size)
     if parallel_output:
         return logits
     return mpu.gather_from_tensor_model_parallel_region(logits)

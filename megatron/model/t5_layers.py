@@ -15,12 +15,19 @@ needs the bias of its own heads. Initialisation follows T5 (Mesh TensorFlow / Hu
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import mpu
+from .attention import (
+    DEFAULT_ATTENTION_BACKEND,
+    bmm_attention,
+    resolve_attention_backend,
+    sdpa_attention,
+)
 from .fused_layer_norm import MixedFusedRMSNorm
 from .fused_softmax import AttnMaskType, FusedScaleMaskSoftmax
 from .language_model import parallel_lm_logits
@@ -32,7 +39,7 @@ FF_TYPES = ("relu", "gated-gelu")
 
 @dataclass
 class T5TransformerConfig:
-    """Sizes and options of a T5 model (built from args by :meth:`from_args`)."""
+    """Sizes and options of a T5 model (from flags: megatron.families.t5)."""
 
     num_layers: int
     """Layers per stack (encoder and decoder each)."""
@@ -58,21 +65,12 @@ class T5TransformerConfig:
     masked_softmax_fusion: bool = True
     compute_dtype: torch.dtype = torch.float32
     seed: int = 1234
-
-    @classmethod
-    def from_args(cls, args):
-        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                   num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
-                   ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.padded_vocab_size,
-                   num_buckets=args.relative_attention_num_buckets,
-                   max_distance=args.relative_attention_max_distance, ff_type=args.t5_ff,
-                   tie_embeddings=not args.untie_embeddings,
-                   hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                   layernorm_epsilon=args.layernorm_epsilon,
-                   checkpoint_activations=args.checkpoint_activations,
-                   checkpoint_num_layers=args.checkpoint_num_layers,
-                   masked_softmax_fusion=getattr(args, "masked_softmax_fusion", True),
-                   compute_dtype=args.compute_dtype, seed=args.seed)
+    true_vocab_size: Optional[int] = None
+    """The tokenizer's vocabulary; the padded rows up to ``vocab_size`` get -inf logits."""
+    sequence_parallel: bool = False
+    """Norm/dropout/residual activations split along the sequence (--sequence-parallel)."""
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    """``sdpa`` or ``unfused`` (Megatron's bmm + fused softmax); megatron/model/attention.py."""
 
     @property
     def inner_size(self):
@@ -83,7 +81,12 @@ class T5TransformerConfig:
 def rms_norm(config):
     """T5's layer norm (RMS, no bias, no mean) of width d_model, on the compute device."""
     return MixedFusedRMSNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                             device=mpu.get_device())
+                             device=mpu.get_device(), sequence_parallel=config.sequence_parallel)
+
+
+def sp_factor(config):
+    """Full sequence length / local length: tp under sequence parallelism, else 1."""
+    return mpu.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
 
 
 # ---------------------------------------------------------------- relative position bias
@@ -174,6 +177,8 @@ class T5Attention(nn.Module):
     initialisation), and the relative position bias is added to the scores before the
     masked softmax. The softmax fills masked entries with -10000 *after* the bias is added,
     so the bias never leaks into masked positions and the fused kernel applies unchanged.
+    With the default ``sdpa`` backend the bias and the mask become one additive float mask
+    (masked entries at the dtype's lowest value), whose gradient reaches the bias table.
 
     Args:
         config: :class:`T5TransformerConfig`.
@@ -191,8 +196,11 @@ class T5Attention(nn.Module):
         std_q, std_kv = (h * hn) ** -0.5, h ** -0.5
 
         def column(out, init):
+            # Under SP this all-gathers the sequence shard: the decoder's hidden for the
+            # queries, and for cross-attention the encoder output for the keys/values.
             return mpu.ColumnParallelLinear(h, out, bias=False, gather_output=False,
-                                            init_method=init)
+                                            init_method=init,
+                                            sequence_parallel=config.sequence_parallel)
 
         if cross:  # per-head rows [heads, (k, v), d_kv]: a contiguous split keeps heads whole
             self.query = column(inner, init_method_normal(std_q))
@@ -200,7 +208,8 @@ class T5Attention(nn.Module):
         else:  # per-head rows [heads, (q, k, v), d_kv], as GPT-2's fused QKV
             self.query_key_value = column(3 * inner, PerHeadInit((std_q, std_kv, std_kv), hn))
         self.dense = mpu.RowParallelLinear(inner, h, bias=False, input_is_parallel=True,
-                                           init_method=init_method_normal(inner ** -0.5))
+                                           init_method=init_method_normal(inner ** -0.5),
+                                           sequence_parallel=config.sequence_parallel)
         self.scale_mask_softmax = FusedScaleMaskSoftmax(
             input_in_fp16=config.compute_dtype == torch.float16,
             input_in_bf16=config.compute_dtype == torch.bfloat16,
@@ -208,6 +217,7 @@ class T5Attention(nn.Module):
             scaled_masked_softmax_fusion=config.masked_softmax_fusion,
             mask_func=attention_mask_func, softmax_in_fp32=True, scale=None)
         self.attention_dropout = nn.Dropout(config.attention_dropout)
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
 
     def _split_heads(self, mixed, parts):  # [s, b, np * parts * hn] -> parts x [s, b, np, hn]
         s, b = mixed.shape[:2]
@@ -242,20 +252,13 @@ class T5Attention(nn.Module):
                 k, v = kv_cache.update(layer, k, v)  # [sk, b, np, hn] so far
         return self.dense(self._attend(q, k, v, mask, position_bias))[0]
 
-    def _attend(self, q, k, v, mask, position_bias):
-        sq, b, np_, hn = q.shape
-        sk = k.shape[0]
-        q = q.reshape(sq, b * np_, hn).transpose(0, 1)  # [b*np, sq, hn]
-        k = k.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
-        v = v.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
-        scores = torch.bmm(q, k.transpose(1, 2)).view(b, np_, sq, sk)
-        if position_bias is not None:
-            scores = scores + position_bias.to(scores.dtype)
-        probs = self.scale_mask_softmax(scores, mask)  # [b, np, sq, sk]
-        with mpu.get_cuda_rng_tracker().fork():  # heads differ per rank: own dropout stream
-            probs = self.attention_dropout(probs)
-        context = torch.bmm(probs.view(b * np_, sq, sk), v)  # [b*np, sq, hn]
-        return context.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+    def _attend(self, q, k, v, mask, position_bias):  # [s, b, np, hn] -> [sq, b, np * hn]
+        if self.attention_backend == "sdpa":  # bias + mask: one additive float mask
+            dropout_p = self.attention_dropout.p if self.training else 0.0
+            return sdpa_attention(q, k, v, scale=1.0, dropout_p=dropout_p, mask=mask,
+                                  bias=position_bias)
+        return bmm_attention(q, k, v, self.scale_mask_softmax, self.attention_dropout,
+                             mask=mask, bias=position_bias)
 
 
 class T5MLP(nn.Module):
@@ -275,9 +278,10 @@ class T5MLP(nn.Module):
         h, ff = config.hidden_size, config.ffn_hidden_size
         self.dense_h_to_ff = mpu.ColumnParallelLinear(
             h, (2 if self.gated else 1) * ff, bias=False, gather_output=False,
-            init_method=init_method_normal(h ** -0.5))
+            init_method=init_method_normal(h ** -0.5), sequence_parallel=config.sequence_parallel)
         self.dense_ff_to_h = mpu.RowParallelLinear(
-            ff, h, bias=False, input_is_parallel=True, init_method=init_method_normal(ff ** -0.5))
+            ff, h, bias=False, input_is_parallel=True, init_method=init_method_normal(ff ** -0.5),
+            sequence_parallel=config.sequence_parallel)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden):  # [s, b, h]
@@ -312,11 +316,15 @@ class T5EncoderLayer(nn.Module):
             self.post_attention_layernorm = rms_norm(config)
             self.mlp = T5MLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        self.sequence_parallel = config.sequence_parallel
 
-    def forward(self, hidden, mask, position_bias):  # [s, b, h]
+    def _dropout(self, x):
+        return mpu.sequence_parallel_dropout(self.hidden_dropout, x, self.sequence_parallel)
+
+    def forward(self, hidden, mask, position_bias):  # [s, b, h] (SP: [s/tp, b, h])
         attn = self.self_attention(self.input_layernorm(hidden), mask, position_bias)
-        hidden = hidden + self.hidden_dropout(attn)
-        return hidden + self.hidden_dropout(self.mlp(self.post_attention_layernorm(hidden)))
+        hidden = hidden + self._dropout(attn)
+        return hidden + self._dropout(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class T5DecoderLayer(nn.Module):
@@ -338,18 +346,22 @@ class T5DecoderLayer(nn.Module):
             self.post_inter_attention_layernorm = rms_norm(config)
             self.mlp = T5MLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        self.sequence_parallel = config.sequence_parallel
+
+    def _dropout(self, x):
+        return mpu.sequence_parallel_dropout(self.hidden_dropout, x, self.sequence_parallel)
 
     def forward(self, hidden, mask, position_bias, encoder_output, cross_mask, kv_cache=None):
         """``[sd, b, h]`` -> ``[sd, b, h]`` given the encoder output ``[se, b, h]``."""
         layer = self.layer_number - 1
         attn = self.self_attention(self.input_layernorm(hidden), mask, position_bias,
                                    kv_cache=kv_cache, layer=layer)
-        hidden = hidden + self.hidden_dropout(attn)
+        hidden = hidden + self._dropout(attn)
         cross = self.inter_attention(self.post_attention_layernorm(hidden), cross_mask,
                                      encoder_output=encoder_output, kv_cache=kv_cache,
                                      layer=layer)
-        hidden = hidden + self.hidden_dropout(cross)
-        return hidden + self.hidden_dropout(self.mlp(self.post_inter_attention_layernorm(hidden)))
+        hidden = hidden + self._dropout(cross)
+        return hidden + self._dropout(self.mlp(self.post_inter_attention_layernorm(hidden)))
 
 
 class T5Embedding(nn.Module):
@@ -365,9 +377,14 @@ class T5Embedding(nn.Module):
             self.word_embeddings = mpu.VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, init_method=init_method_normal(1.0))
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.true_vocab_size = config.true_vocab_size  # read by the tied pipeline head
+        self.sequence_parallel = config.sequence_parallel
 
-    def forward(self, input_ids):  # [b, s] -> [s, b, h]
-        return self.dropout(self.word_embeddings(input_ids.t()))
+    def forward(self, input_ids):  # [b, s] -> [s, b, h] (SP: [s/tp, b, h])
+        hidden = self.word_embeddings(input_ids.t())
+        if self.sequence_parallel:
+            hidden = mpu.scatter_to_sequence_parallel_region(hidden)
+        return mpu.sequence_parallel_dropout(self.dropout, hidden, self.sequence_parallel)
 
 
 def build_lm_head(config):
@@ -378,7 +395,8 @@ def build_lm_head(config):
                                         init_method=init_method_normal(config.hidden_size ** -0.5))
 
 
-def t5_logits(hidden, weight, tied, parallel_output):
+def t5_logits(hidden, weight, tied, parallel_output, true_vocab_size=None,
+              sequence_parallel=False):
     """``[s, b, h]`` -> ``[s, b, v/tp]`` (or ``v``) logits.
 
     Args:
@@ -386,7 +404,10 @@ def t5_logits(hidden, weight, tied, parallel_output):
         weight: ``[v/tp, h]``: the word embedding (tied) or the lm head.
         tied: scale the hidden state by d_model^-0.5 first (T5 v1.0 with tied embeddings).
         parallel_output: keep the vocabulary split (for the loss); False gathers it.
+        true_vocab_size: padded ids (at or beyond it) get -inf logits; None keeps all.
+        sequence_parallel: ``hidden`` is this rank's ``[s/tp, b, h]`` (gathered here).
     """
     if tied:
         hidden = hidden * hidden.shape[-1] ** -0.5
-    return parallel_lm_logits(hidden, weight, parallel_output)
+    return parallel_lm_logits(hidden, weight, parallel_output, true_vocab_size=true_vocab_size,
+                              sequence_parallel=sequence_parallel)

@@ -18,9 +18,9 @@ from .t5_layers import (
     T5DecoderLayer,
     T5Embedding,
     T5EncoderLayer,
-    T5TransformerConfig,
     build_lm_head,
     rms_norm,
+    sp_factor,
     t5_logits,
 )
 from .utils import init_rng
@@ -80,7 +80,7 @@ class T5Stack(nn.Module):
             encoder_output, cross_mask: decoder only: ``[se, b, h]`` and ``[b, 1, sd, se]``.
             kv_cache: decoder only, while generating: a :class:`T5DecoderCache`.
         """
-        sq = hidden.shape[0]
+        sq = hidden.shape[0] * sp_factor(self.config)  # full length under SP
         offset = kv_cache.offset if kv_cache is not None else 0
         bias = self.relative_bias(sq, offset + sq, offset)  # [1, np, sq, sk], shared by layers
         cross = (encoder_output, cross_mask) if self.decoder else ()
@@ -94,7 +94,8 @@ class T5Stack(nn.Module):
                 hidden = layer(hidden, mask, bias, *cross, kv_cache=kv_cache)
         else:
             hidden = self._run(0, len(self.layers))(hidden, mask, bias, *cross)
-        return self.dropout(self.final_layernorm(hidden))
+        return mpu.sequence_parallel_dropout(self.dropout, self.final_layernorm(hidden),
+                                             self.config.sequence_parallel)
 
 
 class T5Model(nn.Module):
@@ -114,10 +115,6 @@ class T5Model(nn.Module):
         self.decoder = T5Stack(config, decoder=True)
         self.lm_head = None if config.tie_embeddings else build_lm_head(config)
 
-    @classmethod
-    def from_args(cls, args, parallel_output=True):
-        return cls(T5TransformerConfig.from_args(args), parallel_output)
-
     def output_weight(self):
         """``[v/tp, h]``: the word embedding when tied, else the lm head."""
         if self.lm_head is None:
@@ -136,7 +133,8 @@ class T5Model(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(dec_ids.shape[1])
         parallel = self.parallel_output if parallel_output is None else parallel_output
-        return t5_logits(hidden, self.output_weight(), self.config.tie_embeddings, parallel)
+        return t5_logits(hidden, self.output_weight(), self.config.tie_embeddings, parallel,
+                         self.config.true_vocab_size, self.config.sequence_parallel)
 
     def forward(self, enc_ids, dec_ids, enc_mask, dec_mask, cross_mask, labels=None):
         """Per-token losses ``[b, sd]`` with labels, else logits ``[b, sd, v/tp]`` (or ``v``).
@@ -154,7 +152,8 @@ class T5Model(nn.Module):
         encoder_output = self.encoder(enc_hidden, enc_mask)  # [se, b, h]
         hidden = self.decoder(dec_hidden, dec_mask, encoder_output, cross_mask)  # [sd, b, h]
         parallel = self.parallel_output or labels is not None
-        logits = t5_logits(hidden, self.output_weight(), self.config.tie_embeddings, parallel)
+        logits = t5_logits(hidden, self.output_weight(), self.config.tie_embeddings, parallel,
+                           self.config.true_vocab_size, self.config.sequence_parallel)
         if labels is None:
             return logits.transpose(0, 1)
         return lm_loss(logits, labels)

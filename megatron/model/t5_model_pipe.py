@@ -23,7 +23,7 @@ stay identical, exactly as for the tied word embedding.
 import torch.distributed as dist
 from torch import nn
 
-from tds.pipe import LayerSpec, PipelineModule, PipeModelDataParallelTopology, TiedLayerSpec
+from tds.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from .. import mpu
 from .language_model import lm_loss
@@ -32,9 +32,9 @@ from .t5_layers import (
     T5DecoderLayer,
     T5Embedding,
     T5EncoderLayer,
-    T5TransformerConfig,
     build_lm_head,
     rms_norm,
+    sp_factor,
     t5_logits,
 )
 from .utils import init_rng
@@ -69,10 +69,12 @@ class T5EncoderLayerPipe(T5EncoderLayer):
     def __init__(self, config, layer_number, shared_bias):
         super().__init__(config, layer_number)
         self.shared_bias = shared_bias
+        self.sp_factor = sp_factor(config)
 
     def forward(self, inputs):
         enc, enc_mask, dec, dec_mask, cross_mask = inputs
-        bias = self.shared_bias(enc.shape[0], enc.shape[0])
+        se = enc.shape[0] * self.sp_factor  # full length under SP
+        bias = self.shared_bias(se, se)
         return super().forward(enc, enc_mask, bias), enc_mask, dec, dec_mask, cross_mask
 
 
@@ -83,10 +85,15 @@ class T5EncoderFinalNormPipe(nn.Module):
         super().__init__()
         self.norm = rms_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.sequence_parallel = config.sequence_parallel
+
+    def _norm_dropout(self, hidden):
+        return mpu.sequence_parallel_dropout(self.dropout, self.norm(hidden),
+                                             self.sequence_parallel)
 
     def forward(self, inputs):
         enc, *rest = inputs
-        return (self.dropout(self.norm(enc)), *rest)
+        return (self._norm_dropout(enc), *rest)
 
 
 class T5DecoderLayerPipe(T5DecoderLayer):
@@ -95,10 +102,12 @@ class T5DecoderLayerPipe(T5DecoderLayer):
     def __init__(self, config, layer_number, shared_bias):
         super().__init__(config, layer_number)
         self.shared_bias = shared_bias
+        self.sp_factor = sp_factor(config)
 
     def forward(self, inputs):
         enc, enc_mask, dec, dec_mask, cross_mask = inputs
-        bias = self.shared_bias(dec.shape[0], dec.shape[0])
+        sd = dec.shape[0] * self.sp_factor  # full length under SP
+        bias = self.shared_bias(sd, sd)
         dec = super().forward(dec, dec_mask, bias, enc, cross_mask)
         return enc, enc_mask, dec, dec_mask, cross_mask
 
@@ -107,7 +116,7 @@ class T5DecoderFinalNormPipe(T5EncoderFinalNormPipe):
     """The decoder's final RMSNorm and dropout; drops everything but ``dec_hidden``."""
 
     def forward(self, inputs):
-        return self.dropout(self.norm(inputs[2]))  # [sd, b, h]
+        return self._norm_dropout(inputs[2])  # [sd, b, h] (SP: [sd/tp, b, h])
 
 
 class T5LMHeadPipe(nn.Module):
@@ -116,14 +125,20 @@ class T5LMHeadPipe(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.lm_head = build_lm_head(config)
+        self.true_vocab_size = config.true_vocab_size
+        self.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden):
-        return t5_logits(hidden, self.lm_head.weight, tied=False, parallel_output=True)
+        return t5_logits(hidden, self.lm_head.weight, tied=False, parallel_output=True,
+                         true_vocab_size=self.true_vocab_size,
+                         sequence_parallel=self.sequence_parallel)
 
 
 def tied_lm_head(embedding, hidden):
     """The tied copy on the last stage: scaled hidden against the word embedding."""
-    return t5_logits(hidden, embedding.word_embeddings.weight, tied=True, parallel_output=True)
+    return t5_logits(hidden, embedding.word_embeddings.weight, tied=True, parallel_output=True,
+                     true_vocab_size=embedding.true_vocab_size,
+                     sequence_parallel=embedding.sequence_parallel)
 
 
 def t5_loss(logits, labels):
@@ -171,14 +186,9 @@ class T5ModelPipe(PipelineModule):
             self._build_shared_bias(config, stack, biases[stack])
         self._input_type = ["float", "bool", "float", "bool", "bool"]
         self._input_grad = [True, False, True, False, False]
-        self._input_pipe_partitioned = [True, False, True, False, False]
-
-    @classmethod
-    def from_args(cls, args):
-        s = mpu.get_parallel_state()
-        topology = PipeModelDataParallelTopology(num_pp=s.pp_size, num_mp=s.tp_size,
-                                                 num_dp=s.dp_size)
-        return cls(T5TransformerConfig.from_args(args), topology)
+        # Under sequence parallelism both hidden states already are 1/tp of their sequence.
+        split = not config.sequence_parallel
+        self._input_pipe_partitioned = [split, False, split, False, False]
 
     def _stages_with(self, stack, num_layers):
         """Pipeline stages holding at least one layer of ``stack``, in order."""

@@ -8,12 +8,19 @@ the column-parallel layer's ``f``), as in the Megatron-LM paper.
 """
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import mpu
+from .attention import (
+    DEFAULT_ATTENTION_BACKEND,
+    bmm_attention,
+    resolve_attention_backend,
+    sdpa_attention,
+)
 from .fused_layer_norm import MixedFusedLayerNorm
 from .fused_softmax import AttnMaskType, FusedScaleMaskSoftmax
 from .utils import init_method_normal, init_rng, scaled_init_method_normal
@@ -21,7 +28,7 @@ from .utils import init_method_normal, init_rng, scaled_init_method_normal
 
 @dataclass
 class TransformerConfig:
-    """Sizes and options of a transformer stack (built from args by :meth:`from_args`)."""
+    """Sizes and options of a transformer stack (from flags: megatron.families.gpt2)."""
 
     num_layers: int
     hidden_size: int
@@ -42,24 +49,19 @@ class TransformerConfig:
     """dtype the scores arrive in (autocast), for choosing the softmax kernel."""
     seed: int = 1234
     """Base of the per-layer initialisation seeds."""
-
-    @classmethod
-    def from_args(cls, args):
-        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                   num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
-                   ffn_hidden_size=args.ffn_hidden_size, hidden_dropout=args.hidden_dropout,
-                   attention_dropout=args.attention_dropout,
-                   init_method_std=args.init_method_std,
-                   layernorm_epsilon=args.layernorm_epsilon, bias=args.hidden_bias,
-                   checkpoint_activations=args.checkpoint_activations,
-                   checkpoint_num_layers=args.checkpoint_num_layers,
-                   masked_softmax_fusion=getattr(args, "masked_softmax_fusion", True),
-                   compute_dtype=args.compute_dtype, seed=args.seed)
+    true_vocab_size: Optional[int] = None
+    """The tokenizer's vocabulary; the (padded) rows beyond it get -inf logits. None: no padding."""
+    sequence_parallel: bool = False
+    """Norm/dropout/residual activations split along the sequence (--sequence-parallel)."""
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    """``sdpa`` (scaled_dot_product_attention) or ``unfused`` (bmm + fused softmax);
+    see megatron/model/attention.py."""
 
 
 def make_layer_norm(config):
     return MixedFusedLayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                               device=mpu.get_device())
+                               device=mpu.get_device(),
+                               sequence_parallel=config.sequence_parallel)
 
 
 class ParallelMLP(nn.Module):
@@ -70,12 +72,13 @@ class ParallelMLP(nn.Module):
         std = config.init_method_std
         self.dense_h_to_4h = mpu.ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size, bias=config.bias, gather_output=False,
-            init_method=init_method_normal(std))
+            init_method=init_method_normal(std), sequence_parallel=config.sequence_parallel)
         self.dense_4h_to_h = mpu.RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, bias=config.bias, input_is_parallel=True,
-            init_method=scaled_init_method_normal(std, config.num_layers))
+            init_method=scaled_init_method_normal(std, config.num_layers),
+            sequence_parallel=config.sequence_parallel)
 
-    def forward(self, hidden):  # [s, b, h]
+    def forward(self, hidden):  # [s, b, h] (SP: [s/tp, b, h] in and out)
         intermediate, _ = self.dense_h_to_4h(hidden)  # [s, b, ffn/tp]
         output, _ = self.dense_4h_to_h(F.gelu(intermediate, approximate="tanh"))
         return output  # [s, b, h]
@@ -99,7 +102,7 @@ class ParallelSelfAttention(nn.Module):
         std = config.init_method_std
         self.query_key_value = mpu.ColumnParallelLinear(
             config.hidden_size, 3 * projection, bias=config.bias, gather_output=False,
-            init_method=init_method_normal(std))
+            init_method=init_method_normal(std), sequence_parallel=config.sequence_parallel)
         self.scale_mask_softmax = FusedScaleMaskSoftmax(
             input_in_fp16=config.compute_dtype == torch.float16,
             input_in_bf16=config.compute_dtype == torch.bfloat16,
@@ -108,31 +111,46 @@ class ParallelSelfAttention(nn.Module):
             mask_func=attention_mask_func, softmax_in_fp32=True,
             scale=1.0 / math.sqrt(self.head_dim))
         self.attention_dropout = nn.Dropout(config.attention_dropout)
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
         self.dense = mpu.RowParallelLinear(
             projection, config.hidden_size, bias=config.bias, input_is_parallel=True,
-            init_method=scaled_init_method_normal(std, config.num_layers))
+            init_method=scaled_init_method_normal(std, config.num_layers),
+            sequence_parallel=config.sequence_parallel)
 
-    def forward(self, hidden, attention_mask, kv_cache=None):  # [sq, b, h]
-        sq, b = hidden.shape[:2]
+    def forward(self, hidden, attention_mask, kv_cache=None):  # [sq, b, h] (SP: [sq/tp, b, h])
         np_, hn = self.heads_per_partition, self.head_dim
-        mixed, _ = self.query_key_value(hidden)  # [sq, b, np * 3 * hn]
+        mixed, _ = self.query_key_value(hidden)  # [sq, b, np * 3 * hn], gathered under SP
+        sq, b = mixed.shape[:2]
         q, k, v = mixed.view(sq, b, np_, 3 * hn).split(hn, dim=-1)  # each [sq, b, np, hn]
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number - 1, k, v)  # [sk, b, np, hn]
         sk = k.shape[0]
-        q = q.reshape(sq, b * np_, hn).transpose(0, 1)  # [b*np, sq, hn]
-        k = k.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
-        v = v.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
-        scores = torch.bmm(q, k.transpose(1, 2)).view(b, np_, sq, sk)
-        if kv_cache is not None:
+        if kv_cache is not None and attention_mask is not None:
             attention_mask = attention_mask[..., sk - sq:sk, :sk]
-        probs = self.scale_mask_softmax(scores, attention_mask)  # [b, np, sq, sk]
-        with mpu.get_cuda_rng_tracker().fork():  # heads differ per rank: own dropout stream
-            probs = self.attention_dropout(probs)
-        context = torch.bmm(probs.view(b * np_, sq, sk), v)  # [b*np, sq, hn]
-        context = context.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        if self.attention_backend == "sdpa":
+            context = sdpa_attention(q, k, v, scale=self.scale, causal=True,
+                                     mask=_extra_mask(attention_mask),
+                                     dropout_p=self.attention_dropout.p if self.training else 0.0)
+        else:
+            context = bmm_attention(q, k, v, self.scale_mask_softmax, self.attention_dropout,
+                                    mask=attention_mask)  # [sq, b, np * hn]
         output, _ = self.dense(context)
         return output  # [sq, b, h]
+
+
+def _extra_mask(attention_mask):
+    """The part of a GPT-2 mask that the causal triangle does not already cover.
+
+    A batch-broadcast ``[1, 1, s, s]`` mask is the causal triangle itself (what
+    ``get_ltor_masks_and_position_ids`` builds, as Megatron-LM's does without
+    ``reset_attention_mask``), so it is not read: the triangle comes from ``is_causal`` and
+    the flash kernel stays eligible, as in Megatron-LM's flash path. A per-sample
+    ``[b, 1, s, s]`` mask (b > 1, e.g. document boundaries) is applied on top.
+    """
+    if attention_mask is None or attention_mask.shape[0] == 1:
+        return None
+    return attention_mask
 
 
 def attention_mask_func(scores, mask):
@@ -152,11 +170,15 @@ class ParallelTransformerLayer(nn.Module):
             self.post_attention_layernorm = make_layer_norm(config)
             self.mlp = ParallelMLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        self.sequence_parallel = config.sequence_parallel
 
-    def forward(self, hidden, attention_mask, kv_cache=None):  # [s, b, h]
+    def _dropout(self, x):
+        return mpu.sequence_parallel_dropout(self.hidden_dropout, x, self.sequence_parallel)
+
+    def forward(self, hidden, attention_mask, kv_cache=None):  # [s, b, h] (SP: [s/tp, b, h])
         attn = self.attention(self.input_layernorm(hidden), attention_mask, kv_cache)
-        hidden = hidden + self.hidden_dropout(attn)
-        return hidden + self.hidden_dropout(self.mlp(self.post_attention_layernorm(hidden)))
+        hidden = hidden + self._dropout(attn)
+        return hidden + self._dropout(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class ParallelTransformer(nn.Module):

@@ -1,29 +1,30 @@
-"""Tensor-model parallelism with Megatron-LM's API (v2 names and the v1/CPM aliases).
+"""Tensor-model parallelism with Megatron-LM v2.6's public API (and a little of core's).
 
-See DESIGN.md, "The mpu contract". Everything runs on CPU with gloo and on CUDA with NCCL.
+See DESIGN.md, "The mpu contract", and docs/mpu.md. "Model parallel" here always means the
+tensor x pipeline replica (v2.6's get_model_parallel_group). Megatron v1/CPM code, where it
+meant tensor-parallel, imports ``from megatron.mpu import v1 as mpu``.
+Everything runs on CPU with gloo and on CUDA with NCCL.
 """
 from .cross_entropy import vocab_parallel_cross_entropy
 from .data import broadcast_data
-from .grads import clip_grad_norm, param_is_shared
+from .grads import clip_grad_norm, clip_grad_norm_tensor, param_is_shared
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    copy_tensor_model_parallel_attributes,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
 from .mappings import (
-    copy_to_model_parallel_region,
     copy_to_tensor_model_parallel_region,
-    gather_from_model_parallel_region,
     gather_from_tensor_model_parallel_region,
-    reduce_from_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    scatter_to_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from .parallel_state import (
+    ParallelOverrides,
     ParallelState,
     destroy_model_parallel,
     get_data_parallel_group,
@@ -35,6 +36,7 @@ from .parallel_state import (
     get_model_parallel_rank,
     get_model_parallel_src_rank,
     get_model_parallel_world_size,
+    get_parallel_overrides,
     get_parallel_state,
     get_pipe_parallel_group,
     get_pipe_parallel_rank,
@@ -45,16 +47,25 @@ from .parallel_state import (
     get_pipeline_model_parallel_next_rank,
     get_pipeline_model_parallel_prev_rank,
     get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_split_rank,
     get_pipeline_model_parallel_world_size,
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_src_rank,
     get_tensor_model_parallel_world_size,
+    get_virtual_pipeline_model_parallel_rank,
+    get_virtual_pipeline_model_parallel_world_size,
     grid_rank,
     initialize_model_parallel,
     is_pipeline_first_stage,
     is_pipeline_last_stage,
+    is_unitialized,
     model_parallel_is_initialized,
+    set_pipeline_model_parallel_rank,
+    set_pipeline_model_parallel_world_size,
+    set_tensor_model_parallel_rank,
+    set_tensor_model_parallel_world_size,
+    set_virtual_pipeline_model_parallel_rank,
 )
 from .random import (
     RNGStatesTracker,
@@ -63,5 +74,15 @@ from .random import (
     get_rng_tracker,
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,
+)
+from .split_1d import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
+from .vocab_padding import mask_padded_vocab_logits_
+from .sequence_parallel import (
+    gather_from_sequence_parallel_region,
+    mark_sequence_parallel,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    sequence_parallel_dropout,
+    sequence_parallel_param,
 )
 from .utils import VocabUtility, divide, ensure_divisibility, get_device, split_tensor_along_last_dim

@@ -36,6 +36,9 @@ def _local_norm_pow(grads, norm_type, device):
 def clip_grad_norm(parameters, max_norm, norm_type=2, group=None):
     """Clip gradients by their global norm over the whole model replica (in place).
 
+    Megatron's signature and float result (one host sync for the ``float``); training code
+    that keeps the norm on the device until it logs uses :func:`clip_grad_norm_tensor`.
+
     Split parameters count on every tensor-parallel rank; replicated ones only on tp
     rank 0; parameters marked ``shared`` (or DeepSpeed's ``ds_pipe_replicated``) are
     skipped because their owner counts them. The sum runs over the model-parallel
@@ -50,6 +53,12 @@ def clip_grad_norm(parameters, max_norm, norm_type=2, group=None):
     Returns:
         The total norm (float) before clipping.
     """
+    return float(clip_grad_norm_tensor(parameters, max_norm, norm_type, group))
+
+
+def clip_grad_norm_tensor(parameters, max_norm, norm_type=2, group=None):
+    """:func:`clip_grad_norm` without a host sync: returns the norm as a 0-dim fp32 tensor
+    on the gradients' device (same arguments)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = [p for p in parameters if p.grad is not None]
@@ -68,4 +77,4 @@ def clip_grad_norm(parameters, max_norm, norm_type=2, group=None):
     all_grads = [p.grad.detach() for p in parameters]
     if all_grads:
         torch._foreach_mul_(all_grads, clip_coef.to(all_grads[0].device))
-    return float(total)
+    return total

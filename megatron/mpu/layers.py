@@ -17,6 +17,12 @@ from .mappings import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .sequence_parallel import (
+    gather_from_sequence_parallel_region,
+    mark_sequence_parallel,
+    reduce_scatter_to_sequence_parallel_region,
+    sequence_parallel_param,
+)
 from .utils import VocabUtility, divide, get_device
 
 _TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1,
@@ -37,6 +43,18 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor):
             setattr(tensor, name, value)
 
 
+def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor):
+    """Copy the tensor-parallel marks (split, dim, stride) that ``source_tensor`` carries.
+
+    Args:
+        destination_tensor: gets the attributes (e.g. an fp32 master copy of a parameter).
+        source_tensor: the parameter they come from; attributes it lacks are left alone.
+    """
+    for name in tuple(_TP_ATTRIBUTE_DEFAULTS) + ("model_parallel",):
+        if hasattr(source_tensor, name):
+            setattr(destination_tensor, name, getattr(source_tensor, name))
+
+
 def param_is_not_tensor_parallel_duplicate(param):
     """True for a split parameter, and for a replicated one on tp rank 0 only."""
     return bool(getattr(param, "tensor_model_parallel", False)) or \
@@ -44,8 +62,11 @@ def param_is_not_tensor_parallel_duplicate(param):
 
 
 def _tp_info(group):
-    group = ps.get_tensor_model_parallel_group() if group is None else group
-    return group, dist.get_rank(group), dist.get_world_size(group)
+    """(group, tp_rank, tp_size); the default group honours v2.6's rank/size setters."""
+    if group is not None:
+        return group, dist.get_rank(group), dist.get_world_size(group)
+    default = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
+    return default, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
 def _init_partitioned(weight, full_shape, partition_dim, init_method, tp_rank, tp_size,
@@ -128,6 +149,8 @@ class ColumnParallelLinear(nn.Module):
         stride: interleaving of fused weights (see :func:`_init_partitioned`).
         keep_master_weight_for_test: keep the full weight as ``self.master_weight``.
         skip_bias_add: return the bias instead of adding it (for fusing it later).
+        sequence_parallel: the input is this rank's part of the sequence ``[s/tp, ...]``:
+            all-gather it along dim 0 (reduce-scatter of its gradient) instead of ``f``.
         params_dtype, device, group, perform_initialization: as in VocabParallelEmbedding.
 
     Returns (forward):
@@ -137,8 +160,12 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size, output_size, bias=True, gather_output=True,
                  init_method=init.xavier_normal_, stride=1, keep_master_weight_for_test=False,
                  skip_bias_add=False, *, params_dtype=None, device=None, group=None,
-                 perform_initialization=True):
+                 perform_initialization=True, sequence_parallel=False):
         super().__init__()
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: sequence_parallel needs gather_output=False "
+                             "(the output is split across heads, not gathered)")
+        self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.group, tp_rank, self.tp_size = _tp_info(group)
@@ -159,8 +186,11 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, input_):  # [*, in] -> [*, out] or [*, out/tp]
-        input_parallel = copy_to_tensor_model_parallel_region(input_, self.group)
+    def forward(self, input_):  # [*, in] -> [*, out] or [*, out/tp]; SP: [s/tp, ...] -> [s, ...]
+        if self.sequence_parallel:
+            input_parallel = gather_from_sequence_parallel_region(input_, True, self.group)
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(input_, self.group)
         bias = None if self.skip_bias_add else self.bias
         output_parallel = F.linear(input_parallel, self.weight, bias)
         if self.gather_output:
@@ -182,6 +212,9 @@ class RowParallelLinear(nn.Module):
         bias: add a bias (replicated, not split).
         input_is_parallel: the input is already split (it comes from a
             ColumnParallelLinear with ``gather_output=False``).
+        sequence_parallel: reduce-scatter the partial sums along dim 0 (the sequence)
+            instead of all-reducing them, so the output is ``[s/tp, ...]``; needs
+            ``input_is_parallel``. The bias gradient is then summed across tp.
         init_method, stride, keep_master_weight_for_test, skip_bias_add, params_dtype,
             device, group, perform_initialization: as in ColumnParallelLinear.
 
@@ -192,8 +225,11 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size, output_size, bias=True, input_is_parallel=False,
                  init_method=init.xavier_normal_, stride=1, keep_master_weight_for_test=False,
                  skip_bias_add=False, *, params_dtype=None, device=None, group=None,
-                 perform_initialization=True):
+                 perform_initialization=True, sequence_parallel=False):
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.sequence_parallel = sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.group, tp_rank, self.tp_size = _tp_info(group)
@@ -211,6 +247,8 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, **factory))
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
 
@@ -220,7 +258,13 @@ class RowParallelLinear(nn.Module):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.group)
         output_parallel = F.linear(input_parallel, self.weight)
-        output = reduce_from_tensor_model_parallel_region(output_parallel, self.group)
-        if self.skip_bias_add or self.bias is None:
-            return output, (self.bias if self.skip_bias_add else None)
-        return output + self.bias, None
+        bias = self.bias
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.group)
+            if bias is not None:  # added on a sequence shard: partial gradient per rank
+                bias = sequence_parallel_param(bias, self.group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, self.group)
+        if self.skip_bias_add or bias is None:
+            return output, (bias if self.skip_bias_add else None)
+        return output + bias, None

@@ -9,8 +9,13 @@ so groups built here and DeepSpeed's pipeline grid agree rank for rank.
 
 All of it lives in one immutable :class:`ParallelState`, built once by
 :func:`initialize_model_parallel`; the Megatron-style getters below read it.
+
+Megatron-LM v2.6's setters (``set_tensor_model_parallel_rank`` ...) do not mutate that
+state: they write a small, explicit :class:`ParallelOverrides` record (also immutable,
+replaced on each set). A rank/size getter returns the override when one is set, else
+the state's value; the groups and collectives always use the real state. See docs/mpu.md.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
@@ -51,9 +56,26 @@ class ParallelState:
     dp_group: Any
     mp_group: Any
     embedding_group: Any
+    virtual_pp_size: Optional[int] = None
+    """Model chunks per pipeline rank of an interleaved schedule (Megatron v2.6), or None.
+    Stored for model code that asks; tds's engine runs one chunk per rank (no interleaving)."""
+    pp_split_rank: Optional[int] = None
+    """First decoder stage of an encoder-decoder pipeline (Megatron-core), or None."""
+
+
+@dataclass(frozen=True)
+class ParallelOverrides:
+    """Values set by Megatron v2.6's ``set_*`` functions; None means "read the state"."""
+
+    tp_size: Optional[int] = None
+    pp_size: Optional[int] = None
+    tp_rank: Optional[int] = None
+    pp_rank: Optional[int] = None
+    virtual_pp_rank: Optional[int] = None
 
 
 _STATE: Optional[ParallelState] = None
+_OVERRIDES = ParallelOverrides()
 
 
 def grid_rank(pp_rank, dp_rank, tp_rank, tp_size, dp_size):
@@ -84,12 +106,25 @@ def _new_groups(rank, ranks_lists):
     return mine
 
 
-def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1):
+def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              virtual_pipeline_model_parallel_size=None,
+                              pipeline_model_parallel_split_rank=None, **v26_names):
     """Split the world into tensor-, pipeline- and data-parallel groups.
+
+    Accepts Megatron v2.6's 3-argument form ``(tp, pp, virtual_pp_size)`` and core's
+    4-argument form ``(tp, pp, virtual_pp_size, pp_split_rank)``, positionally or with
+    v2.6's keyword names (``tensor_model_parallel_size_=`` ...).
 
     Args:
         tensor_model_parallel_size: ranks that split each layer (tp). 0 means 1.
         pipeline_model_parallel_size: pipeline stages (pp). 0 means 1.
+        virtual_pipeline_model_parallel_size: model chunks per pipeline rank (v2.6's
+            interleaved schedule). Stored in the state, and the virtual rank starts at 0;
+            ``is_pipeline_first/last_stage()`` honour it as v2.6 does. tds's engine does
+            not interleave, so this only informs model code that reads it.
+        pipeline_model_parallel_split_rank: stage where an encoder-decoder model's
+            decoder starts (stored; tds's T5 pipeline decides its own split).
+        **v26_names: the same four values under v2.6's names with a trailing underscore.
 
     Returns:
         The new :class:`ParallelState`.
@@ -98,7 +133,11 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
         RuntimeError: torch.distributed is not initialised, or the groups already exist.
         ValueError: tp * pp does not divide the world size.
     """
-    global _STATE
+    global _STATE, _OVERRIDES
+    (tensor_model_parallel_size, pipeline_model_parallel_size,
+     virtual_pipeline_model_parallel_size, pipeline_model_parallel_split_rank) = _v26_arguments(
+        (tensor_model_parallel_size, pipeline_model_parallel_size,
+         virtual_pipeline_model_parallel_size, pipeline_model_parallel_split_rank), v26_names)
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed: call "
                            "torch.distributed.init_process_group() first")
@@ -110,6 +149,10 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     world, rank = dist.get_world_size(), dist.get_rank()
     ensure_divisibility(world, tp * pp, "world size",
                         f"tensor-model-parallel size ({tp}) x pipeline-model-parallel size ({pp})")
+    vpp = _check_optional_size(virtual_pipeline_model_parallel_size,
+                               "virtual_pipeline_model_parallel_size", 1)
+    split = _check_optional_size(pipeline_model_parallel_split_rank,
+                                 "pipeline_model_parallel_split_rank", 0)
     dp = world // (tp * pp)
     groups = {kind: _new_groups(rank, lists) for kind, lists in _grid_groups(tp, pp, dp).items()}
     pp_rank, rest = divmod(rank, tp * dp)
@@ -121,13 +164,45 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
         mp_ranks=groups["mp"][0], embedding_ranks=groups["embedding"][0],
         tp_group=groups["tp"][1], pp_group=groups["pp"][1], dp_group=groups["dp"][1],
         mp_group=groups["mp"][1], embedding_group=groups["embedding"][1],
+        virtual_pp_size=vpp, pp_split_rank=split,
     )
+    _OVERRIDES = ParallelOverrides(virtual_pp_rank=None if vpp is None else 0)
     return _STATE
+
+
+_V26_NAMES = ("tensor_model_parallel_size_", "pipeline_model_parallel_size_",
+              "virtual_pipeline_model_parallel_size_", "pipeline_model_parallel_split_rank_")
+
+
+def _v26_arguments(values, v26_names):
+    """Merge v2.6's trailing-underscore keywords into the positional values."""
+    unknown = sorted(set(v26_names) - set(_V26_NAMES))
+    if unknown:
+        raise TypeError(f"initialize_model_parallel() got unexpected keyword(s) {unknown}; "
+                        f"it takes tensor/pipeline/virtual-pipeline sizes and the split rank")
+    values = list(values)
+    for i, name in enumerate(_V26_NAMES):
+        if name in v26_names:
+            values[i] = v26_names[name]
+    return values
+
+
+def _check_optional_size(value, name, minimum):
+    if value is None:
+        return None
+    if isinstance(value, bool) or int(value) != value or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} or None, got {value!r}")
+    return int(value)
 
 
 def model_parallel_is_initialized():
     """Whether :func:`initialize_model_parallel` has run (and not been destroyed)."""
     return _STATE is not None
+
+
+def is_unitialized():
+    """Megatron v2.6's (misspelt) name: True while the groups are not built."""
+    return _STATE is None
 
 
 def get_parallel_state():
@@ -139,9 +214,20 @@ def get_parallel_state():
 
 
 def destroy_model_parallel():
-    """Forget the groups (they are destroyed with the default process group)."""
-    global _STATE
+    """Forget the groups (destroyed with the default process group) and every override."""
+    global _STATE, _OVERRIDES
     _STATE = None
+    _OVERRIDES = ParallelOverrides()
+
+
+def get_parallel_overrides():
+    """The current :class:`ParallelOverrides` (all None unless a ``set_*`` was called)."""
+    return _OVERRIDES
+
+
+def _override_or_state(field):
+    value = getattr(_OVERRIDES, field)
+    return getattr(get_parallel_state(), field) if value is None else value
 
 
 # ---------------------------------------------------------------- groups
@@ -158,7 +244,7 @@ def get_data_parallel_group():
 
 
 def get_model_parallel_group():
-    """Tensor x pipeline group of this model replica (Megatron v2 meaning)."""
+    """Tensor x pipeline group of this model replica (Megatron v2.6 meaning)."""
     return get_parallel_state().mp_group
 
 
@@ -169,11 +255,13 @@ def get_embedding_group():
 
 # ---------------------------------------------------------------- sizes and ranks
 def get_tensor_model_parallel_world_size():
-    return get_parallel_state().tp_size
+    """Tensor-parallel size (the override from the setter when one is set)."""
+    return _override_or_state("tp_size")
 
 
 def get_pipeline_model_parallel_world_size():
-    return get_parallel_state().pp_size
+    """Pipeline-parallel size (the override from the setter when one is set)."""
+    return _override_or_state("pp_size")
 
 
 def get_data_parallel_world_size():
@@ -181,26 +269,39 @@ def get_data_parallel_world_size():
 
 
 def get_tensor_model_parallel_rank():
-    return get_parallel_state().tp_rank
+    """Rank in the tensor-parallel group (the override from the setter when one is set)."""
+    return _override_or_state("tp_rank")
 
 
 def get_pipeline_model_parallel_rank():
-    return get_parallel_state().pp_rank
+    """Pipeline stage of this rank (the override from the setter when one is set)."""
+    return _override_or_state("pp_rank")
 
 
 def get_data_parallel_rank():
     return get_parallel_state().dp_rank
 
 
-def is_pipeline_first_stage(ignore_virtual=True):
-    """Whether this rank runs the first pipeline stage (``ignore_virtual`` kept for API parity)."""
-    return get_parallel_state().pp_rank == 0
+def is_pipeline_first_stage(ignore_virtual=False):
+    """Whether this rank runs the first pipeline stage.
+
+    Args:
+        ignore_virtual: with a virtual pipeline size set, v2.6 counts only virtual
+            chunk 0 as first; True ignores the virtual rank.
+    """
+    if not ignore_virtual and get_virtual_pipeline_model_parallel_world_size() is not None \
+            and get_virtual_pipeline_model_parallel_rank() != 0:
+        return False
+    return get_pipeline_model_parallel_rank() == 0
 
 
-def is_pipeline_last_stage(ignore_virtual=True):
-    """Whether this rank runs the last pipeline stage."""
-    state = get_parallel_state()
-    return state.pp_rank == state.pp_size - 1
+def is_pipeline_last_stage(ignore_virtual=False):
+    """Whether this rank runs the last pipeline stage (see :func:`is_pipeline_first_stage`)."""
+    vpp = get_virtual_pipeline_model_parallel_world_size()
+    if not ignore_virtual and vpp is not None \
+            and get_virtual_pipeline_model_parallel_rank() != vpp - 1:
+        return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
 def get_tensor_model_parallel_src_rank():
@@ -233,10 +334,99 @@ def get_pipeline_model_parallel_prev_rank():
     return state.pp_ranks[(state.pp_rank - 1) % state.pp_size]
 
 
-# ---------------------------------------------------------------- Megatron v1 / CPM aliases
-get_model_parallel_rank = get_tensor_model_parallel_rank
-get_model_parallel_world_size = get_tensor_model_parallel_world_size
-get_model_parallel_src_rank = get_tensor_model_parallel_src_rank
+# ---------------------------------------------------------------- model replica (tp x pp)
+# One meaning for the whole "model parallel" family: the tensor x pipeline group of this
+# model replica, as get_model_parallel_group() in Megatron v2.6 and DeepSpeed's grid.
+# Megatron v1/CPM meant tensor-parallel by these names: use megatron.mpu.v1 for that.
+def get_model_parallel_world_size():
+    """Ranks in this model replica (tensor x pipeline)."""
+    return len(get_parallel_state().mp_ranks)
+
+
+def get_model_parallel_rank():
+    """This rank's index in :func:`get_model_parallel_group` (pp_rank * tp + tp_rank)."""
+    state = get_parallel_state()
+    return state.mp_ranks.index(state.rank)
+
+
+def get_model_parallel_src_rank():
+    """Global rank of the first rank of this model replica."""
+    return get_parallel_state().mp_ranks[0]
+
+
 get_pipe_parallel_rank = get_pipeline_model_parallel_rank
 get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
 get_pipe_parallel_group = get_pipeline_model_parallel_group
+
+
+# ---------------------------------------------------------------- Megatron v2.6 setters
+def _set_override(**value):
+    global _OVERRIDES
+    (name, v), = value.items()
+    if v is not None and (isinstance(v, bool) or int(v) != v or v < 0):
+        raise ValueError(f"{name} must be a non-negative integer or None, got {v!r}")
+    _OVERRIDES = replace(_OVERRIDES, **{name: None if v is None else int(v)})
+
+
+def set_tensor_model_parallel_world_size(world_size):
+    """Override what :func:`get_tensor_model_parallel_world_size` reports (None clears).
+
+    Used, as in v2.6, to build one tensor-parallel shard of a model in a single process
+    (checkpoint tools). Layers built with the default group shard by the overridden
+    rank and size; collectives still run on the real groups.
+
+    Args:
+        world_size: the size to report, or None to read the state again.
+    """
+    _set_override(tp_size=world_size)
+
+
+def set_pipeline_model_parallel_world_size(world_size):
+    """Override the reported pipeline size (None clears); see the tensor setter.
+
+    Args:
+        world_size: the size to report, or None.
+    """
+    _set_override(pp_size=world_size)
+
+
+def set_tensor_model_parallel_rank(rank):
+    """Override the reported tensor-parallel rank (None clears); see the size setter.
+
+    Args:
+        rank: the rank to report, or None.
+    """
+    _set_override(tp_rank=rank)
+
+
+def set_pipeline_model_parallel_rank(rank):
+    """Override the reported pipeline rank (None clears): stage tests read it.
+
+    Args:
+        rank: the stage to report, or None.
+    """
+    _set_override(pp_rank=rank)
+
+
+def get_virtual_pipeline_model_parallel_world_size():
+    """Model chunks per pipeline rank given to :func:`initialize_model_parallel`, or None."""
+    return None if _STATE is None else _STATE.virtual_pp_size
+
+
+def get_virtual_pipeline_model_parallel_rank():
+    """The model chunk being built or run (v2.6: set by the interleaved schedule), or None."""
+    return _OVERRIDES.virtual_pp_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank):
+    """Set the current model chunk (v2.6 sets it before building/running each chunk).
+
+    Args:
+        rank: chunk index in ``[0, virtual_pipeline_model_parallel_size)``, or None.
+    """
+    _set_override(virtual_pp_rank=rank)
+
+
+def get_pipeline_model_parallel_split_rank():
+    """Stage where an encoder-decoder pipeline's decoder starts, or None (core's name)."""
+    return get_parallel_state().pp_split_rank

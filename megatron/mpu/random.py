@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from . import parallel_state as ps
+from .split_1d import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 from .utils import get_device
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -131,15 +132,24 @@ class CheckpointFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, run_function, *args):
+    def forward(ctx, run_function, distribute, *args):
         ctx.run_function = run_function
         ctx.rng = get_all_rng_states()
         ctx.autocast = _capture_autocast()
+        with torch.no_grad():
+            outputs = run_function(*args)
         ctx.tensor_slots = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
-        ctx.save_for_backward(*(args[i] for i in ctx.tensor_slots))
-        with torch.no_grad():
-            return run_function(*args)
+        saved = [args[i] for i in ctx.tensor_slots]
+        # v2.6's distribute_saved_activations: keep 1/tp of the first input (replicated
+        # on the tp ranks) and all-gather it for the recompute.
+        ctx.distributed_shape = None
+        if distribute and ctx.tensor_slots[:1] == [0]:
+            ctx.distributed_shape = saved[0].shape
+            ctx.first_requires_grad = saved[0].requires_grad
+            saved[0] = split_tensor_into_1d_equal_chunks(saved[0].detach(), new_buffer=True)
+        ctx.save_for_backward(*saved)
+        return outputs
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -147,7 +157,11 @@ class CheckpointFunction(torch.autograd.Function):
             raise RuntimeError("activation checkpointing does not work with "
                                "torch.autograd.grad(); use .backward()")
         args = list(ctx.others)
-        for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
+        tensors = list(ctx.saved_tensors)
+        if ctx.distributed_shape is not None:
+            tensors[0] = gather_split_1d_tensor(tensors[0]).view(ctx.distributed_shape)
+            tensors[0].requires_grad_(ctx.first_requires_grad)
+        for slot, tensor in zip(ctx.tensor_slots, tensors):
             args[slot] = tensor.detach().requires_grad_(tensor.requires_grad)
         saved = get_all_rng_states()
         set_all_rng_states(ctx.rng)
@@ -163,7 +177,7 @@ class CheckpointFunction(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = tuple(a.grad if torch.is_tensor(a) else None for a in args)
-        return (None,) + grads
+        return (None, None) + grads
 
 
 def get_all_rng_states():
@@ -196,11 +210,25 @@ def _autocast_from(state):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
-def checkpoint(function, *args):
+def checkpoint(function, *args, distribute_saved_activations=None):
     """Run ``function(*args)`` without keeping its activations; recompute them in backward.
+
+    Both call shapes work: today's ``checkpoint(fn, *args)`` and Megatron v2.6's
+    ``checkpoint(fn, distribute_saved_activations, *args)``. The rule: a Python ``bool``
+    as the first argument after ``fn`` is v2.6's flag, never an argument of ``fn``
+    (activations are tensors). To pass a bool to ``fn`` itself, give the flag first:
+    ``checkpoint(fn, False, True, x)``, or the keyword.
 
     Args:
         function: the block to run (e.g. a slice of transformer layers).
         *args: its arguments; tensors among them are saved, everything else is kept as is.
+        distribute_saved_activations: keep only ``1/tp`` of the first argument (which must
+            be the same on every tensor-parallel rank, e.g. the hidden states) and
+            all-gather it for the recompute; its element count must divide by tp.
     """
-    return CheckpointFunction.apply(function, *args)
+    if distribute_saved_activations is None:
+        if args and isinstance(args[0], bool):
+            distribute_saved_activations, args = args[0], args[1:]
+        else:
+            distribute_saved_activations = False
+    return CheckpointFunction.apply(function, bool(distribute_saved_activations), *args)

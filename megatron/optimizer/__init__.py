@@ -1,4 +1,6 @@
 """AdamW with Megatron's parameter groups, loss scaling, overflow skipping and clipping."""
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -27,12 +29,14 @@ class MegatronOptimizer:
         optimizer: the torch optimizer over the model's parameters.
         grad_scaler: a loss scaler (fp16) or None.
         clip_grad: max global gradient norm (0 disables clipping; the norm is still measured).
+        skip_nonfinite: skip the update when the gradient norm is inf/nan (fp32/bf16).
     """
 
-    def __init__(self, optimizer, grad_scaler, clip_grad):
+    def __init__(self, optimizer, grad_scaler, clip_grad, skip_nonfinite=False):
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.clip_grad = clip_grad
+        self.skip_nonfinite = skip_nonfinite
 
     @property
     def param_groups(self):
@@ -62,7 +66,11 @@ class MegatronOptimizer:
         return bool(found_inf.item())
 
     def step(self):
-        """Returns ``(updated, grad_norm)``; ``updated`` is False for a skipped (overflow) step."""
+        """Returns ``(updated, grad_norm)``; ``updated`` is False for a skipped (overflow) step.
+
+        The norm stays a device tensor (no host sync); fp16 reads one flag from the device
+        to decide whether the step is skipped.
+        """
         params = [p for p in self.params() if p.grad is not None]
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check([p.grad for p in params])
@@ -71,7 +79,11 @@ class MegatronOptimizer:
                 self.zero_grad()
                 return False, None
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        grad_norm = mpu.clip_grad_norm(params, max_norm)
+        grad_norm = mpu.clip_grad_norm_tensor(params, max_norm)
+        # --skip-nonfinite-steps reads the norm on the host (one sync, only when asked for)
+        if self.skip_nonfinite and not bool(torch.isfinite(grad_norm)):
+            self.zero_grad()  # keep the weights, count a skipped step
+            return False, grad_norm
         self.optimizer.step()
         return True, grad_norm
 
@@ -87,13 +99,5 @@ class MegatronOptimizer:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
 
 
-def get_megatron_optimizer(modules, args):
-    """AdamW (fused/foreach where available) over ``modules`` as configured by ``args``."""
-    groups = get_param_groups(modules, args.weight_decay)
-    adam = torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_eps, weight_decay=args.weight_decay)
-    return MegatronOptimizer(adam, build_grad_scaler(args), args.clip_grad)
-
-
 __all__ = ["ConstantGradScaler", "DynamicGradScaler", "MegatronOptimizer",
-           "build_grad_scaler", "get_megatron_optimizer", "get_param_groups"]
+           "build_grad_scaler", "get_param_groups"]

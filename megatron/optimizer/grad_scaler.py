@@ -70,11 +70,11 @@ class DynamicGradScaler:
         self._clean_steps = int(state["clean_steps"])
 
 
-def build_grad_scaler(args):
-    """The scaler the flags ask for: None outside fp16."""
-    if not args.fp16:
+def build_grad_scaler(precision):
+    """The scaler a :class:`~megatron.config.PrecisionConfig` asks for: None outside fp16."""
+    if not precision.fp16:
         return None
-    if args.loss_scale > 0:
-        return ConstantGradScaler(args.loss_scale)
-    return DynamicGradScaler(2.0 ** args.initial_scale_power, args.min_loss_scale,
-                             args.loss_scale_window, args.hysteresis)
+    if precision.loss_scale > 0:
+        return ConstantGradScaler(precision.loss_scale)
+    return DynamicGradScaler(2.0 ** precision.initial_scale_power, precision.min_loss_scale,
+                             precision.loss_scale_window, precision.hysteresis)

@@ -1,7 +1,6 @@
 """Tokenizers: GPT-2 byte-level BPE, SentencePiece (T5 sentinels), character vocabulary.
 
-``build_tokenizer(args)`` picks one by ``args.tokenizer_type`` and sets
-``args.padded_vocab_size``. Every tokenizer has ``vocab_size``, ``tokenize(text) -> ids``,
+``build_tokenizer(args)`` picks one by ``tokenizer_type``. Every tokenizer has ``vocab_size``, ``tokenize(text) -> ids``,
 ``detokenize(ids) -> text``, ``eod``, ``pad``, ``sentinel_ids`` and ``name``.
 """
 import logging
@@ -28,53 +27,55 @@ def vocab_size_with_padding(orig_vocab_size, divisible_by, tp):
     return -(-orig_vocab_size // multiple) * multiple
 
 
-def _require(args, attr, flag, kind):
-    path = getattr(args, attr, None)
+def _settings(args):
+    """The tokenizer settings of ``args`` as a dict (a namespace, a RunConfig or a dict)."""
+    if isinstance(args, dict):
+        return args
+    if hasattr(args, "to_dict"):
+        return args.to_dict()
+    return vars(args)
+
+
+def _require(settings, key, flag, kind):
+    path = settings.get(key)
     if not path:
         raise DataError(f"{kind} needs {flag} (path to the file)")
     return path
 
 
 def build_tokenizer(args):
-    """Build the tokenizer named by ``args.tokenizer_type``; sets ``args.padded_vocab_size``.
+    """Build the tokenizer named by ``tokenizer_type`` (the padded vocabulary size is derived
+    from its ``vocab_size`` by megatron.config, see :func:`vocab_size_with_padding`).
 
     Args:
-        args: namespace with ``tokenizer_type``, ``vocab_file``, ``merge_file``,
-            ``tokenizer_model``, and optionally ``vocab_extra_ids`` (100),
-            ``make_vocab_size_divisible_by`` (128), ``tensor_model_parallel_size`` (1),
+        args: a namespace, RunConfig or dict with ``tokenizer_type``, ``vocab_file``,
+            ``merge_file``, ``tokenizer_model``, and optionally ``vocab_extra_ids`` (100) and
             ``rank`` (0; only rank 0 logs).
 
     Returns:
         The tokenizer.
     """
-    kind = getattr(args, "tokenizer_type", None)
-    rank = getattr(args, "rank", 0) or 0
+    settings = _settings(args)
+    kind = settings.get("tokenizer_type")
     if kind == "GPT2BPETokenizer":
         from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 
-        tokenizer = GPT2BPETokenizer(_require(args, "vocab_file", "--vocab-file", kind),
-                                     _require(args, "merge_file", "--merge-file", kind))
+        tokenizer = GPT2BPETokenizer(_require(settings, "vocab_file", "--vocab-file", kind),
+                                     _require(settings, "merge_file", "--merge-file", kind))
     elif kind == "SentencePieceTokenizer":
         from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 
-        extra = getattr(args, "vocab_extra_ids", None)
+        extra = settings.get("vocab_extra_ids")
         tokenizer = SentencePieceTokenizer(
-            _require(args, "tokenizer_model", "--tokenizer-model", kind),
+            _require(settings, "tokenizer_model", "--tokenizer-model", kind),
             vocab_extra_ids=100 if extra is None else extra)
     elif kind == "CharTokenizer":
         from megatron.tokenizer.char_tokenizer import CharTokenizer
 
-        tokenizer = CharTokenizer(_require(args, "vocab_file", "--vocab-file", kind))
+        tokenizer = CharTokenizer(_require(settings, "vocab_file", "--vocab-file", kind))
     else:
         raise ConfigError(f"--tokenizer-type {kind!r} is not known; use one of "
                           f"{', '.join(TOKENIZER_TYPES)}")
-    divisible_by = getattr(args, "make_vocab_size_divisible_by", None) or 128
-    tp = getattr(args, "tensor_model_parallel_size", None) or 1
-    args.true_vocab_size = tokenizer.vocab_size  # saved with checkpoints (resharding needs it)
-    args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, divisible_by, tp)
-    if rank == 0:
-        logger.info("> building %s tokenizer: vocab %d padded with %d dummy tokens to %d "
-                    "(multiple of %d x tp %d)", kind, tokenizer.vocab_size,
-                    args.padded_vocab_size - tokenizer.vocab_size, args.padded_vocab_size,
-                    divisible_by, tp)
+    if not settings.get("rank"):
+        logger.info("> building %s tokenizer: vocab %d", kind, tokenizer.vocab_size)
     return tokenizer

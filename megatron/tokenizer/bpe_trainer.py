@@ -13,6 +13,7 @@ import os
 
 import regex
 
+from megatron.locks import remove_stale_tmps, tmp_name
 from megatron.tokenizer.gpt2_bpe import BYTE_ENCODER, EOD_TOKEN, PRETOKENIZE_PATTERN
 
 
@@ -88,13 +89,14 @@ class _PairStats:
         self.counts.pop(pair, None)
 
 
-def train_bpe(texts, vocab_size, min_frequency=2):
+def train_bpe(texts, vocab_size, min_frequency=2, on_merge=None):
     """Learn merges until the vocab (256 bytes + merges + ``<|endoftext|>``) has ``vocab_size``.
 
     Args:
         texts: iterable of documents (str).
         vocab_size: target size including the 256 byte tokens and ``<|endoftext|>``.
         min_frequency: stop early when the best pair occurs fewer times than this.
+        on_merge: optional ``f()`` called after each merge (progress reporting).
 
     Returns:
         (vocab {token: id}, merges [(a, b), ...]) with tokens in GPT-2's byte characters.
@@ -121,6 +123,8 @@ def train_bpe(texts, vocab_size, min_frequency=2):
             symbols.append(text)
         merges.append((symbols[pair[0]], symbols[pair[1]]))
         stats.apply(words, freqs, pair, new)
+        if on_merge is not None:
+            on_merge()
     vocab = dict(token_id)
     vocab[EOD_TOKEN] = len(vocab)
     return vocab, merges
@@ -134,7 +138,8 @@ def save_bpe(vocab, merges, output_dir):
     for path, write in ((vocab_path, lambda f: json.dump(vocab, f, ensure_ascii=False)),
                         (merges_path, lambda f: f.write(
                             "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)))):
-        tmp = f"{path}.tmp-{os.getpid()}"
+        remove_stale_tmps(path)
+        tmp = tmp_name(path)
         with open(tmp, "w", encoding="utf-8") as f:
             write(f)
         os.replace(tmp, path)

@@ -9,7 +9,7 @@ produced by :meth:`tokenize`.
 """
 import os
 
-from megatron.errors import DataError
+from megatron.errors import DataError, not_text
 
 REQUIRED = ("[PAD]", "[UNK]", "[CLS]")
 
@@ -27,8 +27,12 @@ class CharTokenizer:
         if not os.path.isfile(vocab_file):
             raise DataError(f"vocab file {vocab_file} not found; pass --vocab-file with a "
                             f"character vocab.txt (tools/train_tokenizer.py --type char)")
-        with open(vocab_file, encoding="utf-8") as f:
-            tokens = [line.rstrip("\r\n") for line in f]
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                tokens = [line.rstrip("\r\n") for line in f]
+        except UnicodeDecodeError as exc:
+            raise not_text(vocab_file, exc, "--vocab-file must be a character vocab.txt (one "
+                           "token per line)") from None
         self.inv_vocab = dict(enumerate(tokens))
         self.vocab = {}
         for i, token in enumerate(tokens):

@@ -13,7 +13,7 @@ import os
 
 import regex
 
-from megatron.errors import DataError
+from megatron.errors import DataError, not_text
 
 PRETOKENIZE_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
                        r"""|\s+(?!\S)|\s+""")
@@ -64,23 +64,27 @@ def load_merges(merge_file, vocab, vocab_file):
     if not os.path.isfile(merge_file):
         raise DataError(f"merges file {merge_file} not found; pass --merge-file with the "
                         f"merges.txt made together with {vocab_file}")
+    try:
+        with open(merge_file, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as exc:
+        raise not_text(merge_file, exc, "--merge-file must be a GPT-2 merges.txt") from None
     ranks = {}
-    with open(merge_file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if lineno == 1 and line.startswith("#version"):
-                continue
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 2:
-                raise DataError(f"{merge_file}:{lineno}: expected two tokens per line, got "
-                                f"{line.strip()!r}; is --merge-file a GPT-2 merges.txt?")
-            a, b = parts
-            if a not in vocab or b not in vocab or a + b not in vocab:
-                raise DataError(f"{merge_file}:{lineno}: merge {a!r} + {b!r} uses tokens not in "
-                                f"{vocab_file}; the vocab and merges files come from different "
-                                f"tokenizers, pass the pair made together")
-            ranks.setdefault((a, b), len(ranks))
+    for lineno, line in enumerate(lines, 1):
+        if lineno == 1 and line.startswith("#version"):
+            continue
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != 2:
+            raise DataError(f"{merge_file}:{lineno}: expected two tokens per line, got "
+                            f"{line.strip()!r}; is --merge-file a GPT-2 merges.txt?")
+        a, b = parts
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            raise DataError(f"{merge_file}:{lineno}: merge {a!r} + {b!r} uses tokens not in "
+                            f"{vocab_file}; the vocab and merges files come from different "
+                            f"tokenizers, pass the pair made together")
+        ranks.setdefault((a, b), len(ranks))
     return ranks
 
 
@@ -178,6 +182,11 @@ class GPT2BPETokenizer:
     def _tokenize_plain(self, text):
         return list(itertools.chain.from_iterable(
             map(self._cache.__getitem__, self._pattern.findall(text))))
+
+    def tokenize_as_text(self, text):
+        """Text -> ids with ``<|endoftext|>`` read as plain characters (Megatron-LM's rule,
+        used by tools/preprocess_data.py so its output matches Megatron's byte for byte)."""
+        return self._tokenize_plain(text)
 
     def tokenize(self, text):
         """Text -> list of ids (``<|endoftext|>`` in the text becomes ``eod``, as in HF)."""

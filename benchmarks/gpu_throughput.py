@@ -1,0 +1,349 @@
+#!/usr/bin/env python
+"""Training-step throughput of this project's GPT-2 and T5 against plain baselines, one run.
+
+    python benchmarks/gpu_throughput.py                      # GPU: the issue 10 / 11 tables
+    python benchmarks/gpu_throughput.py --profile prof/      # + torch.profiler traces
+    python benchmarks/gpu_throughput.py --tiny               # CPU smoke run (tests)
+
+Every case trains on the same device in the same process, tp = pp = dp = 1, bf16 on a GPU
+(fp32 with ``--tiny`` on the CPU), dropout 0, synthetic batches already on the device:
+
+- ``megatron``: the real training path, as pretrain() builds it: run configuration from
+  flags, model from the family's hooks, :func:`megatron.training.backend.build_backend`
+  (our AdamW wrapper or the DeepSpeed engine) and ``backend.train_step`` with the entry
+  script's ``forward_step``; ``+compile`` adds ``--compile``; ``deepspeed`` adds
+  ``--deepspeed --zero-stage 1`` (only when deepspeed imports);
+- ``plain``: benchmarks/plain_models.py's GPT-2 (SDPA, autocast, fused AdamW), eager and
+  under ``torch.compile``; ``hf-t5``: transformers' T5ForConditionalGeneration, same.
+
+Reported per case: ms/step (median), tokens/s, TFLOP/s (Megatron's formula, the same
+count for every case of a size), MFU (peak looked up from the GPU name, ``--peak-tflops``
+overrides), peak memory, and tokens/s relative to the compiled baseline.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.plain_models import PlainGPT2, hf_t5  # noqa: E402
+
+#: bf16 dense peak TFLOP/s by GPU name fragment (first match wins).
+PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0),
+               ("A10", 125.0))
+
+GPT2_SIZES = {"124M": (12, 768, 12), "345M": (24, 1024, 16)}  # layers, hidden, heads
+T5_SIZES = {"t5-base": (12, 768, 3072, 12), "t5-large": (24, 1024, 4096, 16)}
+TINY_GPT2 = {"tiny": (2, 64, 4)}
+TINY_T5 = {"tiny-t5": (2, 64, 128, 4)}
+
+
+def peak_tflops(device, override):
+    """Per-device bf16 peak, or None (CPU, unknown GPU) when no ``--peak-tflops``."""
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step, device, warmup, steps):
+    """Median seconds per ``step()`` after ``warmup`` calls, and the peak memory (GiB)."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return statistics.median(times), memory
+
+
+def profile_step(step, device, path, name):
+    """One profiled step: a chrome trace under ``path`` and the top kernels printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    os.makedirs(path, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(path, f"{name}.json"))
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"--- top kernels: {name} (by {key})")
+    print(prof.key_averages().table(sort_by=key, row_limit=12))
+
+
+# ------------------------------------------------------------------ this project's steps
+_DIST_READY = False
+
+
+def _init_project(argv, family, vocab, eod):
+    """Run configuration + distributed state as initialize_megatron builds them (synthetic
+    data: no tokenizer files, the vocabulary size is given)."""
+    global _DIST_READY
+    from megatron import mpu
+    from megatron.config import build_run_config
+    from megatron.global_vars import reset_globals, set_globals
+    from megatron.initialize import _load_kernels, init_distributed, set_random_seed
+    from megatron.timers import Timers
+
+    cfg, _ = build_run_config(argv, family, check_files=False, world_size=1, rank=0)
+    cfg = cfg.replace(padded_vocab_size=vocab, true_vocab_size=vocab)
+    if not _DIST_READY:
+        init_distributed(cfg)
+        _DIST_READY = True
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(1, 1)
+    set_random_seed(cfg.seed)
+    _load_kernels(cfg)
+    reset_globals()
+    tokenizer = argparse.Namespace(eod=eod, pad=0, vocab_size=vocab)
+    set_globals(args=cfg, tokenizer=tokenizer, timers=Timers(), tensorboard_writer=None)
+    return cfg
+
+
+def _common_flags(opts, layers, hidden, heads, batch, extra):
+    flags = ["--num-layers", str(layers), "--hidden-size", str(hidden),
+             "--num-attention-heads", str(heads), "--batch-size", str(batch), "--gas", "1",
+             "--train-iters", "1000", "--lr", "1e-4", "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--log-interval", "1000000"]
+    if opts.dtype == torch.bfloat16:
+        flags.append("--bf16")
+    return flags + list(extra)
+
+
+def project_step(kind, family, flags, vocab, batch_fn, device):
+    """``step()`` of the real training path for ``family`` (``gpt2`` / ``t5``)."""
+    from megatron.training.backend import build_backend
+
+    entry = __import__("pretrain_gpt2" if family == "gpt2" else "pretrain_t5")
+    argv = flags + (["--compile"] if kind == "compile" else []) + \
+        (["--deepspeed", "--zero-stage", "1"] if kind == "deepspeed" else [])
+    cfg = _init_project(argv, family, vocab, eod=vocab - 1)
+    backend = build_backend(cfg, entry.model_provider)
+    backend.train()
+    batch = batch_fn(device)
+
+    def data():
+        while True:
+            yield batch
+
+    iterator = data()
+
+    def step():
+        backend.train_step(entry.forward_step, iterator)
+
+    return step, cfg
+
+
+# ------------------------------------------------------------------ baseline steps
+def plain_step(model, loss_fn, opts, device, compiled):
+    """``step()`` of a plain model: autocast forward, backward, fused AdamW step."""
+    model = model.to(device).train()
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **fused)
+    run = torch.compile(model) if compiled else model
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=opts.dtype, enabled=opts.dtype != torch.float32):
+            loss = loss_fn(run)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+# ------------------------------------------------------------------ cases
+def gpt2_batch_fn(batch, seq, vocab):
+    def make(device):
+        g = torch.Generator(device="cpu").manual_seed(1234)
+        return {"text": torch.randint(0, vocab - 1, (batch, seq + 1), generator=g).to(device)}
+    return make
+
+
+def t5_batch_fn(batch, enc, dec, vocab):
+    def make(device):
+        g = torch.Generator(device="cpu").manual_seed(1234)
+        ids = lambda n: torch.randint(2, vocab - 1, (batch, n), generator=g)  # noqa: E731
+        causal = torch.tril(torch.ones(dec, dec, dtype=torch.int64))
+        out = {"text_enc": ids(enc), "text_dec": ids(dec), "labels": ids(dec),
+               "enc_mask": torch.ones(batch, enc, enc, dtype=torch.int64),
+               "dec_mask": causal.expand(batch, dec, dec).contiguous(),
+               "enc_dec_mask": torch.ones(batch, dec, enc, dtype=torch.int64),
+               "loss_mask": torch.ones(batch, dec, dtype=torch.int64)}
+        return {k: v.to(device) for k, v in out.items()}
+    return make
+
+
+def gpt2_flops(batch, seq, layers, hidden, vocab):
+    """Megatron's count for one step (the same for every case of a size)."""
+    from megatron.families.gpt2 import flops_per_step
+
+    return flops_per_step(argparse.Namespace(global_batch_size=batch, seq_length=seq,
+                                             num_layers=layers, hidden_size=hidden,
+                                             padded_vocab_size=vocab))
+
+
+def gpt2_cases(opts, name, layers, hidden, heads, batch):
+    """(label, step factory) pairs for one GPT-2 size and micro-batch."""
+    seq, vocab = opts.seq, opts.vocab
+    flags = _common_flags(opts, layers, hidden, heads, batch,
+                          ["--seq-length", str(seq), "--max-position-embeddings", str(seq)])
+    batch_fn = gpt2_batch_fn(batch, seq, vocab)
+    text = batch_fn(opts.device)["text"]
+
+    def plain_loss(model):
+        return model(text[:, :-1], text[:, 1:])
+
+    kinds = ["eager"] + (["compile"] if opts.compile else []) + \
+        (["deepspeed"] if opts.deepspeed else [])
+    cases = [(f"megatron {k}", lambda k=k: project_step(k, "gpt2", flags, vocab, batch_fn,
+                                                        opts.device)[0]) for k in kinds]
+    for compiled in (False, True) if opts.compile else (False,):
+        cases.append((f"plain {'compiled' if compiled else 'eager'}",
+                      lambda c=compiled: plain_step(PlainGPT2(vocab, seq, hidden, heads, layers),
+                                                    plain_loss, opts, opts.device, c)))
+    return cases, batch * seq, gpt2_flops(batch, seq, layers, hidden, vocab)
+
+
+def t5_cases(opts, name, layers, d_model, d_ff, heads, batch):
+    """(label, step factory) pairs for one T5 size."""
+    enc, dec, vocab, d_kv = opts.enc_seq, opts.dec_seq, opts.t5_vocab, d_model // heads
+    flags = _common_flags(opts, layers, d_model, heads, batch,
+                          ["--enc-seq-length", str(enc), "--dec-seq-length", str(dec),
+                           "--ff-hidden-size", str(d_ff), "--kv-hidden-size", str(d_kv)])
+    batch_fn = t5_batch_fn(batch, enc, dec, vocab)
+    data = batch_fn(opts.device)
+
+    def hf_loss(model):
+        return model(input_ids=data["text_enc"], decoder_input_ids=data["text_dec"],
+                     labels=data["labels"]).loss
+
+    kinds = ["eager"] + (["compile"] if opts.compile else [])
+    cases = [(f"megatron {k}", lambda k=k: project_step(k, "t5", flags, vocab, batch_fn,
+                                                        opts.device)[0]) for k in kinds]
+    if hf_t5(vocab, 1, 8, 8, 1, 8) is not None:
+        for compiled in (False, True) if opts.compile else (False,):
+            cases.append((f"hf-t5 {'compiled' if compiled else 'eager'}",
+                          lambda c=compiled: plain_step(
+                              hf_t5(vocab, layers, d_model, d_ff, heads, d_kv), hf_loss, opts,
+                              opts.device, c)))
+    from megatron.families.t5 import flops_per_step
+
+    cfg = argparse.Namespace(
+        num_layers=layers, hidden_size=d_model, num_attention_heads=heads, kv_channels=d_kv,
+        ffn_hidden_size=d_ff, padded_vocab_size=vocab, relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, t5_ff="relu", untie_embeddings=False,
+        hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-6,
+        checkpoint_activations=False, checkpoint_num_layers=1, masked_softmax_fusion=True,
+        compute_dtype=opts.dtype, seed=1234, enc_seq_length=enc, dec_seq_length=dec,
+        global_batch_size=batch)
+    cfg.get = lambda key, default=None: getattr(cfg, key, default)
+    return cases, batch * (enc + dec), flops_per_step(cfg)
+
+
+# ------------------------------------------------------------------ report
+def run_table(title, cases, tokens_per_step, flops, opts):
+    """Time every case of one size; print ms/step, tokens/s, TFLOP/s, MFU, memory, ratio."""
+    peak = peak_tflops(opts.device, opts.peak_tflops)
+    rows = []
+    for label, factory in cases:
+        step = factory()
+        seconds, memory = time_steps(step, opts.device, opts.warmup, opts.steps)
+        if opts.profile:
+            profile_step(step, opts.device, opts.profile, f"{title}-{label}".replace(" ", "_"))
+        tflops = flops / seconds / 1e12
+        rows.append((label, seconds, tokens_per_step / seconds, tflops,
+                     tflops / peak if peak else None, memory))
+        del step
+        if opts.device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = max((r for r in rows if r[0].startswith(("plain", "hf-t5"))), key=lambda r: r[2],
+               default=None)
+    print(f"\n### {title}")
+    print("| case | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | tokens/s vs best baseline |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, seconds, tokens, tflops, mfu, memory in rows:
+        ratio = f"{tokens / base[2]:.2f}" if base else "n/a"
+        print(f"| {label} | {seconds * 1e3:.1f} | {tokens:.0f} | {tflops:.2f} | "
+              f"{f'{mfu * 100:.1f}%' if mfu is not None else 'n/a'} | "
+              f"{f'{memory:.1f}' if memory is not None else 'n/a'} | {ratio} |")
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny sizes, fp32 on CPU (smoke run)")
+    p.add_argument("--models", default="gpt2,t5", help="comma list: gpt2, t5")
+    p.add_argument("--batches", default="8,16", help="GPT-2 micro-batches")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
+    p.add_argument("--profile", default=None, help="folder for torch.profiler traces")
+    p.add_argument("--peak-tflops", type=float, default=None)
+    opts = p.parse_args(argv)
+    opts.device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
+    opts.dtype = torch.bfloat16 if opts.device.type == "cuda" else torch.float32
+    tiny = opts.tiny
+    opts.seq, opts.vocab = (32, 512) if tiny else (1024, 50304)
+    opts.enc_seq, opts.dec_seq, opts.t5_vocab = (32, 8, 512) if tiny else (512, 128, 32128)
+    if tiny:
+        opts.batches, opts.steps, opts.warmup = "2", min(opts.steps, 2), 1
+    if opts.deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            opts.deepspeed = False
+    return opts
+
+
+def main(argv=None):
+    opts = parse_args(argv)
+    os.environ.setdefault("MEGATRON_DEVICE", opts.device.type)
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)  # one process; DeepSpeed's engine asks for them
+    name = torch.cuda.get_device_name() if opts.device.type == "cuda" else "CPU"
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"device: {name}; torch {torch.__version__}; {opts.dtype}; steps {opts.steps} "
+          f"(warmup {opts.warmup}); absolute times count only on a GPU")
+    models = opts.models.split(",")
+    tables = {}
+    if "gpt2" in models:
+        sizes = TINY_GPT2 if opts.tiny else GPT2_SIZES
+        for size, (layers, hidden, heads) in sizes.items():
+            for batch in (int(b) for b in opts.batches.split(",")):
+                cases, tokens, flops = gpt2_cases(opts, size, layers, hidden, heads, batch)
+                title = f"GPT-2 {size}, micro-batch {batch}, seq {opts.seq}"
+                tables[title] = run_table(title, cases, tokens, flops, opts)
+    if "t5" in models:
+        sizes = TINY_T5 if opts.tiny else T5_SIZES
+        for size, (layers, d_model, d_ff, heads) in sizes.items():
+            batch = 2 if opts.tiny else 16
+            cases, tokens, flops = t5_cases(opts, size, layers, d_model, d_ff, heads, batch)
+            title = f"{size}, micro-batch {batch}, enc {opts.enc_seq} / dec {opts.dec_seq}"
+            tables[title] = run_table(title, cases, tokens, flops, opts)
+    return tables
+
+
+if __name__ == "__main__":
+    main()

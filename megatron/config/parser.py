@@ -1,0 +1,141 @@
+"""Build the run configuration: command line + YAML, one validation pass, derived values.
+
+Flag names are CPM-Pretrain's (``--model-parallel-size``, ``--batch-size``, ``--gas``, ...)
+with Megatron-LM v2 spellings as aliases (``--tensor-model-parallel-size``,
+``--micro-batch-size``, ...). Destinations use Megatron v2 names
+(``args.tensor_model_parallel_size``, ``args.micro_batch_size``), plus ``args.gas``.
+
+``--config file.yaml`` sets defaults from a file (keys are flag names, dashes or
+underscores, plus a MindFormers-style ``parallel_config`` block); a flag given on the
+command line overrides the file. :func:`build_run_config` then validates everything at once
+(the generic flags and the model family's) and raises :class:`~megatron.errors.ConfigError`
+listing every problem, before any process group exists, so each rank fails the same way and
+none hangs. The result is a frozen :class:`~megatron.config.run_config.RunConfig`.
+"""
+import argparse
+import os
+
+from ..errors import ConfigError, MegatronError
+from ..families import get_family
+from .flags import ADD_GROUPS
+from .run_config import RunConfig
+from .validation import derive_and_validate, derive_vocab
+from .yaml_file import apply_config_file
+
+
+def build_parser(extra_args_provider=None, family=None):
+    """The full parser: the built-in groups, the family's flags, then ``extra_args_provider``.
+
+    Args:
+        extra_args_provider: ``f(parser) -> parser`` adding flags of a user's model.
+        family: a model family name (``gpt2``, ``t5``) or :class:`ModelFamily`, or None.
+    """
+    parser = argparse.ArgumentParser(description="megatron-tds pretraining",
+                                     allow_abbrev=False)
+    for add_group in ADD_GROUPS:
+        add_group(parser)
+    family = get_family(family)
+    if family is not None:
+        family.add_flags(parser)
+        parser.set_defaults(**family.flag_defaults)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser) or parser
+    return parser
+
+
+def _parse(argv, extra_args_provider, defaults, family):
+    parser = build_parser(extra_args_provider, family)
+    if defaults:
+        unknown = sorted(set(defaults) - {a.dest for a in parser._actions})
+        if unknown:
+            raise ConfigError(f"unknown default(s) {unknown} set by the entry script")
+        parser.set_defaults(**defaults)
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        apply_config_file(parser, pre.config)
+    return parser.parse_args(argv)
+
+
+def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=None,
+                     world_size=None, rank=None, check_files=True):
+    """Parse, merge the YAML config, validate, build the tokenizer and freeze.
+
+    Args:
+        argv: command-line arguments (default: ``sys.argv[1:]``).
+        family: model family (``gpt2``, ``t5``) whose flags and checks join the pass.
+        extra_args_provider: ``f(parser) -> parser`` adding a user model's flags.
+        defaults: dict of defaults the entry script sets (overridden by the config file
+            and by the command line), e.g. ``{"tokenizer_type": "GPT2BPETokenizer"}``.
+        world_size, rank: the launch's (default: ``$WORLD_SIZE`` / ``$RANK``, else 1 / 0).
+        check_files: check that data, vocab and checkpoint paths exist and build the
+            tokenizer (which derives the padded vocabulary size).
+
+    Returns:
+        ``(RunConfig, tokenizer)``; the tokenizer is None when ``check_files`` is False.
+
+    Raises:
+        ConfigError: listing every invalid or inconsistent setting.
+    """
+    family = get_family(family)
+    ns = _parse(argv, extra_args_provider, defaults, family)
+    ns.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    ns.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    if ns.local_rank is None:
+        ns.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    problems = derive_and_validate(ns, family, check_files=check_files)
+    tokenizer = None
+    if check_files and not problems:
+        from ..tokenizer import build_tokenizer
+
+        try:
+            tokenizer = build_tokenizer(ns)
+        except MegatronError as exc:
+            problems.append(str(exc))
+        else:
+            derive_vocab(ns, tokenizer.vocab_size)
+            if family is not None:
+                family.validate_with_tokenizer(ns, tokenizer, problems)
+    if problems:
+        label = f"{family.label} " if family is not None and family.label else ""
+        raise ConfigError(f"invalid {label}configuration:\n  - " + "\n  - ".join(problems))
+    return RunConfig(vars(ns), family.name if family is not None else None), tokenizer
+
+
+def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=None,
+               rank=None, check_files=True, family=None):
+    """Megatron's name: :func:`build_run_config` without the tokenizer.
+
+    Returns:
+        The frozen :class:`RunConfig` (flags read as ``args.hidden_size``).
+    """
+    return build_run_config(argv, family, extra_args_provider, defaults, world_size, rank,
+                            check_files)[0]
+
+
+def saved_run_config(saved, family=None):
+    """A read-only view of a checkpoint's saved settings, missing ones at today's defaults.
+
+    Checkpoints written by older versions lack newer flags; the parser's defaults fill
+    them, so a default is defined once (in the flag) and nowhere else.
+
+    Args:
+        saved: the ``args`` dict stored in a checkpoint.
+        family: model family name (``gpt2``, ``t5``) whose flags to default.
+    """
+    parser = build_parser(family=family)
+    values = {a.dest: a.default for a in parser._actions if a.dest != "help"}
+    values.update(saved)
+    for key in ("compute_dtype", "params_dtype"):
+        if isinstance(values.get(key), str):  # saved as "torch.float32"
+            import torch
+
+            values[key] = getattr(torch, values[key].replace("torch.", ""))
+    values.setdefault("compute_dtype", None)
+    return RunConfig(values, get_family(family).name if family is not None else None)
+
+
+def args_to_dict(args):
+    """Plain values (safe for ``torch.load(weights_only=True)``) of a RunConfig or namespace."""
+    from .run_config import values_to_plain
+
+    return args.to_dict() if isinstance(args, RunConfig) else values_to_plain(vars(args))

@@ -1,0 +1,132 @@
+"""Up-front checks of the run's directories, and of the device's precision support.
+
+They run inside the one validation pass (:func:`megatron.validation.derive_and_validate`),
+before torch.distributed exists, so each rank checks for itself: a probe file per rank
+(named after its host and pid, so ranks never collide) costs a few microseconds and needs
+no communication, and every rank reaches the same verdict on a shared folder. Each check
+appends a message to ``problems`` instead of raising, so a user sees every problem at once.
+"""
+import os
+import socket
+
+
+def _nearest_existing(path):
+    """``path`` or its closest existing ancestor (what ``os.makedirs`` would start from)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def check_save_dir(save, problems):
+    """``--save`` must be (or be creatable as) a directory this process can write.
+
+    Found here rather than at the first save, after hours of training. The check creates
+    nothing but a probe file it removes at once; a folder that does not exist yet is
+    probed through its nearest existing ancestor, since the first save creates it.
+
+    Args:
+        save: the ``--save`` path or None.
+        problems: list the message is appended to.
+    """
+    if not save:
+        return
+    base = _nearest_existing(save)
+    if not os.path.isdir(base):
+        problems.append(f"--save {save}: {base} is a file, not a directory")
+        return
+    probe = os.path.join(base, f".write_probe.{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        problems.append(f"--save {save} is not writable ({exc.strerror} in {base}); choose a "
+                        f"folder you can write or fix its permissions")
+
+
+def check_load_dir(args, problems):
+    """``--load`` must exist, unless it is also ``--save`` (resume when there is something)
+    or ``--load-if-exists`` says a missing folder means "start from scratch".
+
+    A typo in ``--load`` would otherwise train from scratch and exit 0.
+
+    Args:
+        args: the parsed flags (``load``, ``save``, ``load_if_exists``).
+        problems: list the message is appended to.
+    """
+    load = args.load
+    if not load or os.path.isdir(load):
+        return
+    if os.path.exists(load):
+        problems.append(f"--load {load} is a file; pass the checkpoint folder (the one holding "
+                        f"latest_checkpointed_iteration.txt)")
+        return
+    same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(load)
+    if same_as_save or args.load_if_exists:
+        return
+    problems.append(f"--load {load} does not exist; fix the path, or pass --load-if-exists "
+                    f"(or the same folder as --save) to start from scratch when it is missing")
+
+
+def check_precision(args, problems, accelerator=None):
+    """``--fp16`` / ``--bf16`` on a device that cannot run them, found before DeepSpeed starts.
+
+    DeepSpeed (and so the tds engines) refuses a dtype its accelerator does not support,
+    with a traceback from inside ``deepspeed.initialize`` on every rank. Only the DeepSpeed
+    paths are checked: the DDP path computes through ``torch.autocast``, which runs fp16
+    and bf16 on CPU and on any CUDA GPU.
+
+    Args:
+        args: the parsed flags (``fp16``, ``bf16``, ``deepspeed``, pipeline size).
+        problems: list the message is appended to.
+        accelerator: DeepSpeed's accelerator object (default: ``get_accelerator()``); tests
+            pass a stand-in to emulate a device with or without the capability.
+    """
+    wanted = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+    if wanted is None or not uses_deepspeed(args):
+        return
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+    supported = accelerator.is_fp16_supported() if wanted == "fp16" \
+        else accelerator.is_bf16_supported()
+    if supported:
+        return
+    device = describe_device(accelerator)
+    other = "--bf16" if wanted == "fp16" and accelerator.is_bf16_supported() else None
+    fix = f"use {other} or fp32 (no precision flag)" if other else "use fp32 (no precision flag)"
+    problems.append(f"--{wanted} is not supported by DeepSpeed on this device ({device}); {fix}, "
+                    f"or run on a device with {wanted} support")
+
+
+def uses_deepspeed(args):
+    """True when the run goes through a DeepSpeed / tds engine (the backend factory's rule)."""
+    from ..training.backend import uses_pipeline_engine
+
+    return bool(args.deepspeed) or uses_pipeline_engine(args.pipeline_model_parallel_size)
+
+
+def describe_device(accelerator):
+    """Words for the device DeepSpeed runs on, e.g. ``cpu accelerator: AMD EPYC 7B13``."""
+    name = accelerator.device_name() if hasattr(accelerator, "device_name") else "?"
+    model = ""
+    if name.startswith("cpu"):
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+                model = next((line.split(":", 1)[1].strip() for line in handle
+                              if line.startswith("model name")), "")
+        except OSError:
+            model = ""
+    else:
+        try:
+            import torch
+
+            model = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        except Exception:  # a device without a name is still a device
+            model = ""
+    return f"{name} accelerator" + (f": {model}" if model else "")

@@ -1,0 +1,272 @@
+"""One validation pass over the parsed flags, filling in derived values.
+
+Every problem found is listed in a single :class:`ConfigError`, so a user fixes them all
+at once. Nothing here communicates: it runs on every rank before torch.distributed starts,
+so every rank fails the same way and none waits on another.
+"""
+import os
+
+import torch
+
+from ..errors import ConfigError, DataError
+from . import preflight
+
+_REQUIRED = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads", "seq_length": "--seq-length",
+    "micro_batch_size": "--batch-size", "train_iters": "--train-iters", "lr": "--lr",
+}
+
+
+def _parallel(args, problems):
+    args.tensor_model_parallel_size = max(args.tensor_model_parallel_size, 1)
+    args.pipeline_model_parallel_size = max(args.pipeline_model_parallel_size, 1)
+    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, \
+        args.world_size
+    if world % (tp * pp):
+        problems.append(f"world size ({world}) is not divisible by tensor-model-parallel size "
+                        f"({tp}) x pipeline-model-parallel size ({pp}); launch a multiple of "
+                        f"{tp * pp} processes or change --model-parallel-size/--pipe-parallel-size")
+        args.data_parallel_size = 1
+        return
+    args.data_parallel_size = world // (tp * pp)
+    expected = getattr(args, "expected_data_parallel_size", None)
+    if expected is not None and expected != args.data_parallel_size:
+        problems.append(f"parallel_config.data_parallel is {expected} but world size {world} / "
+                        f"(tp {tp} x pp {pp}) gives {args.data_parallel_size}")
+    if args.distributed_backend is None:
+        on_gpu = torch.cuda.is_available() and os.environ.get("MEGATRON_DEVICE", "") != "cpu"
+        args.distributed_backend = "nccl" if on_gpu else "gloo"
+
+
+def _model(args, problems):
+    h, heads, tp = args.hidden_size, args.num_attention_heads, args.tensor_model_parallel_size
+    if heads % tp:
+        problems.append(f"--num-attention-heads ({heads}) is not divisible by the "
+                        f"tensor-model-parallel size ({tp}); use a tp that divides the heads")
+    if args.kv_channels is None:
+        if h % heads:
+            problems.append(f"--hidden-size ({h}) is not divisible by --num-attention-heads "
+                            f"({heads}); set --kv-hidden-size explicitly")
+        args.kv_channels = h // heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * h
+    if args.ffn_hidden_size % tp:
+        problems.append(f"--ff-hidden-size ({args.ffn_hidden_size}) is not divisible by the "
+                        f"tensor-model-parallel size ({tp})")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        problems.append(f"--seq-length ({args.seq_length}) is longer than "
+                        f"--max-position-embeddings ({args.max_position_embeddings}); "
+                        f"raise --max-position-embeddings or shorten the sequences")
+    stacks = args.layer_stacks  # encoder-decoder: --num-layers per stack
+    if args.pipeline_model_parallel_size > stacks * args.num_layers:
+        layers = f"--num-layers ({args.num_layers})" if stacks == 1 else \
+            f"the {stacks} x --num-layers ({args.num_layers}) layers"
+        problems.append(f"--pipe-parallel-size ({args.pipeline_model_parallel_size}) is larger "
+                        f"than {layers}; every stage needs a layer")
+    if not 1 <= args.checkpoint_num_layers <= args.num_layers:
+        problems.append(f"--checkpoint-num-layers ({args.checkpoint_num_layers}) must be "
+                        f"between 1 and --num-layers ({args.num_layers})")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            problems.append(f"--{name.replace('_', '-')} must be in [0, 1)")
+
+
+def _batch(args, problems):
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    if mbs < 1:
+        problems.append(f"--batch-size must be positive, got {mbs}")
+        return
+    gbs = args.global_batch_size
+    if gbs is not None:
+        if gbs % (mbs * dp):
+            problems.append(f"--global-batch-size ({gbs}) is not divisible by --batch-size "
+                            f"({mbs}) x data-parallel size ({dp})")
+            return
+        if args.gas is not None and args.gas != gbs // (mbs * dp):
+            problems.append(f"--gas ({args.gas}) disagrees with --global-batch-size ({gbs}) / "
+                            f"(batch-size {mbs} x data-parallel size {dp})")
+        args.gas = gbs // (mbs * dp)
+    if args.gas is None:
+        args.gas = 1
+    if args.gas < 1:
+        problems.append(f"--gas must be positive, got {args.gas}")
+    args.global_batch_size = mbs * args.gas * dp
+
+
+def _optim(args, problems):
+    if args.fp16 and args.bf16:
+        problems.append("--fp16 and --bf16 are mutually exclusive")
+    args.compute_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 \
+        else torch.float32
+    args.params_dtype = torch.float32  # master weights; compute is autocast to compute_dtype
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.min_lr > args.lr:
+        problems.append(f"--min-lr ({args.min_lr}) is above --lr ({args.lr})")
+    if args.warmup < 0:
+        problems.append(f"--warmup must be >= 0, got {args.warmup}")
+    args.lr_warmup_iters = int(args.warmup * args.lr_decay_iters) if args.warmup < 1 \
+        else int(args.warmup)
+    if args.loss_scale < 0 or args.min_loss_scale <= 0:
+        problems.append("--loss-scale must be >= 0 (0 = dynamic) and --min-loss-scale > 0")
+    if args.loss_scale_window < 1 or args.hysteresis < 1:
+        problems.append("--loss-scale-window and --hysteresis must be >= 1")
+    if args.skip_nonfinite_steps and preflight.uses_deepspeed(args):
+        problems.append("--skip-nonfinite-steps works with the torch DDP path only; DeepSpeed "
+                        "engines (--deepspeed, pipeline runs) skip only fp16 overflows")
+    if args.clip_grad < 0:
+        problems.append(f"--clip-grad must be >= 0 (0 disables), got {args.clip_grad}")
+
+
+def _intervals(args, problems):
+    if args.log_interval < 1 or args.eval_interval < 1 or args.eval_iters < 0:
+        problems.append("--log-interval and --eval-interval must be >= 1, --eval-iters >= 0")
+    if args.train_iters < 1:
+        problems.append(f"--train-iters must be >= 1, got {args.train_iters}")
+    if args.save_interval is not None and args.save_interval < 1:
+        problems.append(f"--save-interval must be >= 1, got {args.save_interval}")
+
+
+def _split(args, problems):
+    parts = args.split.replace("/", ",").split(",")
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
+        problems.append(f"--split {args.split!r} must be three non-negative numbers such as "
+                        f"949,50,1")
+    elif weights[0] == 0:
+        problems.append(f"--split {args.split!r} gives the training split no data; give it a "
+                        f"positive first weight, e.g. 949,50,1")
+
+
+def _wandb(args, problems):
+    """``--wandb-*`` flags that cannot work (checked on every rank, before any group)."""
+    if not args.wandb_project:
+        if args.wandb_exp_name or args.wandb_save_dir:
+            problems.append("--wandb-exp-name / --wandb-save-dir need --wandb-project (the "
+                            "W&B project to log to)")
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        problems.append("--wandb-project given but wandb is not installed: "
+                        "pip install 'megatron-tds[wandb]' (or pip install wandb)")
+
+
+def parse_data_path(data_path):
+    """``[prefix]`` or ``[w1, p1, w2, p2, ...]`` -> (weights or None, prefixes)."""
+    if len(data_path) == 1:
+        return None, list(data_path)
+    if len(data_path) % 2:
+        raise DataError(f"--data-path {' '.join(data_path)}: give one prefix, or pairs of "
+                        f"'weight prefix'")
+    try:
+        weights = [float(w) for w in data_path[0::2]]
+    except ValueError:
+        raise DataError(f"--data-path {' '.join(data_path)}: with several prefixes every "
+                        f"prefix must be preceded by its weight, e.g. 0.3 A 0.7 B") from None
+    if min(weights) <= 0:
+        raise DataError("--data-path weights must be positive")
+    return weights, list(data_path[1::2])
+
+
+def _files(args, problems):
+    if not args.data_path:
+        problems.append("--data-path is required (a prefix written by tools/preprocess_data.py)")
+    else:
+        try:
+            _, prefixes = parse_data_path(args.data_path)
+        except DataError as exc:
+            problems.append(str(exc))
+            prefixes = []
+        for prefix in prefixes:
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                problems.append(f"data prefix {prefix!r} has no {' or '.join(missing)} file; "
+                                f"run tools/preprocess_data.py or fix --data-path")
+    needs = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "CharTokenizer": ("vocab_file",),
+             "SentencePieceTokenizer": ("tokenizer_model",)}
+    if args.tokenizer_type is None:
+        problems.append("--tokenizer-type is required")
+    for name in needs.get(args.tokenizer_type, ()):
+        path = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if not path:
+            problems.append(f"{args.tokenizer_type} needs {flag}")
+        elif not os.path.isfile(path):
+            problems.append(f"{flag} {path} does not exist")
+    if args.deepspeed_config and not os.path.isfile(args.deepspeed_config):
+        problems.append(f"--deepspeed_config {args.deepspeed_config} does not exist")
+
+
+def _sequence_parallel(args, problems):
+    """--sequence-parallel: off (nothing to shard) at tp 1; every sequence divides by tp."""
+    tp = args.tensor_model_parallel_size
+    if not args.sequence_parallel or tp == 1:
+        args.sequence_parallel = False
+        return
+    lengths = [("--seq-length", args.seq_length)]
+    for flag, dest in (("--enc-seq-length", "enc_seq_length"),
+                       ("--dec-seq-length", "dec_seq_length")):
+        if getattr(args, dest, None) is not None:
+            lengths.append((flag, getattr(args, dest)))
+    for flag, length in lengths:
+        if length is not None and length % tp:
+            problems.append(f"--sequence-parallel splits the sequence across the {tp} "
+                            f"tensor-parallel ranks but {flag} ({length}) is not divisible by "
+                            f"{tp}; use a length that is a multiple of {tp} or drop "
+                            f"--sequence-parallel")
+
+
+def derive_vocab(args, vocab_size):
+    """The vocabulary's derived sizes, from the tokenizer's ``vocab_size``."""
+    from ..tokenizer import vocab_size_with_padding
+
+    args.true_vocab_size = vocab_size  # saved with checkpoints (resharding needs it)
+    args.padded_vocab_size = vocab_size_with_padding(
+        vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+
+
+def derive_and_validate(args, family=None, check_files=True):
+    """Check every flag (generic and the family's) and fill derived values.
+
+    Args:
+        args: the parsed namespace (the only mutable form of the configuration).
+        family: the run's :class:`~megatron.families.ModelFamily`, or None.
+        check_files: also check that data, vocab and config files exist.
+
+    Returns:
+        The list of problems (empty when the configuration is valid).
+
+    Raises:
+        ConfigError: when required settings are missing (nothing else can be checked).
+    """
+    args.layer_stacks = family.layer_stacks if family is not None else 1
+    args.true_vocab_size = args.padded_vocab_size = None  # derived from the tokenizer
+    if not hasattr(args, "expected_data_parallel_size"):
+        args.expected_data_parallel_size = None
+    if family is not None:
+        family.derive(args)
+    missing = [flag for dest, flag in _REQUIRED.items() if getattr(args, dest, None) is None]
+    if missing:
+        raise ConfigError(f"missing required settings: {', '.join(missing)} (give them as "
+                          f"flags or in the --config file)")
+    problems = []
+    from .speed_flags import validate_speed
+
+    for check in (_parallel, _model, _batch, _optim, _intervals, _split, _wandb,
+                  _sequence_parallel, validate_speed):
+        check(args, problems)
+    if family is not None:
+        family.validate(args, problems)
+    preflight.check_precision(args, problems)
+    if check_files:
+        _files(args, problems)
+        preflight.check_save_dir(args.save, problems)
+        preflight.check_load_dir(args, problems)
+    return problems

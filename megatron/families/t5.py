@@ -1,0 +1,191 @@
+"""T5's hooks: flags and their part of the one validation pass, model config, model,
+datasets, FLOP count and conversion keys.
+
+Flags (CPM-Pretrain's names; the generic ``--num-layers`` counts layers per stack,
+``--hidden-size`` is d_model, ``--kv-hidden-size`` d_kv, ``--ff-hidden-size`` d_ff):
+
+    --enc-seq-length / --encoder-seq-length   encoder tokens (``--seq-length`` defaults to it)
+    --dec-seq-length / --decoder-seq-length   decoder tokens (labels of the span corruption)
+    --relative-attention-num-buckets 32       --relative-attention-max-distance 128
+    --t5-ff {relu,gated-gelu}                 T5 v1.0 / v1.1 feed-forward
+    --untie-embeddings                        separate lm head, no d_model^-0.5 scaling (v1.1)
+    --noise-density 0.15  --mean-span-length 3   span corruption
+
+:func:`validate` and :func:`validate_with_tokenizer` add every T5 problem to the one
+validation pass (megatron/config): lengths the span corruption cannot fill,
+relative-attention settings whose buckets are not defined, a tokenizer without sentinels,
+an encoder sample longer than the data.
+"""
+from ..errors import ConfigError, DataError
+from ..model.t5_layers import FF_TYPES
+from . import ModelFamily, pipeline_topology, transformer_kwargs
+
+#: T5 has no position embeddings; the generic --max-position-embeddings is set this high so
+#: any --enc-seq-length validates and a checkpoint loads at another length (fine-tuning).
+NO_POSITION_LIMIT = 2 ** 31 - 1
+
+#: Defaults pretrain_t5.py sets for the generic flags (a flag or config file overrides them).
+T5_DEFAULTS = {"tokenizer_type": "SentencePieceTokenizer", "layernorm_epsilon": 1e-6,
+               "hidden_bias": False, "max_position_embeddings": NO_POSITION_LIMIT}
+
+
+def add_t5_args(parser):
+    """Add the T5 group to ``parser`` (an ``extra_args_provider``)."""
+    g = parser.add_argument_group("T5")
+    g.add_argument("--enc-seq-length", "--encoder-seq-length", dest="enc_seq_length", type=int,
+                   default=None, help="encoder tokens per sample (default: --seq-length)")
+    g.add_argument("--dec-seq-length", "--decoder-seq-length", dest="dec_seq_length", type=int,
+                   default=None, help="decoder tokens per sample (labels + eos, padded)")
+    g.add_argument("--relative-attention-num-buckets", type=int, default=32,
+                   help="relative position buckets (half per direction in the encoder)")
+    g.add_argument("--relative-attention-max-distance", type=int, default=128,
+                   help="distances from here on share the last bucket")
+    g.add_argument("--t5-ff", choices=FF_TYPES, default="relu",
+                   help="feed-forward: relu (T5 v1.0) or gated-gelu (T5 v1.1)")
+    g.add_argument("--untie-embeddings", action="store_true",
+                   help="own output layer, no d_model^-0.5 output scaling (T5 v1.1)")
+    g.add_argument("--noise-density", type=float, default=0.15,
+                   help="span corruption: fraction of tokens masked")
+    g.add_argument("--mean-span-length", type=float, default=3.0,
+                   help="span corruption: mean masked span length")
+    return parser
+
+
+def derive(ns):
+    """``--seq-length`` from the encoder length (or the encoder length from ``--seq-length``)
+    when only one of them is given."""
+    if ns.enc_seq_length is not None and ns.seq_length is None:
+        ns.seq_length = ns.enc_seq_length
+    elif ns.enc_seq_length is None and ns.seq_length is not None:
+        ns.enc_seq_length = ns.seq_length
+
+
+def _length_problems(args, problems):
+    enc, dec = args.enc_seq_length, args.dec_seq_length
+    if enc is None:
+        problems.append("--enc-seq-length (or --seq-length) is required")
+    elif args.seq_length != enc:
+        problems.append(f"--seq-length ({args.seq_length}) and --enc-seq-length ({enc}) "
+                        f"disagree; give only --enc-seq-length")
+    if dec is None:
+        problems.append("--dec-seq-length is required (decoder tokens per sample)")
+    elif dec < 2:
+        problems.append(f"--dec-seq-length must be >= 2, got {dec}")
+
+
+def _relative_attention_problems(args, problems):
+    buckets, distance = args.relative_attention_num_buckets, args.relative_attention_max_distance
+    if buckets < 4:
+        problems.append(f"--relative-attention-num-buckets ({buckets}) must be >= 4: the "
+                        f"encoder splits the buckets by direction, then into exact and "
+                        f"log-spaced halves")
+    elif distance <= buckets // 2:
+        problems.append(f"--relative-attention-max-distance ({distance}) must be larger than "
+                        f"the exactly-bucketed distances ({buckets // 2} in the decoder): "
+                        f"raise it or lower --relative-attention-num-buckets")
+
+
+def _split_tokens(prefix, split):
+    """Tokens in the train split of the indexed dataset at ``prefix``."""
+    import numpy as np
+
+    from ..data.dataset_utils import get_train_valid_test_split_
+    from ..data.indexed_dataset import make_dataset
+
+    indexed = make_dataset(prefix)
+    bounds = get_train_valid_test_split_(split, len(indexed))
+    return int(np.sum(indexed.sizes[bounds[0]:bounds[1]], dtype=np.int64))
+
+
+def _data_problems(args, plan, problems):
+    from ..config.validation import parse_data_path
+
+    try:
+        _, prefixes = parse_data_path(args.data_path or [])
+        for prefix in prefixes:
+            tokens = _split_tokens(prefix, args.split)
+            if tokens < plan["raw"]:
+                problems.append(
+                    f"--enc-seq-length {args.enc_seq_length} needs {plan['raw']} raw tokens per "
+                    f"sample but the train split of {prefix} holds {tokens}; shorten the "
+                    f"sequences or give more data")
+    except (DataError, ConfigError, OSError) as exc:
+        problems.append(str(exc))
+
+
+def validate(ns, problems):
+    """The T5 flag checks that need no files."""
+    _length_problems(ns, problems)
+    _relative_attention_problems(ns, problems)
+
+
+def validate_with_tokenizer(ns, tokenizer, problems):
+    """Span-corruption checks: the tokenizer's sentinels and the data's train split."""
+    from ..data.t5_dataset import make_plan
+
+    if ns.enc_seq_length is None or ns.dec_seq_length is None or ns.dec_seq_length < 2:
+        return
+    try:
+        plan = make_plan(ns.enc_seq_length, ns.dec_seq_length, tokenizer, ns.noise_density,
+                         ns.mean_span_length)
+    except ConfigError as exc:
+        problems.append(str(exc))
+        return
+    if ns.data_path:
+        _data_problems(ns, plan, problems)
+
+
+def model_config(flags, dropout=True):
+    """The :class:`~megatron.model.t5_layers.T5TransformerConfig` of a run or a checkpoint
+    (arguments: :func:`megatron.families.transformer_kwargs`)."""
+    from ..model.t5_layers import T5TransformerConfig
+
+    return T5TransformerConfig(
+        **transformer_kwargs(flags, dropout), vocab_size=flags.padded_vocab_size,
+        num_buckets=flags.relative_attention_num_buckets,
+        max_distance=flags.relative_attention_max_distance, ff_type=flags.t5_ff,
+        tie_embeddings=not flags.untie_embeddings)
+
+
+def build_model(cfg, pipeline, parallel_output=True):
+    """T5Model, or T5ModelPipe (a tds PipelineModule) when ``pipeline``."""
+    config = model_config(cfg)
+    if pipeline:
+        from ..model.t5_model_pipe import T5ModelPipe
+
+        return T5ModelPipe(config, pipeline_topology())
+    from ..model.t5_model import T5Model
+
+    return T5Model(config, parallel_output)
+
+
+def build_datasets(cfg, tokenizer, num_samples):
+    """Train/valid/test span-corruption datasets (None for an empty split)."""
+    from ..data.t5_dataset import build_train_valid_test_datasets
+
+    return build_train_valid_test_datasets(
+        data_prefix=cfg.data_path, splits_string=cfg.split,
+        train_valid_test_num_samples=num_samples, enc_seq_length=cfg.enc_seq_length,
+        dec_seq_length=cfg.dec_seq_length, seed=cfg.seed, tokenizer=tokenizer,
+        noise_density=cfg.noise_density, mean_span_length=cfg.mean_span_length)
+
+
+def flops_per_step(cfg):
+    """Matmul FLOPs of one training step (see :func:`megatron.model.t5_model.t5_flops_per_step`)."""
+    from ..model.t5_model import t5_flops_per_step
+
+    return t5_flops_per_step(model_config(cfg), cfg.enc_seq_length, cfg.dec_seq_length,
+                             cfg.global_batch_size)
+
+
+def _keys():
+    from ..checkpoint_conversion import t5_keys
+
+    return t5_keys
+
+
+FAMILY = ModelFamily(
+    name="t5", add_flags=add_t5_args, model_config=model_config, build_model=build_model,
+    build_datasets=build_datasets, flops_per_step=flops_per_step, keys=_keys,
+    flag_defaults=T5_DEFAULTS, label="T5", layer_stacks=2, derive=derive, validate=validate,
+    validate_with_tokenizer=validate_with_tokenizer)

@@ -1,0 +1,149 @@
+"""Attention backends: ``scaled_dot_product_attention`` (default) or Megatron's bmm + softmax.
+
+``--attention-backend`` takes Megatron-LM's spellings and maps them onto the two
+implementations this project has (docs/training.md):
+
+========================  =====================================================
+``auto`` (default),        ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``;
+``flash``, ``fused``,      PyTorch picks the flash / cuDNN / memory-efficient kernel on
+``sdpa``                   a GPU and its fused CPU kernel on the CPU
+``unfused``, ``local``     ``unfused``: two ``bmm`` + :class:`FusedScaleMaskSoftmax`
+                           (Megatron's "local" attention, the fused masked-softmax kernel)
+========================  =====================================================
+
+``--use-flash-attn`` (Megatron-LM's older flag) selects ``sdpa``.
+
+Both compute the same function (tests/test_attention_backends.py): masked entries take
+no probability; the GPT-2 causal triangle is applied by ``is_causal`` (no mask tensor is
+built, so the flash kernel is eligible); T5's relative position bias and padding mask
+become one additive float mask whose masked entries are the dtype's lowest value (a row
+with every entry masked comes out uniform, as Megatron's -10000 fill gives) and whose
+gradient reaches the bias. Attention dropout runs inside the model-parallel RNG tracker
+on both paths, so tensor-parallel ranks (which hold different heads) draw their own masks.
+"""
+import torch
+import torch.nn.functional as F
+
+from .. import mpu
+from ..errors import ConfigError
+from .fused_softmax import causal_exclusion
+
+#: Megatron-LM's ``--attention-backend`` choices (and ours) -> the implementation used.
+ATTENTION_BACKENDS = {"auto": "sdpa", "flash": "sdpa", "fused": "sdpa", "sdpa": "sdpa",
+                      "unfused": "unfused", "local": "unfused"}
+DEFAULT_ATTENTION_BACKEND = "sdpa"
+
+
+def resolve_attention_backend(name):
+    """The implementation (``sdpa`` / ``unfused``) a backend spelling selects.
+
+    Args:
+        name: an ``--attention-backend`` choice (see :data:`ATTENTION_BACKENDS`), or None
+            for the default.
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if name is None:
+        return DEFAULT_ATTENTION_BACKEND
+    try:
+        return ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ConfigError(f"unknown attention backend {name!r}; choose one of "
+                          f"{', '.join(sorted(ATTENTION_BACKENDS))}") from None
+
+
+def to_heads_first(x):
+    """``[s, b, np, hn]`` -> ``[b, np, s, hn]`` (a view: SDPA takes strided inputs)."""
+    return x.permute(1, 2, 0, 3)
+
+
+def from_heads_first(context):
+    """``[b, np, sq, hn]`` -> ``[sq, b, np * hn]``."""
+    b, np_, sq, hn = context.shape
+    return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+def additive_mask(mask, bias, dtype, causal=False, shape=None):
+    """One float mask for SDPA: ``bias`` (or 0) where attended, the dtype's lowest value
+    where ``mask`` (or the bottom-right causal triangle) excludes the entry.
+
+    ``torch.where`` keeps the bias's gradient on attended entries and gives masked ones
+    none, as Megatron's fill after adding the bias does.
+
+    Args:
+        mask: bool ``[b or 1, 1, sq, sk]``, True = masked, or None.
+        bias: float ``[1 or b, np, sq, sk]`` added to the scores, or None.
+        dtype: the queries' dtype (SDPA wants the mask in it).
+        causal: also exclude keys ``j > i + sk - sq``.
+        shape: ``(sq, sk)``, needed for ``causal``.
+    """
+    excluded = mask
+    if causal:
+        triangle = causal_exclusion(*shape, device=mask.device if mask is not None
+                                    else bias.device)[None, None]
+        excluded = triangle if excluded is None else excluded | triangle
+    if bias is None:
+        base = torch.zeros((), dtype=dtype, device=excluded.device)
+    else:
+        base = bias.to(dtype)
+    if excluded is None:
+        return base
+    return torch.where(excluded, torch.finfo(dtype).min, base)
+
+
+def sdpa_attention(q, k, v, *, scale, dropout_p, causal=False, mask=None, bias=None):
+    """Multi-head attention through ``scaled_dot_product_attention``, ``[s, b, np, hn]`` in.
+
+    Args:
+        q: ``[sq, b, np, hn]`` queries; k, v: ``[sk, b, np, hn]``.
+        scale: multiplies ``q k^T`` (GPT-2: 1/sqrt(hn); T5: 1).
+        dropout_p: attention dropout (0 in eval); drawn from the model-parallel RNG stream.
+        causal: GPT-2's triangle, aligned bottom right when ``sq < sk`` (a KV cache).
+        mask: bool ``[b or 1, 1, sq, sk]`` True = masked, on top of ``causal``; or None.
+        bias: float ``[1 or b, np, sq, sk]`` added to the scores (T5), or None.
+
+    Returns:
+        Context ``[sq, b, np * hn]``.
+    """
+    sq, sk = q.shape[0], k.shape[0]
+    attn_mask, is_causal = None, False
+    if mask is None and bias is None and causal and sq == sk:
+        is_causal = True  # no mask tensor: the flash kernel applies
+    elif mask is not None or bias is not None or (causal and sq > 1):
+        # sq == 1 with a causal cache sees every key: no mask at all
+        attn_mask = additive_mask(mask, bias, q.dtype, causal=causal and sq > 1,
+                                  shape=(sq, sk))
+    with mpu.get_cuda_rng_tracker().fork():  # heads differ per rank: own dropout stream
+        context = F.scaled_dot_product_attention(
+            to_heads_first(q), to_heads_first(k), to_heads_first(v), attn_mask=attn_mask,
+            dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return from_heads_first(context)  # [sq, b, np * hn]
+
+
+def bmm_attention(q, k, v, scale_mask_softmax, dropout, mask=None, bias=None):
+    """Megatron's path: ``bmm``, scale + mask + softmax (fused kernel), dropout, ``bmm``.
+
+    Args:
+        q: ``[sq, b, np, hn]``; k, v: ``[sk, b, np, hn]``.
+        scale_mask_softmax: a :class:`FusedScaleMaskSoftmax` (scale and mask type).
+        dropout: the attention-dropout module (run in the model-parallel RNG stream).
+        mask: bool ``[b or 1, 1, sq, sk]`` True = masked, or None.
+        bias: float ``[1 or b, np, sq, sk]`` added to the scores before the mask, or None.
+
+    Returns:
+        Context ``[sq, b, np * hn]``.
+    """
+    sq, b, np_, hn = q.shape
+    sk = k.shape[0]
+    q = q.reshape(sq, b * np_, hn).transpose(0, 1)  # [b*np, sq, hn]
+    k = k.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
+    v = v.reshape(sk, b * np_, hn).transpose(0, 1)  # [b*np, sk, hn]
+    scores = torch.bmm(q, k.transpose(1, 2)).view(b, np_, sq, sk)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    probs = scale_mask_softmax(scores, mask)  # [b, np, sq, sk]
+    with mpu.get_cuda_rng_tracker().fork():  # heads differ per rank: own dropout stream
+        probs = dropout(probs)
+    context = torch.bmm(probs.view(b * np_, sq, sk), v)  # [b*np, sq, hn]
+    return context.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)

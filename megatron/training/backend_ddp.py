@@ -1,0 +1,79 @@
+"""The plain backend: torch DDP, autocast over fp32 master weights, our AdamW wrapper.
+
+Each step runs ``gas`` micro-batches; the data-parallel all-reduce runs once per step (on
+the last micro-batch, the others under ``no_sync``). fp16/bf16 compute uses torch.amp
+autocast over fp32 parameters; fp16 adds a dynamic loss scaler with DeepSpeed's semantics.
+"""
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import mpu
+from .backend import TrainingBackend, build_optimizer_and_scheduler
+
+
+def autocast(precision):
+    """autocast to the compute dtype of a PrecisionConfig (a no-op in fp32)."""
+    if precision.dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=mpu.get_device().type, dtype=precision.dtype)
+
+
+def wrap_data_parallel(model):
+    """torch DDP over the data-parallel group (nothing to do with one replica)."""
+    group = mpu.get_data_parallel_group()
+    if mpu.get_data_parallel_world_size() == 1:
+        return model
+    device = mpu.get_device()
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                   process_group=group, broadcast_buffers=False)
+
+
+class DDPBackend(TrainingBackend):
+    """torch DDP + :class:`~megatron.optimizer.MegatronOptimizer` (see the module docstring)."""
+
+    name = "ddp"
+
+    @classmethod
+    def build(cls, module, cfg):
+        model = wrap_data_parallel(module)
+        optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg, for_engine=False)
+        return cls(model, optimizer, lr_scheduler, cfg)
+
+    @property
+    def loss_scale(self):
+        return self.optimizer.loss_scale
+
+    def named_optimizer(self):
+        return self.optimizer.optimizer  # AdamW over the fp32 parameters themselves
+
+    def load_scaler_state(self, state):
+        if state is not None and self.optimizer.grad_scaler is not None:
+            self.optimizer.grad_scaler.load_state_dict(state)
+
+    def train_step(self, forward_step_func, data_iterator):
+        gas = self.cfg.batch.gas
+        self.optimizer.zero_grad()
+        per_micro_batch = []
+        for i in range(gas):
+            last = i == gas - 1
+            sync = self.model.no_sync() if hasattr(self.model, "no_sync") and not last \
+                else contextlib.nullcontext()
+            with sync:
+                with autocast(self.cfg.precision):
+                    loss, stats = forward_step_func(data_iterator, self.model)
+                self.optimizer.scale_loss(loss / gas).backward()
+            per_micro_batch.append(stats)
+        updated, grad_norm = self.optimizer.step()
+        if updated:
+            self.lr_scheduler.step()
+        return per_micro_batch, updated, grad_norm
+
+    def eval_step(self, forward_step_func, data_iterator):
+        per_micro_batch = []
+        for _ in range(self.cfg.batch.gas):
+            with autocast(self.cfg.precision):
+                _, stats = forward_step_func(data_iterator, self.model)
+            per_micro_batch.append(stats)
+        return per_micro_batch

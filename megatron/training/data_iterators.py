@@ -1,0 +1,55 @@
+"""Datasets -> data loaders -> iterators, resuming at the consumed sample counts.
+
+Every rank builds the datasets (cheap: memory maps; index caches are built once by rank 0),
+but only the ranks that feed the model read them: tensor-parallel rank 0 of the first and
+last pipeline stages. The others get None and receive their batch through
+``mpu.broadcast_data``.
+"""
+from .. import mpu
+from ..data.data_samplers import build_pretraining_data_loader
+from ..utils import print_rank_0
+from ..errors import DataError
+
+
+def reads_data():
+    """Whether this rank pulls batches from the data iterator."""
+    state = mpu.get_parallel_state()
+    on_edge = state.pp_size == 1 or state.pp_rank in (0, state.pp_size - 1)
+    return state.tp_rank == 0 and on_edge
+
+
+def train_valid_test_num_samples(args):
+    """Samples each split must provide for the whole run (Megatron's sizing)."""
+    gbs = args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1
+    return [args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs]
+
+
+def build_train_valid_test_data_iterators(provider, args, state):
+    """Call ``provider`` and wrap each split; sets ``state.do_train/do_valid/do_test``.
+
+    Returns:
+        ``(train, valid, test)`` iterators, None on ranks that do not read or for empty splits.
+    """
+    num_samples = train_valid_test_num_samples(args)
+    print_rank_0(f"> datasets: train {num_samples[0]}, validation {num_samples[1]}, "
+                 f"test {num_samples[2]} samples")
+    datasets = provider(num_samples)
+    consumed = (state.consumed_train_samples, state.consumed_valid_samples, 0)
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    iterators = []
+    for name, dataset, done in zip(("train", "valid", "test"), datasets, consumed):
+        present = dataset is not None and len(dataset) > 0
+        setattr(state, f"do_{name}", present)
+        if not present or not reads_data():
+            iterators.append(None)
+            continue
+        loader = build_pretraining_data_loader(dataset, done, args.micro_batch_size, dp_rank,
+                                               dp_size, args.num_workers)
+        iterators.append(iter(loader))
+    if not state.do_train and state.iteration < args.train_iters:
+        # Every rank built the same (deterministic) splits, so every rank stops here.
+        raise DataError(f"--split {args.split!r} leaves the training split of --data-path "
+                        f"without documents; give the training split a larger share or use "
+                        f"more data")
+    return tuple(iterators)

@@ -1,0 +1,177 @@
+"""pretrain(): the generic loop that drives any model given its three providers.
+
+    pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func,
+             family="gpt2")
+
+- ``train_valid_test_dataset_provider([n_train, n_valid, n_test]) -> (train, valid, test)``
+- ``model_provider(pipeline) -> torch.nn.Module`` (a ``PipelineModule`` when ``pipeline``;
+  Megatron's ``model_provider()`` without the argument works too)
+- ``forward_step_func(data_iterator, model) -> (loss, {"lm loss": loss.detach()})``
+
+How a step runs (DDP or a DeepSpeed / tds engine) is the training backend's business
+(megatron/training/backend.py); this loop only counts, logs, evaluates and saves.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .. import mpu
+from ..global_vars import get_tensorboard_writer, get_timers
+from ..initialize import initialize_megatron
+from ..utils import print_rank_0
+from .backend import build_backend
+from .checkpointing import load_checkpoint, save_checkpoint
+from .data_iterators import build_train_valid_test_data_iterators
+from .divergence import check_pending, check_weights
+from .training_log import log_evaluation, log_training_step
+
+
+@dataclass
+class TrainState:
+    """Progress of a run: what changes while it goes (the run configuration does not)."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iters: int = 0
+    lr: float = 0.0
+    loss_scale: float = 1.0
+    steps_in_interval: int = 0
+    skipped_in_interval: int = 0
+    do_train: bool = False
+    """The data has a training split (set when the datasets are built)."""
+    do_valid: bool = False
+    do_test: bool = False
+    flops_per_step: float = 0.0
+    """Model FLOPs of one step (the family's count; for the log's TFLOP/s and MFU)."""
+    losses: list = field(default_factory=list)
+    """Per-step data-parallel-averaged ``lm loss`` (floats), in step order."""
+    eval_losses: list = field(default_factory=list)
+    """``(iteration, validation lm loss)`` pairs."""
+
+
+def _reduce_stats(per_micro_batch):
+    """Average each stat over micro-batches and data-parallel ranks (one all-reduce)."""
+    names = sorted(per_micro_batch[0])
+    local = torch.stack([torch.stack([s[n].detach().float() for s in per_micro_batch]).mean()
+                         for n in names])
+    group = mpu.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(local, group=group)
+        local /= dist.get_world_size(group)
+    return dict(zip(names, local))
+
+
+def train_step(forward_step_func, data_iterator, backend):
+    """One optimizer step over the global batch.
+
+    Returns:
+        ``(stats, updated, grad_norm)``: stats are device tensors averaged over the global
+        batch; ``updated`` is False when an fp16 overflow skipped the step.
+    """
+    per_micro_batch, updated, grad_norm = backend.train_step(forward_step_func, data_iterator)
+    return _reduce_stats(per_micro_batch), updated, grad_norm
+
+
+def evaluate(forward_step_func, data_iterator, backend, args):
+    """Average validation loss over ``--eval-iters`` global batches."""
+    backend.eval()
+    totals = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            per_micro_batch = backend.eval_step(forward_step_func, data_iterator)
+            totals.append(_reduce_stats(per_micro_batch)["lm loss"])
+    backend.train()
+    return float(torch.stack(totals).mean()) if totals else float("nan")
+
+
+def _flush_interval(args, state, pending, backend, timers, writer):
+    """Check, record and log the steps since the last log line."""
+    check_pending(args, state.iteration, pending)
+    state.lr = backend.lr
+    state.loss_scale = backend.loss_scale
+    losses = [float(x) for x in torch.stack([p["lm loss"] for p in pending])] if pending else []
+    state.losses.extend(losses)
+    stats = {"lm loss": sum(losses) / len(losses)} if losses else {}
+    norms = [p["grad norm"] for p in pending if p.get("grad norm") is not None]
+    if norms:  # device tensors (DDP) or floats (DeepSpeed engines): read once, here
+        stats["grad norm"] = float(sum(norms)) / len(norms)
+    log_training_step(args, state, stats, timers("interval").elapsed(), writer)
+    state.steps_in_interval = state.skipped_in_interval = 0
+
+
+def train(forward_step_func, backend, train_iterator, valid_iterator, args, state):
+    """Run steps until ``--train-iters``, logging, evaluating and saving on the way."""
+    timers, writer = get_timers(), get_tensorboard_writer()
+    backend.train()
+    pending = []  # per-step stats since the last log line, still on the device
+    timers("interval").start()
+    while state.iteration < args.train_iters:
+        stats, updated, grad_norm = train_step(forward_step_func, train_iterator, backend)
+        state.iteration += 1
+        state.consumed_train_samples += args.global_batch_size
+        state.steps_in_interval += 1
+        if not updated:
+            state.skipped_iters += 1
+            state.skipped_in_interval += 1
+        pending.append(dict(stats, **{"grad norm": grad_norm, "skipped": not updated}))
+        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+            _flush_interval(args, state, pending, backend, timers, writer)
+            pending = []
+        if state.do_valid and args.eval_iters and state.iteration % args.eval_interval == 0:
+            loss = evaluate(forward_step_func, valid_iterator, backend, args)
+            state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+            state.eval_losses.append((state.iteration, loss))
+            log_evaluation(args, state.iteration, "validation", loss, writer)
+        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            check_pending(args, state.iteration, pending)
+            check_weights(args, state.iteration, backend.model)
+            save_checkpoint(state.iteration, backend, args, state)
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            break
+    if pending:
+        _flush_interval(args, state, pending, backend, timers, writer)
+    timers("interval").stop()
+    return state
+
+
+def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func,
+             extra_args_provider=None, args_defaults=None, argv=None, family=None):
+    """Initialise, build model/optimizer/data, resume, train, evaluate, save.
+
+    Args:
+        train_valid_test_dataset_provider: ``f([n_train, n_valid, n_test]) -> datasets``.
+        model_provider: ``f(pipeline) -> model`` (or Megatron's ``f() -> model``).
+        forward_step_func: ``f(data_iterator, model) -> (loss, stats)``.
+        extra_args_provider: adds flags to the parser.
+        args_defaults: defaults the entry script sets (e.g. the tokenizer type).
+        argv: flags (default: ``sys.argv[1:]``).
+        family: model family (``gpt2``, ``t5``): its flags, checks and FLOP count.
+
+    Returns:
+        The final :class:`TrainState` (per-step losses, evaluation losses, iteration).
+    """
+    from ..families import get_family
+
+    family = get_family(family)
+    args = initialize_megatron(extra_args_provider, args_defaults or {}, argv, family=family)
+    flops = family.flops_per_step(args) if family is not None else None
+    state = TrainState(flops_per_step=flops or 0.0)
+    backend = build_backend(args, model_provider)
+    state.iteration = load_checkpoint(backend, args, state)
+    train_it, valid_it, test_it = build_train_valid_test_data_iterators(
+        train_valid_test_dataset_provider, args, state)
+    print_rank_0(f"> training from iteration {state.iteration} to {args.train_iters}")
+    start = state.iteration
+    train(forward_step_func, backend, train_it, valid_it, args, state)
+    if args.save and state.iteration > start and not (
+            args.save_interval and state.iteration % args.save_interval == 0):
+        check_weights(args, state.iteration, backend.model)
+        save_checkpoint(state.iteration, backend, args, state)
+    if state.do_test and args.eval_iters:
+        loss = evaluate(forward_step_func, test_it, backend, args)
+        log_evaluation(args, state.iteration, "test", loss, get_tensorboard_writer())
+    if get_tensorboard_writer() is not None:
+        get_tensorboard_writer().close()  # complete event / W&B run files before returning
+    return state

@@ -1,0 +1,179 @@
+"""The SDPA attention (default) against Megatron's bmm + fused softmax path.
+
+Same module, same weights, same inputs: outputs and every gradient (weights, input, T5's
+relative-position table) agree, at tensor-parallel sizes 1 and 2; with dropout both drop
+the same share of the probability mass and both draw from the model-parallel RNG stream.
+"""
+import pytest
+import torch
+
+from harness import run_distributed
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _run_both(module, inputs, forward, upstream):
+    """Output and gradients of ``forward(module, *inputs)`` under each backend."""
+    results = {}
+    for backend in ("sdpa", "unfused"):
+        for m in module.modules():
+            if hasattr(m, "attention_backend"):
+                m.attention_backend = backend
+        module.zero_grad(set_to_none=True)
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        out = forward(module, *leaves)
+        (out * upstream).sum().backward()
+        grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        grads["input"] = leaves[0].grad.clone()
+        results[backend] = (out.detach(), grads)
+    return results
+
+
+def _assert_same(results):
+    (out_a, grads_a), (out_b, grads_b) = results["sdpa"], results["unfused"]
+    torch.testing.assert_close(out_a, out_b, **TOL)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], **TOL, msg=name)
+
+
+def _init_mpu(seed):
+    from megatron import mpu
+
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(torch.distributed.get_world_size(), 1)
+        mpu.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def _gpt2_attention(seed, per_sample_mask):
+    from megatron.model.transformer import ParallelSelfAttention, TransformerConfig
+    from megatron.model.utils import causal_attention_mask
+
+    _init_mpu(seed)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                               kv_channels=8, ffn_hidden_size=64, attention_dropout=0.0)
+    attn = ParallelSelfAttention(config, layer_number=1)
+    g = torch.Generator().manual_seed(seed + 1)
+    s, b = 9, 3
+    hidden = torch.randn(s, b, 32, generator=g)
+    mask = causal_attention_mask(s, "cpu")
+    if per_sample_mask:  # e.g. document boundaries, on top of the triangle
+        mask = mask | (torch.rand(b, 1, s, s, generator=g) < 0.3)
+        mask[..., torch.arange(s), torch.arange(s)] = False  # no row fully masked
+    upstream = torch.randn(s, b, 32, generator=g)
+    results = _run_both(attn, [hidden, mask], lambda m, h, k: m(h, k), upstream)
+    _assert_same(results)
+    return results["sdpa"][0]
+
+
+def _all_cases(seed):
+    """Every comparison in one process group (rank start-up dominates on 2 cores)."""
+    outputs = [_gpt2_attention(seed, per_sample) for per_sample in (False, True)]
+    outputs += [_t5_attention(seed, cross) for cross in (False, True)]
+    return outputs
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_sdpa_equals_megatron_path_gpt2_and_t5(seed, tp):
+    """GPT-2 (causal, with and without a per-sample mask) and T5 (self and cross, with the
+    relative-position bias's gradient): values and gradients."""
+    outputs = run_distributed(_all_cases, tp, seed)
+    for a, b in zip(outputs[0], outputs[-1]):
+        torch.testing.assert_close(a, b, **TOL)  # tp ranks agree
+
+
+def _t5_attention(seed, cross):
+    from megatron.model.t5_layers import RelativePositionBias, T5Attention, T5TransformerConfig
+
+    _init_mpu(seed)
+    config = T5TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                 kv_channels=8, ffn_hidden_size=64, vocab_size=64,
+                                 attention_dropout=0.0, num_buckets=8, max_distance=16)
+    module = torch.nn.Module()
+    module.attn = T5Attention(config, cross=cross)
+    module.bias = RelativePositionBias(config, bidirectional=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    b, sq, sk = 3, 7, (11 if cross else 7)
+    hidden = torch.randn(sq, b, 32, generator=g)
+    encoder_output = torch.randn(sk, b, 32, generator=g)
+    real_q = torch.rand(b, sq, generator=g) < 0.8  # padding: some rows fully masked
+    real_k = torch.rand(b, sk, generator=g) < 0.8
+    real_k[:, 0] = True
+    mask = ~(real_q[:, None, :, None] & real_k[:, None, None, :])  # [b, 1, sq, sk]
+    # A fully masked (padded) query row passes no gradient on Megatron's path; in training
+    # nothing reads a padded position, so its upstream gradient is 0 there too.
+    upstream = torch.randn(sq, b, 32, generator=g) * real_q.t()[..., None]
+
+    def forward(m, h, k, enc):
+        bias = m.bias(sq, sk)  # [1, np, sq, sk], its table gets a gradient
+        if cross:
+            return m.attn(h, k, position_bias=bias, encoder_output=enc)
+        return m.attn(h, k, position_bias=bias)
+
+    results = _run_both(module, [hidden, mask, encoder_output], forward, upstream)
+    _assert_same(results)
+    assert results["sdpa"][1]["bias.weight"].abs().sum() > 0
+    return results["sdpa"][0]
+
+
+def _dropout_statistics(seed):
+    from megatron import mpu
+
+    mpu.initialize_model_parallel(1, 1)
+    mpu.model_parallel_cuda_manual_seed(seed)
+    return {(backend, p): _dropped_share(seed, backend, p)
+            for backend in ("sdpa", "unfused") for p in (0.1, 0.4)}
+
+
+def _dropped_share(seed, backend, p):
+    """Share of the attention probability mass each backend's dropout removes.
+
+    With ``v`` the identity (``hn == sk``) the context row *is* the dropped probability
+    row, so the dropout mask can be read off either implementation.
+    """
+    from megatron.model.attention import bmm_attention, sdpa_attention
+    from megatron.model.fused_softmax import AttnMaskType, FusedScaleMaskSoftmax
+    from megatron.model.transformer import attention_mask_func
+
+    g = torch.Generator().manual_seed(seed)
+    s, b, np_ = 16, 8, 4
+    q, k = torch.randn(s, b, np_, s, generator=g), torch.randn(s, b, np_, s, generator=g)
+    v = torch.eye(s).expand(b, np_, s, s).permute(2, 0, 1, 3)  # [sk, b, np, hn = sk]
+    softmax = FusedScaleMaskSoftmax(False, False, AttnMaskType.causal, True,
+                                    attention_mask_func, True, 0.25)
+    default_rng = torch.get_rng_state()
+    shares, scaled_ok = [], True
+    for _ in range(20):
+        if backend == "sdpa":
+            out = sdpa_attention(q, k, v, scale=0.25, dropout_p=p, causal=True)
+        else:
+            out = bmm_attention(q, k, v, softmax, torch.nn.Dropout(p))
+        probs = sdpa_attention(q, k, v, scale=0.25, dropout_p=0.0, causal=True)
+        kept = out != 0
+        shares.append(1 - float(probs[kept].sum() / probs.sum()))
+        scaled_ok &= torch.allclose(out[kept], probs[kept] / (1 - p), rtol=1e-5, atol=1e-6)
+    # dropout drew from the model-parallel stream, not from the default generator
+    untouched = torch.equal(torch.get_rng_state(), default_rng)
+    return sum(shares) / len(shares), scaled_ok, untouched
+
+
+@pytest.mark.slow
+def test_attention_dropout_same_statistics_and_tracker_stream(seed):
+    stats = run_distributed(_dropout_statistics, 1, seed)[0]
+    for (backend, p), (share, scaled_ok, untouched) in stats.items():
+        # 20 draws of 8 x 4 x 136 probabilities: the share's std is well under 0.01
+        assert abs(share - p) < 0.03, (backend, share)
+        assert scaled_ok, f"{backend}: kept probabilities are not scaled by 1/(1-p)"
+        assert untouched, f"{backend}: attention dropout used the default generator"
+
+
+def test_attention_backend_spellings():
+    from megatron.errors import ConfigError
+    from megatron.model.attention import resolve_attention_backend
+
+    assert {resolve_attention_backend(n) for n in ("auto", "flash", "fused", "sdpa", None)} \
+        == {"sdpa"}
+    assert {resolve_attention_backend(n) for n in ("unfused", "local")} == {"unfused"}
+    with pytest.raises(ConfigError, match="unknown attention backend"):
+        resolve_attention_backend("triton")

@@ -1,0 +1,136 @@
+"""A build killed mid-way, or a live one that never ends, must not wedge the next start.
+
+The killed process is real (SIGKILL of a subprocess); the build it was running takes torch's
+cpp_extension baton exactly as ``torch.utils.cpp_extension.load`` does, so the leftover on
+disk is the one a real interrupted kernel build leaves.
+"""
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from megatron import build_utils, locks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A builder doing what cpp_extension.load does with its baton, then "compiling" forever.
+_KILLED_BUILD = textwrap.dedent("""
+    import sys, time
+    from megatron.build_utils import load_native
+    from torch.utils.file_baton import FileBaton
+
+    def builder(directory):
+        baton = FileBaton(str(directory / "lock"))
+        assert baton.try_acquire()
+        print("compiling", flush=True)
+        time.sleep(600)
+
+    load_native("fault_probe", [sys.argv[1]], builder)
+""")
+
+
+def _baton_builder(directory):
+    """The second start: cpp_extension's protocol, then a finished 'module'."""
+    from torch.utils.file_baton import FileBaton
+
+    baton = FileBaton(str(directory / "lock"))
+    if not baton.try_acquire():
+        baton.wait()  # what torch does: loops while the file exists (forever if stale)
+    else:
+        baton.release()
+    return "module"
+
+
+def _start(code, *args, env=None):
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONPATH=REPO, **(env or {})))
+    assert proc.stdout.readline().strip() == "compiling"
+    return proc
+
+
+@pytest.fixture
+def build_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_TDS_BUILD_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(build_utils, "_LOADED", {})
+    source = tmp_path / "probe.cpp"
+    source.write_text(f"// {time.time()}\n")
+    return tmp_path, str(source)
+
+
+def test_build_killed_mid_way_does_not_block_the_next_start(build_root, caplog):
+    root, source = build_root
+    proc = _start(_KILLED_BUILD, source, env={"MEGATRON_TDS_BUILD_DIR": str(root / "cache")})
+    directory = build_utils.build_dir("fault_probe", [source])
+    assert (directory / "lock").exists()
+    owner = open(directory.with_suffix(".lock")).read()
+    assert f"pid {proc.pid}" in owner and socket.gethostname() in owner
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert (directory / "lock").exists()  # the stale baton, as a real killed build leaves it
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        module = build_utils.load_native("fault_probe", [source], _baton_builder)
+    assert module == "module" and time.monotonic() - start < 10
+    assert not (directory / "lock").exists()
+    assert str(directory / "lock") in caplog.text  # says which leftover it removed
+
+
+def test_wait_for_a_live_builder_is_bounded_and_falls_back(build_root, monkeypatch, caplog):
+    root, source = build_root
+    proc = _start(_KILLED_BUILD, source, env={"MEGATRON_TDS_BUILD_DIR": str(root / "cache")})
+    try:
+        monkeypatch.setenv("MEGATRON_TDS_LOCK_WAIT_S", "2")
+        lock = build_utils.build_dir("fault_probe", [source]).with_suffix(".lock")
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            module = build_utils.load_native("fault_probe", [source], _baton_builder)
+        waited = time.monotonic() - start
+        assert module is None and 2 <= waited < 10  # the fallback, after the bound
+        assert str(lock) in caplog.text and f"pid {proc.pid}" in caplog.text
+        assert "fallback" in caplog.text
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_stale_temporary_files_of_dead_processes_are_removed(tmp_path):
+    target = tmp_path / "index.npy"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f"index.npy.tmp-{host}-{dead.pid}"
+    live = tmp_path / f"index.npy.tmp-{host}-{os.getppid()}"
+    remote = tmp_path / f"index.npy.tmp-elsewhere-{dead.pid}"
+    for path in (stale, live, remote):
+        path.write_bytes(b"half")
+    locks.remove_stale_tmps(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, remote.name])
+    assert locks.tmp_name(target) == f"{target}.tmp-{host}-{os.getpid()}"
+
+
+@pytest.mark.slow
+def test_real_kernel_build_killed_then_started_again(tmp_path):
+    """The issue's case end to end: kill -9 while the CPU kernels compile, start again."""
+    env = dict(os.environ, PYTHONPATH=REPO, MEGATRON_TDS_BUILD_DIR=str(tmp_path / "cache"),
+               MEGATRON_TDS_LOCK_WAIT_S="120")
+    code = ("from megatron.fused_kernels.build import load_kernels; "
+            "print('module' if load_kernels('cpu') is not None else 'fallback')")
+    first = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "cache").glob("megatron_tds_kernels_cpu_*/lock")):
+        assert time.monotonic() < deadline and first.poll() is None, "the build never started"
+        time.sleep(0.05)
+    first.kill()
+    first.wait(timeout=30)
+    assert list((tmp_path / "cache").glob("megatron_tds_kernels_cpu_*/lock"))
+    again = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, timeout=300,
+                           capture_output=True, text=True)
+    assert again.returncode == 0 and again.stdout.strip() == "module", again.stderr[-3000:]
+    assert "left by a kernel build that was killed" in again.stderr

@@ -1,0 +1,137 @@
+"""Resume at another (tp, pp, dp) layout with the full optimizer state (issue 14).
+
+10 steps at (tp, pp, dp) = (2, 2, 2), save, resume at other layouts with the same global
+batch (through --gas): the next 10 losses must be those of the uninterrupted 20-step run.
+The layouts cross both backends (tds's pipeline engine at pp > 1, DDP at pp = 1) and a
+tensor-parallel size (4) whose padded vocabulary differs from the saved one.
+"""
+import os
+
+import pytest
+import torch
+
+from gpt2_runs import gpt2_argv, train_gpt2
+from harness import run_distributed
+
+STEPS, AT, MICRO, GLOBAL = 20, 10, 2, 8
+
+
+def _argv(data, tp, pp, dp, *extra):
+    return gpt2_argv(data, "--num-layers", "4", "--model-parallel-size", str(tp),
+                     "--pipe-parallel-size", str(pp), "--batch-size", str(MICRO),
+                     "--gas", str(GLOBAL // (MICRO * dp)), "--train-iters", str(STEPS),
+                     "--hidden-dropout", "0", "--attention-dropout", "0",
+                     "--eval-interval", "1000", *extra)
+
+
+def _point_tracker_at(ckpt, iteration):
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write(str(iteration))
+
+
+def _relative(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _listing(root):
+    return sorted((d, sorted(f)) for d, _, f in os.walk(root))
+
+
+@pytest.mark.slow
+def test_resume_at_other_layouts_continues_the_uninterrupted_run(gpt2_data, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full = run_distributed(train_gpt2, 8, _argv(gpt2_data, 2, 2, 2, "--save", ckpt,
+                                                "--save-interval", str(AT)),
+                           timeout=500)[0][0]
+    assert len(full) == STEPS
+    _point_tracker_at(ckpt, AT)
+    before = _listing(ckpt)
+    for tp, pp, dp in [(1, 1, 1), (4, 1, 2), (1, 2, 4)]:
+        per_rank = run_distributed(train_gpt2, tp * pp * dp,
+                                   _argv(gpt2_data, tp, pp, dp, "--load", ckpt), timeout=500)
+        for rank, (losses, _) in enumerate(per_rank):
+            assert len(losses) == STEPS - AT, ((tp, pp, dp), rank, losses)
+            err = _relative(losses, full[AT:])
+            assert err < 1e-5, ((tp, pp, dp), rank, err, losses, full[AT:])
+    assert _listing(ckpt) == before  # loading wrote nothing
+
+
+@pytest.mark.slow
+def test_fp16_zero1_engine_resumes_at_another_data_parallel_size(gpt2_data, tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        pytest.skip("DeepSpeed has no fp16 on this device (tests/test_gpt2_pipeline.py "
+                    "checks the clear error instead)")
+    ckpt = str(tmp_path / "ckpt")
+    extra = ("--deepspeed", "--fp16", "--zero-stage", "1", "--train-iters", "10")
+    full = run_distributed(train_gpt2, 2, _argv(gpt2_data, 1, 1, 2, *extra, "--save", ckpt,
+                                                "--save-interval", "5"), timeout=400)[0][0]
+    _point_tracker_at(ckpt, 5)
+    for dp in (1, 4):  # shrink and grow: DeepSpeed re-partitions master weights and moments
+        per_rank = run_distributed(train_gpt2, dp, _argv(gpt2_data, 1, 1, dp, *extra,
+                                                         "--load", ckpt), timeout=400)
+        for rank, (losses, _) in enumerate(per_rank):
+            assert len(losses) == 5, (dp, rank, losses)
+            assert _relative(losses, full[5:]) < 1e-5, (dp, rank, losses, full[5:])
+
+
+def _refusal(argv):
+    """Rank body: the configuration error pretrain_gpt2.main raises, or None."""
+    import pretrain_gpt2
+    from megatron.errors import MegatronError
+
+    try:
+        pretrain_gpt2.main(argv)
+    except MegatronError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_a_layout_that_cannot_hold_the_model_is_refused_before_anything_is_written(
+        gpt2_data, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+
+    def argv(tp, pp):
+        return _argv(gpt2_data, tp, pp, 1, "--num-layers", "2", "--train-iters", "4",
+                     "--save", ckpt, "--save-interval", "2", "--load", ckpt)
+
+    run_distributed(train_gpt2, 1, argv(1, 1)[:-2] + ["--train-iters", "2"])
+    before = _listing(ckpt)
+    heads = run_distributed(_refusal, 3, argv(3, 1))  # 4 heads over 3 ranks
+    assert all(m and "tensor-model-parallel size (3)" in m for m in heads), heads
+    stages = run_distributed(_refusal, 3, argv(1, 3))  # 3 stages for 2 layers
+    assert all(m and "--pipe-parallel-size (3) is larger than --num-layers (2)" in m
+               for m in stages), stages
+    assert _listing(ckpt) == before
+
+
+def test_named_adam_state_round_trips_into_a_reordered_optimizer():
+    """Moments keyed by name land on the same parameters in an optimizer whose groups list
+    them in another order (as another layout's stage would)."""
+    from megatron.checkpoint_conversion.optimizer_reshard import (adam_state_dict,
+                                                                  named_adam_state,
+                                                                  param_names)
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7),
+                                torch.nn.Linear(7, 3))
+    params = dict(model.named_parameters())
+    decay = [params["0.weight"], params["2.weight"]]
+    rest = [p for n, p in params.items() if n not in ("0.weight", "2.weight")]
+    adam = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.8, 0.9))
+    for _ in range(3):
+        adam.zero_grad()
+        model(torch.randn(4, 5)).square().mean().backward()
+        adam.step()
+    named, groups = named_adam_state(adam.state_dict(), param_names(model, adam))
+    target = torch.optim.AdamW([{"params": decay[::-1]}, {"params": rest[::-1],
+                                                          "weight_decay": 0.0}], lr=5.0)
+    names = param_names(model, target)
+    target.load_state_dict(adam_state_dict(named, groups, names,
+                                           target.state_dict()["param_groups"]))
+    for name, param in params.items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(target.state[param][moment], adam.state[param][moment]), name
+    assert target.param_groups[0]["lr"] == 1e-2 and target.param_groups[0]["betas"] == (0.8, 0.9)

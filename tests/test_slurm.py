@@ -1,0 +1,87 @@
+"""examples/slurm/*.sbatch under a real Slurm (Debian's slurm-wlm, started on this host by
+tests/slurm_cluster.sh): a job of 2 tasks on one host, each task one "node" of CPU processes,
+trains to the same losses as a single-node run of the same script (2 x 1 processes against
+2 on one node, for GPT-2 at tp=2 and T5 at dp=2)."""
+import glob
+import os
+import subprocess
+
+import pytest
+
+from gpt2_runs import REPO
+from test_launch import _env, _finish, _free_port, _launch, _losses
+
+CLUSTER = os.path.join(REPO, "tests", "slurm_cluster.sh")
+# Derived by the sbatch script from Slurm's variables: must not leak in from the test env.
+DERIVED = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CHECKPOINT_PATH")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running one-host cluster; yields the environment its clients need."""
+    root = tmp_path_factory.mktemp("slurm")
+    up = subprocess.run(["bash", CLUSTER, "start", str(root)], capture_output=True, text=True,
+                        timeout=900)
+    if up.returncode == 3:
+        pytest.skip(f"Slurm unavailable: {up.stderr.strip()}")
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield {"SLURM_CONF": str(root / "slurm.conf")}
+    subprocess.run(["bash", CLUSTER, "stop", str(root)], timeout=60)
+
+
+def _sbatch(script, env, job_dir):
+    """Submit ``script`` as 2 tasks on the one test node and wait; returns the job's text."""
+    env = {k: v for k, v in env.items() if k not in DERIVED}
+    env.update(RUN_DIR=str(job_dir))
+    # The scripts ask for GPUs and 32 CPUs per node; the command line overrides that for a
+    # 2-core machine without GPUs, as a user would for a smaller partition.
+    cmd = ["sbatch", "--wait", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+           "--cpus-per-task=1", "--gpus-per-node=0", "--time=15",
+           f"--output={job_dir}/job.out", script]
+    job_dir.mkdir(parents=True)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    logs = sorted(glob.glob(str(job_dir / "logs" / "*-node*.log")))
+    texts = [open(path).read() for path in [str(job_dir / "job.out")] + logs]
+    assert done.returncode == 0, done.stderr + "\n".join(t[-3000:] for t in texts)
+    assert [os.path.basename(p).split("-")[1] for p in logs] == ["node0.log", "node1.log"]
+    return texts
+
+
+@pytest.mark.slow
+def test_gpt2_sbatch_two_nodes_match_one_node(slurm, gpt2_data, tmp_path):
+    # tp=2 across the two "nodes" (tests/test_launch.py runs tp x pp = 2 x 2 over two
+    # torchrun nodes; here one process a node keeps the job small on 2 cores)
+    one = _losses(_finish([_launch(_env(gpt2_data, tmp_path / "one", GPUS_PER_NODE="2",
+                                        pp_size="1"))]))
+    env = _env(gpt2_data, tmp_path, GPUS_PER_NODE="1", pp_size="1", **slurm)
+    texts = _sbatch("examples/slurm/gpt2.sbatch", env, tmp_path / "job")
+    assert "2 nodes x 1 processes" in texts[0], texts[0]
+    assert len(one) == 6 and _losses(texts) == one  # same layout and seeds: same losses
+    ckpt = tmp_path / "job" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    assert ckpt.read_text().strip() == "6"
+
+
+def _t5_env(data, tmp_path, **overrides):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GPUS_PER_NODE="2", NNODES="1", NODE_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), mp_size="1",
+               pp_size="1", NLAYERS="2", NHIDDEN="32", NHEADS="4", KV_HIDDEN="8",
+               FF_HIDDEN="64", ENC_SEQLEN="32", DEC_SEQLEN="8", BATCHSIZE="2", GAS="2",
+               TRAIN_ITERS="3", LR="5e-3", PRECISION="fp32", DATA_PATH=data["prefix"],
+               TOKENIZER_MODEL=data["spm"], CHECKPOINT_PATH=str(tmp_path / "ckpt"),
+               EXTRA_ARGS="--log-interval 1 --make-vocab-size-divisible-by 64 "
+                          "--split 98,2,0 --eval-iters 0 --hidden-dropout 0 "
+                          "--attention-dropout 0")
+    env.update(overrides)
+    return env
+
+
+@pytest.mark.slow
+def test_t5_sbatch_two_nodes_match_one_node(slurm, t5_data, tmp_path):
+    one = subprocess.Popen(["bash", "examples/run_t5.sh"], cwd=REPO,
+                           env=_t5_env(t5_data, tmp_path / "one"), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    one = _losses(_finish([one]))
+    env = _t5_env(t5_data, tmp_path, GPUS_PER_NODE="1", **slurm)
+    texts = _sbatch("examples/slurm/t5.sbatch", env, tmp_path / "job")
+    assert "2 nodes x 1 processes" in texts[0], texts[0]
+    assert len(one) == 3 and _losses(texts) == one
