@@ -135,3 +135,65 @@ def test_named_adam_state_round_trips_into_a_reordered_optimizer():
         for moment in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(target.state[param][moment], adam.state[param][moment]), name
     assert target.param_groups[0]["lr"] == 1e-2 and target.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+@pytest.mark.slow
+def test_zero1_state_moves_to_another_tensor_and_pipeline_size(gpt2_data, tmp_path):
+    """ZeRO-1 partitions (fp32 masters and moments, flat per param group) reassembled by
+    parameter name: a pipeline ZeRO-1 run at (1, 2, 2) resumes as a ZeRO-1 DeepSpeed run at
+    (2, 1, 1) and as a DDP run at (1, 1, 1)."""
+    ckpt = str(tmp_path / "ckpt")
+    steps = ("--train-iters", "10")
+    full = run_distributed(train_gpt2, 4, _argv(gpt2_data, 1, 2, 2, *steps, "--zero-stage",
+                                                "1", "--save", ckpt, "--save-interval", "5"),
+                           timeout=400)[0][0]
+    _point_tracker_at(ckpt, 5)
+    shard = torch.load(os.path.join(ckpt, "iter_0000005", "mp_rank_00_001",
+                                    "optim_dp_rank_001.pt"), weights_only=False)
+    assert "param_slice_mappings" in shard and isinstance(shard["base_optimizer_state"], list)
+    for tp, more in [(2, ("--deepspeed", "--zero-stage", "1")), (1, ())]:
+        per_rank = run_distributed(train_gpt2, tp, _argv(gpt2_data, tp, 1, 1, *steps, *more,
+                                                         "--load", ckpt), timeout=400)
+        for rank, (losses, _) in enumerate(per_rank):
+            assert len(losses) == 5, (tp, rank, losses)
+            assert _relative(losses, full[5:]) < 1e-5, (tp, more, rank, losses, full[5:])
+
+
+def test_optimizer_state_that_cannot_move_is_refused_with_the_way_out(tmp_path):
+    """DeepSpeed's fp16/bf16 optimizer without ZeRO, and checkpoints that do not name their
+    parameters, are refused with a message naming --no-load-optim."""
+    from megatron.errors import CheckpointError
+    from megatron.training.checkpointing import optimizer_shard_name
+    from megatron.training.layout_change import _named_state
+
+    root = str(tmp_path)
+    path = optimizer_shard_name(root, 7, 0, 0, 0)
+    os.makedirs(os.path.dirname(path))
+    torch.save({"optimizer_state_dict": {}, "fp32_groups_flat": [torch.zeros(3)]}, path)
+    with pytest.raises(CheckpointError, match="fp16/bf16 optimizer without ZeRO.*--no-load-optim"):
+        _named_state({"model": {}, "optimizer_param_names": ["w"]}, root, 7, 0, 0)
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]).state_dict()
+    with pytest.raises(CheckpointError, match="parameter names.*--no-load-optim"):
+        _named_state({"model": {}, "optimizer": {"optimizer": adam}}, root, 7, 0, 0)
+
+
+@pytest.mark.slow
+def test_t5_resumes_at_another_tensor_and_pipeline_size(t5_data, tmp_path):
+    """T5 v1.1 (untied head, gated-GeLU, relative-bias tables copied to every stage of
+    their stack): saved at (1, 4, 1), resumed at (2, 1, 1) and (2, 2, 1)."""
+    from t5_runs import t5_argv, train_t5
+
+    def argv(tp, pp, *extra):
+        return t5_argv(t5_data, "--model-parallel-size", str(tp), "--pipe-parallel-size",
+                       str(pp), "--batch-size", "2", "--gas", "4", "--train-iters", "10",
+                       "--t5-ff", "gated-gelu", "--untie-embeddings", "--hidden-dropout",
+                       "0", "--attention-dropout", "0", *extra)
+
+    ckpt = str(tmp_path / "ckpt")
+    full = run_distributed(train_t5, 4, argv(1, 4, "--save", ckpt, "--save-interval", "5"),
+                           timeout=400)[0][0]
+    _point_tracker_at(ckpt, 5)
+    for tp, pp in [(2, 1), (2, 2)]:
+        for rank, (losses, _) in enumerate(run_distributed(
+                train_t5, tp * pp, argv(tp, pp, "--load", ckpt), timeout=400)):
+            assert _relative(losses, full[5:]) < 1e-5, ((tp, pp), rank, losses, full[5:])

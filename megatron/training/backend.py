@@ -95,8 +95,23 @@ class TrainingBackend:
         when the optimizer holds flat partitions instead (DeepSpeed's ZeRO, fp16, bf16)."""
         return None
 
-    def load_scaler_state(self, state):
-        """Restore the fp16 loss scaler from a checkpoint's ``grad_scaler`` entry (or None)."""
+    def load_named_optimizer(self, named, step):
+        """Restore an optimizer without :meth:`named_optimizer` from per-parameter state
+        (``{name: {"fp32", "exp_avg", "exp_avg_sq"}}`` and the step count)."""
+        raise NotImplementedError
+
+    def load_scaler_state(self, scaler):
+        """Restore the fp16 loss scaler saved by a run at another layout.
+
+        Args:
+            scaler: ``{"ddp": our scaler's state}`` or ``{"deepspeed": DeepSpeed's scaler}``
+                (either may be None: that run had no loss scaling).
+
+        Returns:
+            False when this run scales its loss but cannot use the saved scaler (the other
+            backend's), True otherwise.
+        """
+        return True
 
     def after_weights_only_load(self):
         """Called when weights were loaded without optimizer state."""

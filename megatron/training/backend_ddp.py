@@ -48,9 +48,13 @@ class DDPBackend(TrainingBackend):
     def named_optimizer(self):
         return self.optimizer.optimizer  # AdamW over the fp32 parameters themselves
 
-    def load_scaler_state(self, state):
-        if state is not None and self.optimizer.grad_scaler is not None:
-            self.optimizer.grad_scaler.load_state_dict(state)
+    def load_scaler_state(self, scaler):
+        if self.optimizer.grad_scaler is None:
+            return True
+        if scaler.get("ddp") is not None:
+            self.optimizer.grad_scaler.load_state_dict(scaler["ddp"])
+            return True
+        return not any(v is not None for v in scaler.values())
 
     def train_step(self, forward_step_func, data_iterator):
         gas = self.cfg.batch.gas

@@ -153,6 +153,24 @@ class EngineBackend(TrainingBackend):
         # fp32 without ZeRO: the engine steps our AdamW itself
         return self.optimizer if self.optimizer is self.model.basic_optimizer else None
 
+    def load_named_optimizer(self, named, step):
+        from .zero_state import load_named
+
+        if not hasattr(self.optimizer, "single_partition_of_fp32_groups"):
+            raise CheckpointError(
+                f"this run's optimizer ({type(self.optimizer).__name__}: DeepSpeed's fp16/bf16 "
+                f"optimizer without ZeRO) cannot take optimizer state from another tensor- or "
+                f"pipeline-parallel layout; add --zero-stage 1, or pass --no-load-optim")
+        load_named(self.optimizer, self.module(), named, step)
+
+    def load_scaler_state(self, scaler):
+        if not self.cfg.precision.fp16 or not hasattr(self.optimizer, "loss_scaler"):
+            return True
+        if scaler.get("deepspeed") is not None:
+            self.optimizer.loss_scaler = scaler["deepspeed"]
+            return True
+        return not any(v is not None for v in scaler.values())
+
     def load_optimizer_files(self, paths):
         """Load the optimizer from the saved data-parallel ranks' files (``paths``).
 

@@ -6,21 +6,24 @@ this: the DDP backend's optimizer state is replicated across dp, and a DeepSpeed
 engine re-partitions its own, see ``EngineBackend.load_optimizer_files``).
 
 Every rank reads the whole checkpoint: the (tp, pp) main files and, for a run saved by a
-DeepSpeed engine, each (tp, pp)'s data-parallel rank 0 optimizer file. The weights and each
-Adam moment (``exp_avg``, ``exp_avg_sq``, keyed like the weights through the parameter names
-the checkpoint records) are merged into whole-model tensors with the conversion tools' key
-tables (:func:`~megatron.checkpoint_conversion.native_reader.merge_layout`), their vocabulary
-rows re-padded for tp' (new padding rows are zero, and masked out of the logits), and this
-rank keeps its slice (:func:`~megatron.checkpoint_conversion.native_writer.stage_state`).
-The step count, the param groups' hyper-parameters, the fp16 loss scaler (DDP backend), the
-LR schedule and the data position carry over unchanged; random streams restart from
-``--seed`` (each layout draws dropout masks differently anyway).
+DeepSpeed engine, each (tp, pp)'s optimizer files. The weights and the optimizer state are
+merged into whole-model tensors with the conversion tools' key tables
+(:func:`~megatron.checkpoint_conversion.native_reader.merge_layout`), their vocabulary rows
+re-padded for tp' (new padding rows are zero, and masked out of the logits), and this rank
+keeps its slice (:func:`~megatron.checkpoint_conversion.native_writer.stage_state`). The
+optimizer state is keyed like the weights: by the parameter names each checkpoint records
+for our AdamW (DDP backend, or an fp32 engine without ZeRO), and by DeepSpeed's own
+``param_slice_mappings`` for ZeRO-1/2 partitions (:mod:`.zero_state`, fp32 master weights
+included). The step count, the param groups' hyper-parameters, the LR schedule, the data
+position and the fp16 loss scaler (between runs of the same backend) carry over; random
+streams restart from ``--seed`` (each layout draws dropout masks differently anyway).
 
-Cost: each rank holds the whole model and its two moments in CPU memory once while loading.
+Cost: each rank holds the whole model and its optimizer state in CPU memory once while
+loading.
 
-What cannot move this way: optimizer state that DeepSpeed partitions into flat buffers
-(ZeRO stages 1-2, its fp16/bf16 optimizers) has no per-parameter layout to re-slice; such a
-checkpoint resumes at its own tp and pp (any dp), or moves with ``--no-load-optim``.
+What cannot move this way: DeepSpeed's fp16/bf16 optimizers without ZeRO (flat buffers with
+no recorded per-parameter layout); such a checkpoint resumes at its own layout, or moves
+with ``--no-load-optim``.
 """
 import os
 
@@ -71,49 +74,78 @@ def saved_layout_differs(root, iteration, args):
     return any(k in saved and saved[k] != args.get(k) for k in LAYOUT_KEYS[:2])
 
 
-def _saved_adam(state, root, iteration, tp_rank, pp_rank):
-    """``(torch optimizer state dict, parameter names, loss scaler state)`` of one (tp, pp)."""
-    names = state.get("optimizer_param_names")
-    if "optimizer" in state:  # DDP backend: MegatronOptimizer's {"optimizer", "grad_scaler"}
-        adam, scaler = state["optimizer"]["optimizer"], state["optimizer"].get("grad_scaler")
-    else:  # engine backend: per-data-parallel-rank files; rank 0's is as good as any
-        from .backend_engine import load_engine_optimizer_file
+def _engine_files(root, iteration, tp_rank, pp_rank):
+    """The optimizer files every data-parallel rank of one (tp, pp) saved, in rank order."""
+    paths = []
+    while os.path.isfile(optimizer_shard_name(root, iteration, tp_rank, pp_rank, len(paths))):
+        paths.append(optimizer_shard_name(root, iteration, tp_rank, pp_rank, len(paths)))
+    if not paths:
+        raise CheckpointError(f"checkpoint in {root} has no optimizer state "
+                              f"({optimizer_shard_name(root, iteration, tp_rank, pp_rank, 0)} "
+                              f"is missing); pass --no-load-optim to load the weights only")
+    return paths
 
-        path = optimizer_shard_name(root, iteration, tp_rank, pp_rank, 0)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint in {root} has no optimizer state ({path} is "
-                                  f"missing); pass --no-load-optim to load the weights only")
-        adam, scaler = load_engine_optimizer_file(path), None
-        if not {"state", "param_groups"} <= set(adam):
-            raise CheckpointError(
-                f"checkpoint in {root} holds DeepSpeed-partitioned optimizer state (ZeRO, or "
-                f"DeepSpeed's fp16/bf16 optimizer), which cannot be re-sliced for another "
-                f"tensor- or pipeline-parallel size; {_HINT}")
-    if names is None:
-        raise CheckpointError(f"checkpoint in {root} does not record its optimizer's parameter "
-                              f"names (saved by an older megatron-tds); {_HINT}")
-    return adam, names, scaler
+
+def _named_state(state, root, iteration, tp_rank, pp_rank):
+    """One (tp, pp)'s optimizer state by parameter name.
+
+    Returns:
+        ``({name: {"exp_avg", "exp_avg_sq", "step"[, "fp32"]}}, param groups or None,
+        loss scaler or None)``; ``fp32`` (the master weight) only from ZeRO, whose model
+        weights may be fp16.
+    """
+    from ..checkpoint_conversion.optimizer_reshard import named_adam_state
+    from .backend_engine import load_engine_optimizer_file
+    from .zero_state import is_zero_state, named_from_saved
+
+    names = state.get("optimizer_param_names")
+    unnamed = CheckpointError(f"checkpoint in {root} does not record its optimizer's "
+                              f"parameter names (saved by an older megatron-tds); {_HINT}")
+    if "optimizer" in state:  # DDP backend: MegatronOptimizer's {"optimizer", "grad_scaler"}
+        if names is None:
+            raise unnamed
+        named, groups = named_adam_state(state["optimizer"]["optimizer"], names)
+        return named, groups, {"ddp": state["optimizer"].get("grad_scaler")}
+    paths = _engine_files(root, iteration, tp_rank, pp_rank)
+    first = load_engine_optimizer_file(paths[0])
+    if is_zero_state(first):  # each dp rank holds a partition: all of them
+        shards = [first] + [load_engine_optimizer_file(p) for p in paths[1:]]
+        shapes = {k: v.shape for k, v in state["model"].items()}
+        named, step = named_from_saved(shards, shapes, paths[0])
+        for entry in named.values():
+            entry["step"] = step
+        return named, None, {"deepspeed": first.get("loss_scaler")}
+    if {"state", "param_groups"} <= set(first):  # our AdamW, replicated on every dp rank
+        if names is None:
+            raise unnamed
+        named, groups = named_adam_state(first, names)
+        return named, groups, None
+    raise CheckpointError(f"checkpoint in {root} holds the state of DeepSpeed's fp16/bf16 "
+                          f"optimizer without ZeRO, which cannot be re-sliced for another "
+                          f"tensor- or pipeline-parallel size; {_HINT}")
 
 
 def _full_moments(states, saved, folder, keys, root, iteration):
-    """Whole-model Adam moments ``{moment: {key: tensor}}``, the step, groups and scaler."""
+    """Whole-model optimizer tensors ``{"exp_avg"|"exp_avg_sq"[|"fp32"]: {key: tensor}}``,
+    the step, the param groups (or None) and the loss scaler (or None)."""
     from ..checkpoint_conversion.native_reader import merge_layout
-    from ..checkpoint_conversion.optimizer_reshard import named_adam_state
 
     named, groups, scaler = {}, None, None
     for (tp_rank, pp_rank), state in states.items():
-        adam, names, rank_scaler = _saved_adam(state, root, iteration, tp_rank, pp_rank)
-        named[(tp_rank, pp_rank)], rank_groups = named_adam_state(adam, names)
+        named[(tp_rank, pp_rank)], rank_groups, rank_scaler = \
+            _named_state(state, root, iteration, tp_rank, pp_rank)
         if (tp_rank, pp_rank) == (0, 0):
             groups, scaler = rank_groups, rank_scaler
     first = next(iter(named[(0, 0)].values()), None)
     if first is None:
         raise CheckpointError(f"checkpoint in {root} has an empty optimizer state (saved "
                               f"before the first step?); {_HINT}")
+    kinds = [k for k in ("exp_avg", "exp_avg_sq", "fp32")
+             if all(k in e for n in named.values() for e in n.values())]
     moments = {m: merge_layout(keys, saved, lambda t, p, m=m: {k: v[m] for k, v in
                                                                 named[(t, p)].items()},
                                f"{folder} ({m})")
-               for m in _MOMENTS}
+               for m in kinds}
     return moments, first["step"], groups, scaler
 
 
@@ -139,25 +171,30 @@ def _this_rank(full, target, keys, true_vocab):
     return stage_state(full, target, mpu.get_tensor_model_parallel_rank(), bounds)
 
 
-def _load_optimizer(backend, moments, step, groups, scaler, target, keys, true_vocab):
-    from ..checkpoint_conversion.optimizer_reshard import adam_state_dict, param_names
+def _load_optimizer(backend, own_weights, moments, step, groups, scaler, slice_of):
+    """Give this rank's slice of the optimizer state to the backend's optimizer."""
+    from ..checkpoint_conversion.optimizer_reshard import adam_state_dict
 
-    adam = backend.named_optimizer()
-    if adam is None:
-        raise CheckpointError(
-            f"this run's {backend.name} optimizer keeps DeepSpeed-partitioned state (ZeRO, or "
-            f"DeepSpeed's fp16/bf16 optimizer), which cannot take Adam moments from another "
-            f"tensor- or pipeline-parallel layout; {_HINT}")
-    own = {m: _this_rank(moments[m], target, keys, true_vocab) for m in _MOMENTS}
-    names = param_names(backend.module(), adam)
-    missing = [n for n in names if n not in own[_MOMENTS[0]]]
+    own = {m: slice_of(moments[m]) for m in moments}
+    own.setdefault("fp32", {k: v.float() for k, v in own_weights.items()})  # fp32 sources
+    names = [n for n, _ in backend.module().named_parameters()]
+    missing = [n for n in names if n not in own["exp_avg"]]
     if missing:
-        raise CheckpointError(f"the checkpoint has no Adam moments for {missing[:3]}")
-    named = {n: {"step": step.clone() if torch.is_tensor(step) else step,
-                 **{m: own[m][n] for m in _MOMENTS}} for n in names}
-    adam.load_state_dict(adam_state_dict(named, groups, names,
-                                         adam.state_dict()["param_groups"]))
-    backend.load_scaler_state(scaler)
+        raise CheckpointError(f"the checkpoint has no optimizer state for {missing[:3]}")
+    adam = backend.named_optimizer()
+    if adam is None:  # DeepSpeed's ZeRO: through each parameter's slice of its partitions
+        backend.load_named_optimizer({n: {k: own[k][n] for k in own} for n in names}, step)
+    else:
+        from ..checkpoint_conversion.optimizer_reshard import param_names
+
+        order = param_names(backend.module(), adam)
+        named = {n: {"step": step.clone() if torch.is_tensor(step) else step,
+                     **{m: own[m][n] for m in _MOMENTS}} for n in order}
+        template = adam.state_dict()["param_groups"]
+        adam.load_state_dict(adam_state_dict(named, groups or template, order, template))
+    if scaler and not backend.load_scaler_state(scaler):
+        warn_rank_0("the fp16 loss scale restarts from --initial-loss-scale (the checkpoint "
+                    "was saved by the other training backend)")
 
 
 def load_at_new_layout(backend, args, iteration, load_optim):
@@ -188,9 +225,16 @@ def load_at_new_layout(backend, args, iteration, load_optim):
                                                 .get("model", {}), folder), saved, folder)
     optimizer = _full_moments(states, saved, folder, keys, args.load, iteration) \
         if load_optim else None
-    backend.module().load_state_dict(_this_rank(weights, target, keys, true_vocab))
+    if optimizer is not None and "fp32" in optimizer[0]:
+        weights.update(optimizer[0]["fp32"])  # ZeRO's fp32 masters: exact, where weights are fp16
+
+    def slice_of(full):
+        return _this_rank(full, target, keys, true_vocab)
+
+    own_weights = slice_of(weights)
+    backend.module().load_state_dict(own_weights)
     if optimizer is not None:
-        _load_optimizer(backend, *optimizer, target, keys, true_vocab)
+        _load_optimizer(backend, own_weights, *optimizer, slice_of)
     first = dict(states[(0, 0)])
     first.pop("rng_state", None)
     warn_rank_0(
