@@ -26,6 +26,19 @@ def train_gpt2(argv):
     return state.losses, state.eval_losses
 
 
+def user_error(argv):
+    """Rank body: run pretrain_gpt2.main(argv); return the user error's message (a
+    MegatronError: bad flags, bad checkpoint, ...), or None when it ran."""
+    import pretrain_gpt2
+    from megatron.errors import MegatronError
+
+    try:
+        pretrain_gpt2.main(argv)
+    except MegatronError as exc:
+        return str(exc)
+    return None
+
+
 def run_script(args, nproc=1, timeout=240, env=None):
     """Run an entry script (python, or torchrun with ``nproc`` ranks); return the result."""
     if nproc == 1:

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from gpt2_runs import gpt2_argv, train_gpt2
+from gpt2_runs import gpt2_argv, train_gpt2, user_error
 from harness import run_distributed
 
 STEPS, AT, MICRO, GLOBAL = 20, 10, 2, 8
@@ -76,18 +76,6 @@ def test_fp16_zero1_engine_resumes_at_another_data_parallel_size(gpt2_data, tmp_
             assert _relative(losses, full[5:]) < 1e-5, (dp, rank, losses, full[5:])
 
 
-def _refusal(argv):
-    """Rank body: the configuration error pretrain_gpt2.main raises, or None."""
-    import pretrain_gpt2
-    from megatron.errors import MegatronError
-
-    try:
-        pretrain_gpt2.main(argv)
-    except MegatronError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.mark.slow
 def test_a_layout_that_cannot_hold_the_model_is_refused_before_anything_is_written(
         gpt2_data, tmp_path):
@@ -99,9 +87,9 @@ def test_a_layout_that_cannot_hold_the_model_is_refused_before_anything_is_writt
 
     run_distributed(train_gpt2, 1, argv(1, 1)[:-2] + ["--train-iters", "2"])
     before = _listing(ckpt)
-    heads = run_distributed(_refusal, 3, argv(3, 1))  # 4 heads over 3 ranks
+    heads = run_distributed(user_error, 3, argv(3, 1))  # 4 heads over 3 ranks
     assert all(m and "tensor-model-parallel size (3)" in m for m in heads), heads
-    stages = run_distributed(_refusal, 3, argv(1, 3))  # 3 stages for 2 layers
+    stages = run_distributed(user_error, 3, argv(1, 3))  # 3 stages for 2 layers
     assert all(m and "--pipe-parallel-size (3) is larger than --num-layers (2)" in m
                for m in stages), stages
     assert _listing(ckpt) == before

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from gpt2_runs import gpt2_argv
+from gpt2_runs import gpt2_argv, user_error
 from harness import run_distributed
 from megatron.errors import ConfigError
 from wandb_records import read_config, read_history
@@ -72,16 +72,6 @@ def test_wandb_project_without_wandb_installed_says_how_to_install(gpt2_data, mo
                                      "--wandb-project", "p"))
 
 
-def _train_expect_config_error(argv):
-    import pretrain_gpt2
-
-    try:
-        pretrain_gpt2.main(argv)
-    except ConfigError as exc:
-        return str(exc)
-    return None
-
-
 @pytest.mark.slow
 def test_wandb_failing_on_the_logging_rank_stops_every_rank(gpt2_data, tmp_path):
     pytest.importorskip("wandb", reason="pip install -e '.[test]' installs wandb")
@@ -90,6 +80,6 @@ def test_wandb_failing_on_the_logging_rank_stops_every_rank(gpt2_data, tmp_path)
                      "--wandb-project", "p", "--wandb-save-dir", str(tmp_path))
     env = {"WANDB_MODE": "online", "WANDB_API_KEY": "", "WANDB_SILENT": "true",
            "NETRC": str(tmp_path / "no_netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "cfg")}
-    messages = run_distributed(_train_expect_config_error, 2, argv, env=env, timeout=120)
+    messages = run_distributed(user_error, 2, argv, env=env, timeout=120)
     assert all(m and "W&B did not start on the logging rank" in m for m in messages), messages
     assert "wandb login" in messages[0]
