@@ -121,10 +121,10 @@ def fresh_build_state(monkeypatch, tmp_path):
     return tmp_path
 
 
-def small_step(seed):
+def small_step(seed, softmax_fusion=True):
     """A training-time forward/backward through both ops; returns values to compare."""
     torch.manual_seed(seed)
-    softmax = FusedScaleMaskSoftmax(False, False, AttnMaskType.causal, True,
+    softmax = FusedScaleMaskSoftmax(False, False, AttnMaskType.causal, softmax_fusion,
                                     lambda s, m: s.masked_fill_(m, -10000.0), True, 0.5)
     norm = MixedFusedLayerNorm(16)
     x = torch.randn(2, 2, 8, 8, requires_grad=True)
@@ -144,9 +144,8 @@ def test_failed_build_falls_back_and_says_so_once(fresh_build_state, monkeypatch
     assert status.layer_norm.startswith("PyTorch fallback (build failed")
     results = [small_step(seed) for _ in range(3)]  # ops keep working, no second attempt
     assert all(r[0] == "PyTorch" for r in results)
-    monkeypatch.setitem(fused_kernels._FLAGS, "masked_softmax_fusion", False)
     monkeypatch.setitem(fused_kernels._FLAGS, "layernorm_fusion", False)
-    expected = small_step(seed)
+    expected = small_step(seed, softmax_fusion=False)
     for got in results:
         assert got[1] == pytest.approx(expected[1], rel=1e-6)
         torch.testing.assert_close(got[2], expected[2])
@@ -174,7 +173,9 @@ def test_arguments_and_status(monkeypatch):
     status = fused_kernels.load(args)
     assert "--no-masked-softmax-fusion" in status.masked_softmax
     assert "--no-layernorm-fusion" in status.layer_norm
-    assert small_step(0)[0] == "PyTorch"
+    # the softmax takes the flag through its constructor (the model config), nothing global
+    assert small_step(0, softmax_fusion=args.masked_softmax_fusion)[0] == "PyTorch"
+    assert small_step(0)[0] == "fused CPU kernel"
     status = fused_kernels.load(parser.parse_args([]))
     assert status.masked_softmax == "fused CPU kernel" and status.layer_norm == "fused CPU kernel"
     assert "masked softmax: fused CPU kernel" in str(status)

@@ -22,7 +22,7 @@ def attention_mask_func(scores, mask):
 
 
 class TinyBlock(nn.Module):
-    def __init__(self, mask_type):
+    def __init__(self, mask_type, fusion):
         super().__init__()
         self.ln = MixedFusedLayerNorm(HIDDEN)
         self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
@@ -30,7 +30,7 @@ class TinyBlock(nn.Module):
         self.rms = MixedFusedRMSNorm(HIDDEN)
         self.softmax = FusedScaleMaskSoftmax(
             input_in_fp16=False, input_in_bf16=False, attn_mask_type=mask_type,
-            scaled_masked_softmax_fusion=True, mask_func=attention_mask_func,
+            scaled_masked_softmax_fusion=fusion, mask_func=attention_mask_func,
             softmax_in_fp32=True, scale=1.0 / math.sqrt(HIDDEN // HEADS))
 
     def forward(self, x, mask):  # x: [b, s, h]
@@ -43,10 +43,9 @@ class TinyBlock(nn.Module):
 
 def train(fusion, mask_type, seed, monkeypatch):
     """Losses of STEPS SGD steps, and the path the softmax took."""
-    monkeypatch.setitem(fused_kernels._FLAGS, "masked_softmax_fusion", fusion)
     monkeypatch.setitem(fused_kernels._FLAGS, "layernorm_fusion", fusion)
     torch.manual_seed(seed)
-    model = TinyBlock(mask_type)
+    model = TinyBlock(mask_type, fusion)
     with torch.no_grad():  # non-trivial norm parameters
         for norm in (model.ln, model.rms):
             for p in norm.parameters():

@@ -17,7 +17,9 @@ logger = logging.getLogger(__name__)
 
 ENV_DISABLE = "MEGATRON_TDS_NO_FUSED_KERNELS"
 
-_FLAGS = {"masked_softmax_fusion": True, "layernorm_fusion": True}
+#: ``--[no-]layernorm-fusion`` for MixedFusedLayerNorm (Megatron's constructor has no switch).
+#: The masked softmax takes ``--[no-]masked-softmax-fusion`` from its model config alone.
+_FLAGS = {"layernorm_fusion": True}
 _STATUS = None
 
 
@@ -46,7 +48,7 @@ def disabled_reason():
 
 
 def fusion_enabled(op):
-    """Whether the run allows fusing ``op`` ("masked_softmax_fusion" / "layernorm_fusion")."""
+    """Whether the run allows fusing ``op`` (``"layernorm_fusion"``)."""
     return _FLAGS[op] and disabled_reason() is None
 
 
@@ -85,8 +87,8 @@ class KernelStatus:
                 f" [{self.target or self.device}]")
 
 
-def _path(flag_name, cli_flag, module, failure, kind):
-    if not _FLAGS[flag_name]:
+def _path(enabled, cli_flag, module, failure, kind):
+    if not enabled:
         return f"PyTorch fallback ({cli_flag})"
     if failure:
         return f"PyTorch fallback ({failure})"
@@ -106,15 +108,15 @@ def load(args=None):
         A :class:`KernelStatus`; ``str(status)`` is one line for the startup log.
     """
     global _STATUS
+    softmax = True if args is None else bool(args.masked_softmax_fusion)
     if args is not None:
-        _FLAGS.update(masked_softmax_fusion=bool(args.masked_softmax_fusion),
-                      layernorm_fusion=bool(args.layernorm_fusion))
+        _FLAGS.update(layernorm_fusion=bool(args.layernorm_fusion))
     from megatron.mpu.utils import get_device
 
     kind = get_device().type
     failure = disabled_reason()
     module = None
-    if failure is None and (_FLAGS["masked_softmax_fusion"] or _FLAGS["layernorm_fusion"]):
+    if failure is None and (softmax or _FLAGS["layernorm_fusion"]):
         module = get_module(kind)
         if module is None:
             from .build import last_error
@@ -123,9 +125,9 @@ def load(args=None):
             failure = f"build failed: {error}" if error else "kernels unavailable, see the log"
     _STATUS = KernelStatus(
         device=kind,
-        masked_softmax=_path("masked_softmax_fusion", "--no-masked-softmax-fusion", module,
-                             failure, kind),
-        layer_norm=_path("layernorm_fusion", "--no-layernorm-fusion", module, failure, kind),
+        masked_softmax=_path(softmax, "--no-masked-softmax-fusion", module, failure, kind),
+        layer_norm=_path(_FLAGS["layernorm_fusion"], "--no-layernorm-fusion", module, failure,
+                         kind),
         target=module.target() if module is not None else "")
     logger.debug("fused kernels: %s", _STATUS)  # the caller prints it (initialize_megatron)
     return _STATUS

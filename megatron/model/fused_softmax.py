@@ -114,9 +114,10 @@ class FusedScaleMaskSoftmax(nn.Module):
 
             device = get_device()
         device = torch.device(device)
-        if not self.scaled_masked_softmax_fusion or not fused_kernels.fusion_enabled(
-                "masked_softmax_fusion"):
+        if not self.scaled_masked_softmax_fusion:  # the model config's switch, only
             return "fusion disabled"
+        if fused_kernels.disabled_reason() is not None:
+            return fused_kernels.disabled_reason()
         if device.type == "cuda":
             if dtype not in (torch.float16, torch.bfloat16):
                 return f"the CUDA kernel takes fp16/bf16, not {dtype}"
