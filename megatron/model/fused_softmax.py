@@ -82,6 +82,18 @@ class FusedScaleMaskSoftmax(nn.Module):
         self.scale = scale
         self.last_path = None  # "fused CPU kernel" / "fused CUDA kernel" / "PyTorch" after a call
 
+    @classmethod
+    def for_dtype(cls, compute_dtype, attn_mask_type, fusion, mask_func, scale):
+        """The softmax our models build: from the config's compute dtype, fp32 math.
+
+        Megatron's constructor takes the dtype as two bools; the paths themselves follow the
+        scores' own dtype at each call, so the dtype is all a model needs to give.
+        """
+        return cls(input_in_fp16=compute_dtype == torch.float16,
+                   input_in_bf16=compute_dtype == torch.bfloat16,
+                   attn_mask_type=attn_mask_type, scaled_masked_softmax_fusion=fusion,
+                   mask_func=mask_func, softmax_in_fp32=True, scale=scale)
+
     def forward(self, input, mask):
         """Probabilities ``[b, np, sq, sk]`` in ``input.dtype``.
 
@@ -150,7 +162,7 @@ class FusedScaleMaskSoftmax(nn.Module):
     def forward_torch_softmax(self, input, mask):
         """The PyTorch path; the same function as the kernels (see the module docstring)."""
         scores = input
-        if self.input_in_float16 and self.softmax_in_fp32:
+        if input.dtype in (torch.float16, torch.bfloat16) and self.softmax_in_fp32:
             scores = scores.float()
         if self.scale is not None:
             scores = scores * self.scale

@@ -210,12 +210,9 @@ class T5Attention(nn.Module):
         self.dense = mpu.RowParallelLinear(inner, h, bias=False, input_is_parallel=True,
                                            init_method=init_method_normal(inner ** -0.5),
                                            sequence_parallel=config.sequence_parallel)
-        self.scale_mask_softmax = FusedScaleMaskSoftmax(
-            input_in_fp16=config.compute_dtype == torch.float16,
-            input_in_bf16=config.compute_dtype == torch.bfloat16,
-            attn_mask_type=AttnMaskType.padding,
-            scaled_masked_softmax_fusion=config.masked_softmax_fusion,
-            mask_func=attention_mask_func, softmax_in_fp32=True, scale=None)
+        self.scale_mask_softmax = FusedScaleMaskSoftmax.for_dtype(
+            config.compute_dtype, AttnMaskType.padding, config.masked_softmax_fusion,
+            attention_mask_func, scale=None)
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.attention_backend = resolve_attention_backend(config.attention_backend)
 

@@ -103,13 +103,9 @@ class ParallelSelfAttention(nn.Module):
         self.query_key_value = mpu.ColumnParallelLinear(
             config.hidden_size, 3 * projection, bias=config.bias, gather_output=False,
             init_method=init_method_normal(std), sequence_parallel=config.sequence_parallel)
-        self.scale_mask_softmax = FusedScaleMaskSoftmax(
-            input_in_fp16=config.compute_dtype == torch.float16,
-            input_in_bf16=config.compute_dtype == torch.bfloat16,
-            attn_mask_type=AttnMaskType.causal,
-            scaled_masked_softmax_fusion=config.masked_softmax_fusion,
-            mask_func=attention_mask_func, softmax_in_fp32=True,
-            scale=1.0 / math.sqrt(self.head_dim))
+        self.scale_mask_softmax = FusedScaleMaskSoftmax.for_dtype(
+            config.compute_dtype, AttnMaskType.causal, config.masked_softmax_fusion,
+            attention_mask_func, scale=1.0 / math.sqrt(self.head_dim))
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         self.scale = 1.0 / math.sqrt(self.head_dim)
