@@ -90,7 +90,11 @@ def build_pretraining_data_loader(dataset, consumed_samples, micro_batch_size,
                                          data_parallel_rank, data_parallel_size)
     # A private generator: starting an iterator draws a worker seed from it, and drawing
     # from the global generator would shift the dropout stream (resume would not be exact).
+    # Pinned batches on a GPU: broadcast_data copies them to the device without blocking.
+    from ..mpu.utils import get_device
+
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       collate_fn=_collate, pin_memory=False,
+                                       collate_fn=_collate,
+                                       pin_memory=get_device().type == "cuda",
                                        persistent_workers=num_workers > 0,
                                        generator=torch.Generator().manual_seed(0))

@@ -67,7 +67,9 @@ def broadcast_data(keys, data, datatype, group=None):
     shapes = [tuple(row[1:1 + row[0]].tolist()) for row in header]
     numels = [int(torch.Size(s).numel()) for s in shapes]
     if is_src:
-        flat = torch.cat([data[k].reshape(-1) for k in keys]).to(device)
+        # each tensor to the device first: from pinned host memory (the DataLoader's on a
+        # GPU) the copies do not block, where a host-side cat would make pageable memory
+        flat = torch.cat([data[k].reshape(-1).to(device, non_blocking=True) for k in keys])
     else:
         flat = torch.empty(sum(numels), dtype=datatype, device=device)
     if not single:

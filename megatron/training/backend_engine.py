@@ -133,8 +133,8 @@ class EngineBackend(TrainingBackend):
                 engine.step()
                 per_micro_batch.append(stats)
         updated = not getattr(engine.optimizer, "overflow", False)
-        norm = engine.get_global_grad_norm()
-        return per_micro_batch, updated, (float(norm) if norm is not None else None)
+        # a device tensor or a float (DeepSpeed's choice): the loop reads it at log time
+        return per_micro_batch, updated, engine.get_global_grad_norm()
 
     def eval_step(self, forward_step_func, data_iterator):
         if self.pipeline:
