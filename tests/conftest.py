@@ -46,6 +46,17 @@ def gpt2_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gpt2_one_node_losses(gpt2_data, tmp_path_factory):
+    """Losses of examples/run_gpt2.sh on one node with 4 processes (tests/launch_runs.py's
+    tiny run): the reference the two-node, DeepSpeed-launcher and Slurm launches must match,
+    run once per session."""
+    from launch_runs import finish, launch, launch_env, log_losses
+
+    return log_losses(finish([launch(launch_env(gpt2_data,
+                                                tmp_path_factory.mktemp("one_node")))]))
+
+
+@pytest.fixture(scope="session")
 def t5_data(tmp_path_factory):
     """The sample corpus, a sentencepiece model trained on it (T5 layout: pad=0, eos=1,
     sentinels appended at load time) and its indexed dataset, for pretrain_t5.py.

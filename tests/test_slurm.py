@@ -1,7 +1,7 @@
 """examples/slurm/*.sbatch under a real Slurm (Debian's slurm-wlm, started on this host by
 tests/slurm_cluster.sh): a job of 2 tasks on one host, each task one "node" of CPU processes,
-trains to the same losses as a single-node run of the same script (2 x 1 processes against
-2 on one node, for GPT-2 at tp=2 and T5 at dp=2)."""
+trains to the same losses as a single-node run of the same script (GPT-2: 2 x 2 vs 4; T5:
+2 x 1 vs 2)."""
 import glob
 import os
 import subprocess
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from gpt2_runs import REPO
-from test_launch import _env, _finish, _free_port, _launch, _losses
+from launch_runs import finish, free_port, launch_env, log_losses
 
 CLUSTER = os.path.join(REPO, "tests", "slurm_cluster.sh")
 # Derived by the sbatch script from Slurm's variables: must not leak in from the test env.
@@ -48,22 +48,20 @@ def _sbatch(script, env, job_dir):
 
 
 @pytest.mark.slow
-def test_gpt2_sbatch_two_nodes_match_one_node(slurm, gpt2_data, tmp_path):
-    # tp=2 across the two "nodes" (tests/test_launch.py runs tp x pp = 2 x 2 over two
-    # torchrun nodes; here one process a node keeps the job small on 2 cores)
-    one = _losses(_finish([_launch(_env(gpt2_data, tmp_path / "one", GPUS_PER_NODE="2",
-                                        pp_size="1"))]))
-    env = _env(gpt2_data, tmp_path, GPUS_PER_NODE="1", pp_size="1", **slurm)
+def test_gpt2_sbatch_two_nodes_match_one_node(slurm, gpt2_data, gpt2_one_node_losses,
+                                             tmp_path):
+    env = launch_env(gpt2_data, tmp_path, GPUS_PER_NODE="2", **slurm)
     texts = _sbatch("examples/slurm/gpt2.sbatch", env, tmp_path / "job")
-    assert "2 nodes x 1 processes" in texts[0], texts[0]
-    assert len(one) == 6 and _losses(texts) == one  # same layout and seeds: same losses
+    assert "2 nodes x 2 processes" in texts[0], texts[0]
+    one = gpt2_one_node_losses  # run_gpt2.sh with 4 processes on one node
+    assert len(one) == 6 and log_losses(texts) == one  # same layout and seeds: same losses
     ckpt = tmp_path / "job" / "checkpoints" / "latest_checkpointed_iteration.txt"
     assert ckpt.read_text().strip() == "6"
 
 
 def _t5_env(data, tmp_path, **overrides):
     env = dict(os.environ, OMP_NUM_THREADS="1", GPUS_PER_NODE="2", NNODES="1", NODE_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), mp_size="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), mp_size="1",
                pp_size="1", NLAYERS="2", NHIDDEN="32", NHEADS="4", KV_HIDDEN="8",
                FF_HIDDEN="64", ENC_SEQLEN="32", DEC_SEQLEN="8", BATCHSIZE="2", GAS="2",
                TRAIN_ITERS="3", LR="5e-3", PRECISION="fp32", DATA_PATH=data["prefix"],
@@ -80,8 +78,8 @@ def test_t5_sbatch_two_nodes_match_one_node(slurm, t5_data, tmp_path):
     one = subprocess.Popen(["bash", "examples/run_t5.sh"], cwd=REPO,
                            env=_t5_env(t5_data, tmp_path / "one"), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
-    one = _losses(_finish([one]))
+    one = log_losses(finish([one]))
     env = _t5_env(t5_data, tmp_path, GPUS_PER_NODE="1", **slurm)
     texts = _sbatch("examples/slurm/t5.sbatch", env, tmp_path / "job")
     assert "2 nodes x 1 processes" in texts[0], texts[0]
-    assert len(one) == 3 and _losses(texts) == one
+    assert len(one) == 3 and log_losses(texts) == one
