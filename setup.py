@@ -78,7 +78,7 @@ setup(
     description="Megatron-style 3D-parallel pretraining of GPT-2 and T5 on PyTorch and DeepSpeed",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*", "tds", "tds.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

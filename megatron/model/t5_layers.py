@@ -15,7 +15,6 @@ needs the bias of its own heads. Initialisation follows T5 (Mesh TensorFlow / Hu
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,6 @@ from torch import nn
 
 from .. import mpu
 from .attention import (
-    DEFAULT_ATTENTION_BACKEND,
     bmm_attention,
     resolve_attention_backend,
     sdpa_attention,
@@ -31,14 +29,14 @@ from .attention import (
 from .fused_layer_norm import MixedFusedRMSNorm
 from .fused_softmax import AttnMaskType, FusedScaleMaskSoftmax
 from .language_model import parallel_lm_logits
-from .transformer import attention_mask_func
+from .transformer import ModelRunOptions, attention_mask_func
 from .utils import init_method_normal, init_rng
 
 FF_TYPES = ("relu", "gated-gelu")
 
 
 @dataclass
-class T5TransformerConfig:
+class T5TransformerConfig(ModelRunOptions):
     """Sizes and options of a T5 model (from flags: megatron.families.t5)."""
 
     num_layers: int
@@ -57,20 +55,7 @@ class T5TransformerConfig:
     ff_type: str = "relu"
     tie_embeddings: bool = True
     """Output layer tied to the word embedding (T5 v1.0; hidden scaled by d_model^-0.5)."""
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
     layernorm_epsilon: float = 1e-6
-    checkpoint_activations: bool = False
-    checkpoint_num_layers: int = 1
-    masked_softmax_fusion: bool = True
-    compute_dtype: torch.dtype = torch.float32
-    seed: int = 1234
-    true_vocab_size: Optional[int] = None
-    """The tokenizer's vocabulary; the padded rows up to ``vocab_size`` get -inf logits."""
-    sequence_parallel: bool = False
-    """Norm/dropout/residual activations split along the sequence (--sequence-parallel)."""
-    attention_backend: str = DEFAULT_ATTENTION_BACKEND
-    """``sdpa`` or ``unfused`` (Megatron's bmm + fused softmax); megatron/model/attention.py."""
 
     @property
     def inner_size(self):

@@ -26,25 +26,18 @@ from .fused_softmax import AttnMaskType, FusedScaleMaskSoftmax
 from .utils import init_method_normal, init_rng, scaled_init_method_normal
 
 
-@dataclass
-class TransformerConfig:
-    """Sizes and options of a transformer stack (from flags: megatron.families.gpt2)."""
+@dataclass(kw_only=True)
+class ModelRunOptions:
+    """The settings every model takes from the run rather than from its sizes (GPT-2's
+    :class:`TransformerConfig` and T5's config extend it; keyword-only)."""
 
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    kv_channels: int
-    """Per-head size (CPM's --kv-hidden-size)."""
-    ffn_hidden_size: int
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
-    bias: bool = True
-    """Biases in the linear layers (--hidden-bias)."""
     checkpoint_activations: bool = False
+    """Recompute each group of ``checkpoint_num_layers`` layers in the backward."""
     checkpoint_num_layers: int = 1
     masked_softmax_fusion: bool = True
+    """Allow the fused masked-softmax kernel (``--[no-]masked-softmax-fusion``)."""
     compute_dtype: torch.dtype = torch.float32
     """dtype the scores arrive in (autocast), for choosing the softmax kernel."""
     seed: int = 1234
@@ -56,6 +49,22 @@ class TransformerConfig:
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     """``sdpa`` (scaled_dot_product_attention) or ``unfused`` (bmm + fused softmax);
     see megatron/model/attention.py."""
+
+
+@dataclass
+class TransformerConfig(ModelRunOptions):
+    """Sizes and options of a GPT-2 transformer stack (from flags: megatron.families.gpt2)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    kv_channels: int
+    """Per-head size (CPM's --kv-hidden-size)."""
+    ffn_hidden_size: int
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    bias: bool = True
+    """Biases in the linear layers (--hidden-bias)."""
 
 
 def make_layer_norm(config):
