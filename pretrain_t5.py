@@ -12,11 +12,11 @@ from megatron import mpu
 from megatron.errors import run_main
 from megatron.families.t5 import FAMILY as T5
 from megatron.global_vars import get_args, get_tokenizer
+from megatron.model.t5_model import t5_attention_masks
 from megatron.training import pretrain
 from megatron.utils import print_rank_0
 
-ID_KEYS = ("text_enc", "text_dec", "labels")
-MASK_KEYS = ("enc_mask", "dec_mask", "enc_dec_mask", "loss_mask")
+BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_real")
 
 
 def model_provider(pipeline=False):
@@ -29,21 +29,12 @@ def model_provider(pipeline=False):
 
 
 def _unpack(data):
-    """Broadcast tp rank 0's batch to its group; masks become bool, True = masked.
-
-    The dataset's masks are int64 with 1 = may attend; they travel as uint8 (8x less than
-    int64) and are inverted once here, to the softmax's convention.
-    """
-    ids = mpu.broadcast_data(list(ID_KEYS), data, torch.int64)
-    small = None if data is None else {k: data[k].to(torch.uint8) for k in MASK_KEYS}
-    masks = mpu.broadcast_data(list(MASK_KEYS), small, torch.uint8)
-
-    def blocked(mask):  # [b, sq, sk] 1 = attend -> [b, 1, sq, sk] True = masked
-        return (mask == 0).unsqueeze(1)
-
-    return (ids["text_enc"], ids["text_dec"], ids["labels"], masks["loss_mask"].float(),
-            blocked(masks["enc_mask"]), blocked(masks["dec_mask"]),
-            blocked(masks["enc_dec_mask"]))
+    """Broadcast tp rank 0's batch to its group (one int64 broadcast of ``[b, s]`` tensors)
+    and build the attention masks on the device."""
+    batch = mpu.broadcast_data(list(BATCH_KEYS), data, torch.int64)
+    masks = t5_attention_masks(batch["enc_real"].bool(), batch["loss_mask"].bool())
+    return (batch["text_enc"], batch["text_dec"], batch["labels"],
+            batch["loss_mask"].float(), *masks)
 
 
 def get_batch(data_iterator):

@@ -184,11 +184,8 @@ def t5_batch_fn(batch, enc, dec, vocab):
     def make(device):
         g = torch.Generator(device="cpu").manual_seed(1234)
         ids = lambda n: torch.randint(2, vocab - 1, (batch, n), generator=g)  # noqa: E731
-        causal = torch.tril(torch.ones(dec, dec, dtype=torch.int64))
         out = {"text_enc": ids(enc), "text_dec": ids(dec), "labels": ids(dec),
-               "enc_mask": torch.ones(batch, enc, enc, dtype=torch.int64),
-               "dec_mask": causal.expand(batch, dec, dec).contiguous(),
-               "enc_dec_mask": torch.ones(batch, dec, enc, dtype=torch.int64),
+               "enc_real": torch.ones(batch, enc, dtype=torch.int64),
                "loss_mask": torch.ones(batch, dec, dtype=torch.int64)}
         return {k: v.to(device) for k, v in out.items()}
     return make

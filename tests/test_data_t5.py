@@ -3,6 +3,7 @@ import argparse
 
 import numpy as np
 import pytest
+import torch
 
 from megatron.data import indexed_dataset as ids
 from megatron.data import t5_dataset as t5
@@ -62,15 +63,21 @@ def test_span_corruption_round_trip_and_masks(seed):
     assert sample["text_dec"][0] == plan["pad"]
     assert np.array_equal(sample["text_dec"][1:n_dec], sample["labels"][:n_dec - 1])
     n_enc = int((np.arange(enc_len) < (sample["text_enc"].tolist().index(plan["eos"]) + 1)).sum())
-    # Masks, brute force: 1 where both positions are real (and causal for the decoder).
-    for key, (rows, cols, causal) in {"enc_mask": (n_enc, n_enc, False),
-                                      "dec_mask": (n_dec, n_dec, True),
-                                      "enc_dec_mask": (n_dec, n_enc, False)}.items():
-        mask = sample[key]
+    assert sample["enc_real"].tolist() == [int(i < n_enc) for i in range(enc_len)]
+    # The attention masks built from them (on the device in training), brute force: masked
+    # unless both positions are real (and, in the decoder, the key is not in the future).
+    from megatron.model.t5_model import t5_attention_masks
+
+    masks = t5_attention_masks(torch.from_numpy(sample["enc_real"]).bool()[None],
+                               torch.from_numpy(sample["loss_mask"]).bool()[None])
+    for mask, (rows, cols, causal) in zip(masks, [(n_enc, n_enc, False), (n_dec, n_dec, True),
+                                                  (n_dec, n_enc, False)]):
+        assert mask.dtype == torch.bool and mask.shape[:2] == (1, 1)
+        mask = mask[0, 0].numpy()
         for i in range(mask.shape[0]):
             for j in range(mask.shape[1]):
-                want = int(i < rows and j < cols and (not causal or j <= i))
-                assert mask[i, j] == want, (key, i, j)
+                want_masked = not (i < rows and j < cols and (not causal or j <= i))
+                assert mask[i, j] == want_masked, (rows, cols, i, j)
     assert np.all(sample["text_enc"][n_enc:] == plan["pad"])
     assert np.all(sample["labels"][n_dec:] == plan["pad"])
 
@@ -110,7 +117,7 @@ def test_dataset_is_deterministic_per_seed_and_index(tmp_path, seed):
     for i in reversed(range(10)):  # order of access does not matter
         b = again[i]
         assert all(np.array_equal(a[i][k], b[k]) for k in a[i])
-        assert a[i]["text_enc"].shape == (64,) and a[i]["enc_dec_mask"].shape == (24, 64)
+        assert a[i]["text_enc"].shape == (64,) and a[i]["enc_real"].shape == (64,)
     assert any(not np.array_equal(a[i]["text_enc"], other[i]["text_enc"]) for i in range(10))
 
 
@@ -123,3 +130,12 @@ def test_clear_errors(tmp_path):
     few = argparse.Namespace(name="x", pad=0, eod=1, sentinel_ids=[5, 4])
     with pytest.raises(ConfigError, match="raise --vocab-extra-ids to 28"):
         t5.make_plan(512, 128, few, 0.15, 3.0)
+
+
+def test_batch_benchmark_builds_the_masks_the_dataset_used_to():
+    """benchmarks/t5_batch.py asserts, before timing, that the device-built masks equal the
+    former per-sample 2-D masks; a tiny run keeps it working."""
+    import benchmarks.t5_batch as bench
+
+    bench.main(["--batch", "2", "--enc", "64", "--dec", "24", "--repeats", "1",
+                "--device", "cpu"])

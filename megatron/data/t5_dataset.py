@@ -8,11 +8,13 @@ length ``mean_span_length``), and follows Hugging Face T5's conventions:
   (``<extra_id_0>``, ``<extra_id_1>``, ...), then eos, then pad.
 * ``labels`` [dec]: each sentinel followed by the span it hides, then eos, then pad.
 * ``text_dec`` [dec]: ``[pad] + labels[:-1]`` (pad is T5's decoder start token).
-* ``loss_mask`` [dec]: 1 on real label positions.
-* ``enc_mask`` [enc, enc], ``dec_mask`` [dec, dec] (causal), ``enc_dec_mask`` [dec, enc]:
-  1 = may attend (Megatron's convention); a position attends only between real tokens.
+* ``loss_mask`` [dec]: 1 on real label positions (= real decoder positions).
+* ``enc_real`` [enc]: 1 on real encoder positions.
 
-All int64. The chunk length is the largest whose corrupted encoder input (plus eos) fits
+All int64. The [s, s] attention masks are not built here: the batch function makes them on
+the device from ``enc_real`` and ``loss_mask``
+(:func:`megatron.model.t5_model.t5_attention_masks`), so the host never builds, stacks or
+copies ``b x se x se`` tensors. The chunk length is the largest whose corrupted encoder input (plus eos) fits
 ``enc_seq_length`` (the T5 paper's ``random_spans_helper``), so nothing is truncated.
 """
 import logging
@@ -95,15 +97,12 @@ def make_t5_sample(tokens, plan, rng):
     dec_in = np.concatenate(([pad], labels[:-1]))
     enc_real = np.arange(enc_len) < len(enc)  # [enc]
     dec_real = np.arange(dec_len) < len(labels)  # [dec]
-    causal = np.tril(np.ones((dec_len, dec_len), dtype=bool))
     return {
         "text_enc": _pad(enc, enc_len, pad),
         "text_dec": _pad(dec_in, dec_len, pad),
         "labels": _pad(labels, dec_len, pad),
         "loss_mask": dec_real.astype(np.int64),
-        "enc_mask": (enc_real[:, None] & enc_real[None, :]).astype(np.int64),  # [enc, enc]
-        "dec_mask": (causal & dec_real[:, None] & dec_real[None, :]).astype(np.int64),
-        "enc_dec_mask": (dec_real[:, None] & enc_real[None, :]).astype(np.int64),  # [dec, enc]
+        "enc_real": enc_real.astype(np.int64),
     }
 
 

@@ -3,14 +3,15 @@
 
     losses = model(enc_ids, dec_ids, enc_mask, dec_mask, cross_mask, labels=labels)  # [b, sd]
 
-Masks are bool, True = masked out (``[b, 1, sq, sk]``); the batch function converts the
-dataset's int masks (1 = may attend) once. The relative position bias is computed once per
+Masks are bool, True = masked out (``[b, 1, sq, sk]``); the batch function builds them on
+the device from which positions hold real tokens (:func:`t5_attention_masks`). The relative position bias is computed once per
 stack (its table lives in the stack, as HF keeps it in the first layer) and shared by every
 layer of the stack.
 """
 from torch import nn
 
 from .. import mpu
+from .fused_softmax import causal_exclusion
 from .kv_cache import KVCache
 from .language_model import lm_loss
 from .t5_layers import (
@@ -24,6 +25,27 @@ from .t5_layers import (
     t5_logits,
 )
 from .utils import init_rng
+
+
+def t5_attention_masks(enc_real, dec_real):
+    """The three attention masks of a T5 batch, built where its ids are (the device).
+
+    A position attends only between real tokens, and the decoder only to earlier ones:
+    Megatron's T5 masks, with True = masked out.
+
+    Args:
+        enc_real: ``[b, se]`` bool, True on real encoder tokens.
+        dec_real: ``[b, sd]`` bool, True on real decoder tokens.
+
+    Returns:
+        ``enc_mask [b, 1, se, se]``, ``dec_mask [b, 1, sd, sd]`` (causal and padding),
+        ``cross_mask [b, 1, sd, se]``.
+    """
+    enc_q, enc_k = enc_real[:, None, :, None], enc_real[:, None, None, :]
+    dec_q, dec_k = dec_real[:, None, :, None], dec_real[:, None, None, :]
+    sd = dec_real.shape[1]
+    future = causal_exclusion(sd, sd, dec_real.device)  # [sd, sd]
+    return ~(enc_q & enc_k), ~(dec_q & dec_k) | future, ~(dec_q & enc_k)
 
 
 class T5DecoderCache(KVCache):
