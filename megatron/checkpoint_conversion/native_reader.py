@@ -84,7 +84,7 @@ def load_rank_file(path):
                               f"{str(exc).splitlines()[0]}") from None
 
 
-def _check_layout(files, tp, pp, folder):
+def check_rank_layout(files, tp, pp, folder):
     expected = {(t, p) for t in range(tp) for p in range(pp)}
     missing, extra = sorted(expected - set(files)), sorted(set(files) - expected)
     if missing:
@@ -234,7 +234,7 @@ def read_native(root, iteration=None, family=None):
                               f"checkpoint")
     keys = key_map(_check_family(args, family, files[(0, 0)]))
     tp, pp = args["tensor_model_parallel_size"], args.get("pipeline_model_parallel_size", 1)
-    _check_layout(files, tp, pp, folder)
+    check_rank_layout(files, tp, pp, folder)
 
     def model_of(tp_rank, pp_rank):
         state = first if (tp_rank, pp_rank) == (0, 0) else load_rank_file(files[(tp_rank, pp_rank)])

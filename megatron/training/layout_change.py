@@ -42,7 +42,7 @@ _HINT = ("resume at the saved layout, or pass --no-load-optim to move the weight
 
 def _rank_states(root, iteration):
     """``{(tp, pp): main file state}`` of the checkpoint, with its saved args and folder."""
-    from ..checkpoint_conversion.native_reader import (_check_layout, iteration_dir,
+    from ..checkpoint_conversion.native_reader import (check_rank_layout, iteration_dir,
                                                        load_rank_file, rank_files)
 
     folder = iteration_dir(root, iteration)
@@ -52,7 +52,7 @@ def _rank_states(root, iteration):
     states = {(0, 0): load_rank_file(files[(0, 0)])}
     saved = dict(states[(0, 0)].get("args") or {})
     tp, pp = saved["tensor_model_parallel_size"], saved.get("pipeline_model_parallel_size", 1)
-    _check_layout(files, tp, pp, folder)
+    check_rank_layout(files, tp, pp, folder)
     for key in files:
         if key not in states:
             states[key] = load_rank_file(files[key])
