@@ -23,13 +23,14 @@ import struct
 
 import numpy as np
 
+from megatron.data.indexed_dataset import SequenceAccess
 from megatron.errors import DataError
 
 MAGIC = b"TNTIDX\x00\x00"
 _HEADER = struct.Struct("<8sQQQQQQ")  # magic, version, code, element size, N, S, D
 
 
-class LegacyIndexedDataset:
+class LegacyIndexedDataset(SequenceAccess):
     """A ``TNTIDX`` (lazy/cached) dataset at ``path_prefix`` (``.idx`` + ``.bin``).
 
     Args:
@@ -74,29 +75,6 @@ class LegacyIndexedDataset:
     pointers = property(lambda self: self._pointers)
     doc_idx = property(lambda self: self._doc_idx)
     supports_prefetch = property(lambda self: False)
-
-    def __len__(self):
-        return len(self._sizes)
-
-    def __getitem__(self, idx):
-        if isinstance(idx, (int, np.integer)):
-            return self.get(int(idx))
-        if isinstance(idx, slice):
-            return [self.get(i) for i in range(*idx.indices(len(self)))]
-        raise TypeError(f"index must be an int or a slice, not {type(idx).__name__}")
-
-    def get(self, idx, offset=0, length=None):
-        """Tokens ``[offset, offset + length)`` of sequence ``idx`` as a read-only array."""
-        if idx < 0:
-            idx += len(self)
-        size = int(self._sizes[idx])
-        if length is None:
-            length = size - offset
-        if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"sequence {idx} has {size} tokens; asked for [{offset}, "
-                             f"{offset + length})")
-        start = int(self._pointers[idx]) + offset * self._dtype.itemsize
-        return np.frombuffer(self._bin, self._dtype, length, start)
 
 
 def is_legacy_index(path_prefix):

@@ -19,14 +19,8 @@ one rank. Names and semantics follow Megatron-LM's ``tensor_parallel.mappings``.
 import torch
 import torch.distributed as dist
 
-from . import parallel_state as ps
+from .mappings import _all_gather_single, _resolve
 from .utils import divide
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _resolve(group):
-    return ps.get_tensor_model_parallel_group() if group is None else group
 
 
 def _split_first_dim(input_, group):

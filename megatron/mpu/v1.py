@@ -48,7 +48,14 @@ def initialize_model_parallel(model_parallel_size_=1):
     return _ps.initialize_model_parallel(model_parallel_size_, 1)
 
 
-class ColumnParallelLinear(_layers.ColumnParallelLinear):
+class _OutputOnly:
+    """v1's linear layers return ``Y``, where v2's return ``(Y, bias)`` (bias None or added)."""
+
+    def forward(self, input_):
+        return super().forward(input_)[0]
+
+
+class ColumnParallelLinear(_OutputOnly, _layers.ColumnParallelLinear):
     """v1's ColumnParallelLinear: same layer as ``megatron.mpu``'s, forward returns Y only.
 
     Args:
@@ -62,11 +69,8 @@ class ColumnParallelLinear(_layers.ColumnParallelLinear):
                          init_method=init_method, stride=stride,
                          keep_master_weight_for_test=keep_master_weight_for_test)
 
-    def forward(self, input_):
-        return super().forward(input_)[0]
 
-
-class RowParallelLinear(_layers.RowParallelLinear):
+class RowParallelLinear(_OutputOnly, _layers.RowParallelLinear):
     """v1's RowParallelLinear: same layer as ``megatron.mpu``'s, forward returns Y only.
 
     Args:
@@ -79,9 +83,6 @@ class RowParallelLinear(_layers.RowParallelLinear):
         super().__init__(input_size, output_size, bias=bias, input_is_parallel=input_is_parallel,
                          init_method=init_method, stride=stride,
                          keep_master_weight_for_test=keep_master_weight_for_test)
-
-    def forward(self, input_):
-        return super().forward(input_)[0]
 
 
 class ParallelEmbedding(nn.Module):
