@@ -175,11 +175,11 @@ class EngineBackend(TrainingBackend):
         """Load the optimizer from the saved data-parallel ranks' files (``paths``).
 
         - Our AdamW (fp32, no ZeRO): every rank saved the same state; read one.
-        - ZeRO (stages 1-2): every saved partition is read. DeepSpeed's elastic format
+        - ZeRO (stages 1-2): DeepSpeed's elastic format
           (``zero_optimization.elastic_checkpoint``, on by default in
-          build_deepspeed_config) merges them and cuts this rank's, master weights
-          included, so the dp size may differ from the saved one; the rigid format needs
-          the saved dp size.
+          build_deepspeed_config) reads every saved partition, merges them and cuts this
+          rank's, master weights included, so the dp size may differ from the saved one;
+          the rigid format reads this rank's own file and needs the saved dp size.
         - DeepSpeed's fp16/bf16 optimizers without ZeRO: only at the saved dp size.
         """
         dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
@@ -193,8 +193,15 @@ class EngineBackend(TrainingBackend):
         # Their fp32 master weights must come from the files, not be re-derived from the
         # fp16/bf16 weights.
         extra = {"load_from_fp32_weights": True} if "load_from_fp32_weights" in params else {}
-        states = _SavedPartitions(load_engine_optimizer_file(p) for p in paths)
-        elastic = isinstance(states[0].get("base_optimizer_state"), list)
+        mine = min(dp_rank, len(paths) - 1)
+        own = load_engine_optimizer_file(paths[mine])
+        elastic = isinstance(own.get("base_optimizer_state"), list)
+        if not elastic and len(paths) == dp:  # rigid: this rank's own partition is enough
+            states = [None] * dp
+            states[dp_rank] = own
+        else:  # elastic: DeepSpeed merges every saved partition
+            states = _SavedPartitions(own if r == mine else load_engine_optimizer_file(p)
+                                      for r, p in enumerate(paths))
         if len(paths) != dp:
             what = None
             if not elastic:

@@ -244,6 +244,28 @@ def _read_own_file(args, iteration):
     return state
 
 
+def saved_optimizer_files(root, iteration, tp_rank, pp_rank):
+    """Every data-parallel rank's optimizer file of one (tp, pp), in rank order (their number
+    is the saved data-parallel size).
+
+    Raises:
+        CheckpointError: there are none, or one is missing.
+    """
+    folder = os.path.dirname(checkpoint_name(root, iteration, tp_rank, pp_rank))
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    count = sum(1 for name in names if name.startswith("optim_dp_rank_"))
+    hint = "pass --no-load-optim (or --finetune) to load the weights only"
+    if count == 0:
+        raise CheckpointError(f"checkpoint in {root} has no optimizer files in {folder} (saved "
+                              f"without optimizer state, or by the DDP backend); {hint}")
+    paths = [optimizer_shard_name(root, iteration, tp_rank, pp_rank, r) for r in range(count)]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise CheckpointError(f"optimizer file {missing[0]} is missing: the checkpoint is "
+                              f"incomplete; {hint}")
+    return paths
+
+
 def _load_optimizer(backend, state, args, iteration):
     """The optimizer state: in the main file, or the data-parallel ranks' files of a
     sharding backend (which may have been saved at another data-parallel size)."""
@@ -253,17 +275,8 @@ def _load_optimizer(backend, state, args, iteration):
             raise CheckpointError(f"checkpoint in {args.load} has no optimizer state; {hint}")
         backend.load_optimizer_state(state["optimizer"])
         return
-    tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
-    folder = os.path.dirname(checkpoint_name(args.load, iteration, tp, pp))
-    saved_dp = sum(1 for name in os.listdir(folder) if name.startswith("optim_dp_rank_"))
-    if saved_dp == 0:
-        raise CheckpointError(f"checkpoint in {args.load} has no optimizer files in {folder} "
-                              f"(saved without optimizer state, or by the DDP backend); {hint}")
-    paths = [optimizer_shard_name(args.load, iteration, tp, pp, r) for r in range(saved_dp)]
-    missing = [p for p in paths if not os.path.isfile(p)]
-    if missing:
-        raise CheckpointError(f"optimizer file {missing[0]} is missing: the checkpoint is "
-                              f"incomplete; {hint}")
+    paths = saved_optimizer_files(args.load, iteration, mpu.get_tensor_model_parallel_rank(),
+                                  mpu.get_pipeline_model_parallel_rank())
     backend.load_optimizer_files(paths)
     backend.load_counters(_engine_counters(state, args))
 

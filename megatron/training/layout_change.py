@@ -25,7 +25,6 @@ What cannot move this way: DeepSpeed's fp16/bf16 optimizers without ZeRO (flat b
 no recorded per-parameter layout); such a checkpoint resumes at its own layout, or moves
 with ``--no-load-optim``.
 """
-import os
 
 import torch
 
@@ -33,7 +32,7 @@ from .. import mpu
 from ..errors import CheckpointError
 from ..utils import warn_rank_0
 from .backend import uses_pipeline_engine
-from .checkpointing import LAYOUT_KEYS, check_compatible, optimizer_shard_name
+from .checkpointing import LAYOUT_KEYS, check_compatible, saved_optimizer_files
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _HINT = ("resume at the saved layout, or pass --no-load-optim to move the weights, LR "
@@ -74,18 +73,6 @@ def saved_layout_differs(root, iteration, args):
     return any(k in saved and saved[k] != args.get(k) for k in LAYOUT_KEYS[:2])
 
 
-def _engine_files(root, iteration, tp_rank, pp_rank):
-    """The optimizer files every data-parallel rank of one (tp, pp) saved, in rank order."""
-    paths = []
-    while os.path.isfile(optimizer_shard_name(root, iteration, tp_rank, pp_rank, len(paths))):
-        paths.append(optimizer_shard_name(root, iteration, tp_rank, pp_rank, len(paths)))
-    if not paths:
-        raise CheckpointError(f"checkpoint in {root} has no optimizer state "
-                              f"({optimizer_shard_name(root, iteration, tp_rank, pp_rank, 0)} "
-                              f"is missing); pass --no-load-optim to load the weights only")
-    return paths
-
-
 def _named_state(state, root, iteration, tp_rank, pp_rank):
     """One (tp, pp)'s optimizer state by parameter name.
 
@@ -106,7 +93,7 @@ def _named_state(state, root, iteration, tp_rank, pp_rank):
             raise unnamed
         named, groups = named_adam_state(state["optimizer"]["optimizer"], names)
         return named, groups, {"ddp": state["optimizer"].get("grad_scaler")}
-    paths = _engine_files(root, iteration, tp_rank, pp_rank)
+    paths = saved_optimizer_files(root, iteration, tp_rank, pp_rank)
     first = load_engine_optimizer_file(paths[0])
     if is_zero_state(first):  # each dp rank holds a partition: all of them
         shards = [first] + [load_engine_optimizer_file(p) for p in paths[1:]]
