@@ -298,6 +298,8 @@ def parse_args(argv=None):
     p.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
     p.add_argument("--profile", default=None, help="folder for torch.profiler traces")
     p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--plot", default=None,
+                   help="also draw each table (tokens/s vs the best baseline) into this PNG")
     opts = p.parse_args(argv)
     opts.device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
     opts.dtype = torch.bfloat16 if opts.device.type == "cuda" else torch.float32
@@ -314,8 +316,26 @@ def parse_args(argv=None):
     return opts
 
 
+def plot(tables, output):
+    """Each table's tokens/s against its best baseline (the last column), as bar charts."""
+    from megatron.run_plots import plot_tables
+
+    results = []
+    for title, rows in tables.items():
+        base = max((r[2] for r in rows if r[0].startswith(("plain", "hf-t5"))), default=None)
+        base = base or rows[0][2]  # no baseline case run: against the first row
+        results += [{"table": title, "op": "tokens/s", "direction": "", "impl": label,
+                     "ratio": tokens / base} for label, _, tokens, *_ in rows]
+    plot_tables(results, output, value="ratio", label="tokens/s vs best baseline (x)")
+    print(f"wrote {output}")
+
+
 def main(argv=None):
     opts = parse_args(argv)
+    if opts.plot:  # fail on a missing matplotlib before the benchmark, not after it
+        from megatron.run_plots import check_matplotlib
+
+        check_matplotlib()
     os.environ.setdefault("MEGATRON_DEVICE", opts.device.type)
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)  # one process; DeepSpeed's engine asks for them
@@ -339,6 +359,8 @@ def main(argv=None):
             cases, tokens, flops = t5_cases(opts, size, layers, d_model, d_ff, heads, batch)
             title = f"{size}, micro-batch {batch}, enc {opts.enc_seq} / dec {opts.dec_seq}"
             tables[title] = run_table(title, cases, tokens, flops, opts)
+    if opts.plot:
+        plot(tables, opts.plot)
     return tables
 
 

@@ -13,5 +13,5 @@ fi
 pip install -q -e . --no-deps
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python -m pytest -q -m gpu 2>&1 | tee "$OUT/gpu_tests.txt"
-python benchmarks/gpu_throughput.py --profile "$OUT/profiles" 2>&1 | tee "$OUT/gpu_throughput.txt"
+python benchmarks/gpu_throughput.py --profile "$OUT/profiles" --plot "$OUT/gpu_throughput.png" 2>&1 | tee "$OUT/gpu_throughput.txt"
 python benchmarks/kernels.py --plot "$OUT/kernels.png" 2>&1 | tee "$OUT/kernels.txt"

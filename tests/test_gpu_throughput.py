@@ -11,11 +11,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-def test_tiny_run_reports_every_case():
+def test_tiny_run_reports_every_case(tmp_path):
+    png = tmp_path / "throughput.png"
     result = subprocess.run([sys.executable, "benchmarks/gpu_throughput.py", "--tiny",
-                             "--no-compile"], cwd=REPO, capture_output=True, text=True,
+                             "--no-compile", "--plot", str(png)], cwd=REPO,
+                            capture_output=True, text=True,
                             timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the tables drawn
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()
             if line.startswith("| ") and not line.startswith(("| case", "| ---"))]
     labels = [r[0].strip() for r in rows]
