@@ -7,6 +7,7 @@ import torch
 
 from megatron.config import parse_args
 from megatron.errors import ConfigError
+from precision import WITH_FP16, WITHOUT_FP16
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
         "--seq-length", "32", "--batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
@@ -49,6 +50,7 @@ def test_warmup_as_iterations():
     assert _parse(["--warmup", "7"]).lr_warmup_iters == 7
 
 
+@pytest.mark.precision
 def test_yaml_config_with_parallel_block_and_cli_override(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("hidden-size: 128\nnum_attention_heads: 16\nfp16: true\n"
@@ -57,13 +59,16 @@ def test_yaml_config_with_parallel_block_and_cli_override(tmp_path):
                    "  micro_batch_num: 4\n  recompute: true\n  data_parallel: 2\n")
     base = [a for a in BASE if a not in ("--hidden-size", "64",
                                                         "--num-attention-heads", "8")]
-    args = parse_args(base + ["--config", str(cfg), "--lr", "5e-4"], world_size=8, rank=0,
-                      check_files=False)
+    argv = base + ["--config", str(cfg), "--lr", "5e-4"]
+    args = parse_args(argv, world_size=8, rank=0, check_files=False, accelerator=WITH_FP16)
     assert args.hidden_size == 128 and args.num_attention_heads == 16  # file beats defaults
     assert args.lr == 5e-4  # ... and the command line beats the file
     assert args.fp16 and args.compute_dtype == torch.float16 and args.hidden_bias is False
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
     assert args.gas == 4 and args.checkpoint_activations
+    # the same file on a device whose DeepSpeed has no fp16 (pp = 2 runs the tds engine)
+    with pytest.raises(ConfigError, match="--fp16 is not supported by DeepSpeed on this device"):
+        parse_args(argv, world_size=8, rank=0, check_files=False, accelerator=WITHOUT_FP16)
 
 
 @pytest.mark.parametrize("text,message", [
@@ -121,9 +126,19 @@ def test_missing_files_are_reported(tmp_path):
     assert "m.txt does not exist" in text
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*", "*.yaml"))))
-def test_shipped_configs_parse(path):
-    world = 8
-    args = parse_args(["--config", path, "--train-iters", "10"], world_size=world, rank=0,
-                      check_files=False)
+@pytest.mark.precision
+@pytest.mark.parametrize("device", [WITH_FP16, WITHOUT_FP16], ids=["fp16", "no_fp16"])
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*", "*.yaml"))),
+                         ids=os.path.basename)
+def test_shipped_configs_parse(path, device):
+    from megatron.config.preflight import uses_deepspeed
+
+    argv = ["--config", path, "--train-iters", "10"]
+    if device is WITHOUT_FP16:
+        full = parse_args(argv, world_size=8, rank=0, check_files=False, accelerator=WITH_FP16)
+        if full.fp16 and uses_deepspeed(full):  # a DeepSpeed engine would refuse it
+            with pytest.raises(ConfigError, match="--fp16 is not supported.*use --bf16 or fp32"):
+                parse_args(argv, world_size=8, rank=0, check_files=False, accelerator=device)
+            return
+    args = parse_args(argv, world_size=8, rank=0, check_files=False, accelerator=device)
     assert args.num_layers > 0 and args.global_batch_size > 0

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from gpt2_runs import gpt2_argv, run_script
+from precision import EmulatedAccelerator
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -168,22 +169,6 @@ def test_binary_files_in_place_of_text(gpt2_data, tmp_path):
 
 
 # ---------------------------------------------------------------- precision support
-class _Accelerator:
-    """A stand-in for DeepSpeed's accelerator with chosen capabilities."""
-
-    def __init__(self, name, fp16, bf16):
-        self._name, self._fp16, self._bf16 = name, fp16, bf16
-
-    def device_name(self):
-        return self._name
-
-    def is_fp16_supported(self):
-        return self._fp16
-
-    def is_bf16_supported(self):
-        return self._bf16
-
-
 @pytest.mark.parametrize("flags, fp16, bf16, expected", [
     (("--fp16",), False, True, "--fp16 is not supported by DeepSpeed on this device (cpu "
                                "accelerator"),
@@ -194,6 +179,7 @@ class _Accelerator:
     (("--bf16",), True, True, None),
     (("--fp16", "--no-deepspeed"), False, False, None),  # the DDP path autocasts on any device
 ])
+@pytest.mark.precision
 def test_precision_capability_both_sides(flags, fp16, bf16, expected):
     from megatron.config import build_parser
     from megatron.config.preflight import check_precision
@@ -203,13 +189,31 @@ def test_precision_capability_both_sides(flags, fp16, bf16, expected):
     args = build_parser().parse_args(argv)
     args.pipeline_model_parallel_size = 1
     problems = []
-    check_precision(args, problems, _Accelerator("cpu", fp16, bf16))
+    check_precision(args, problems, EmulatedAccelerator(fp16, bf16))
     if expected is None:
         assert problems == []
     else:
         assert len(problems) == 1 and expected in problems[0], problems
 
 
+@pytest.mark.precision
+def test_precision_switches_take_a_capability_away(monkeypatch):
+    from megatron.config.preflight import deepspeed_precision_support
+
+    device = EmulatedAccelerator(fp16=True, bf16=True)
+    monkeypatch.delenv("MEGATRON_TDS_DS_FP16", raising=False)
+    monkeypatch.delenv("MEGATRON_TDS_DS_BF16", raising=False)
+    assert deepspeed_precision_support(device) == {"fp16": True, "bf16": True}
+    monkeypatch.setenv("MEGATRON_TDS_DS_FP16", "0")
+    assert deepspeed_precision_support(device) == {"fp16": False, "bf16": True}
+    monkeypatch.setenv("MEGATRON_TDS_DS_BF16", "0")
+    assert deepspeed_precision_support(device) == {"fp16": False, "bf16": False}
+    monkeypatch.setenv("MEGATRON_TDS_DS_FP16", "1")  # cannot add what the device lacks
+    with pytest.raises(ValueError, match="MEGATRON_TDS_DS_FP16='1': only 0"):
+        deepspeed_precision_support(EmulatedAccelerator(fp16=False, bf16=True))
+
+
+@pytest.mark.precision
 def test_fp16_pipeline_on_a_device_without_fp16_fails_on_every_rank(gpt2_data):
     from gpt2_runs import error_with_precision_support
     from harness import run_distributed

@@ -1,9 +1,9 @@
 """GPT-2 through tds's pipeline engine: 3D layouts give the serial losses; exact resume."""
 import pytest
 
-from gpt2_runs import (error_with_precision_support, full_and_resumed, gpt2_argv,
-                       train_gpt2)
+from gpt2_runs import full_and_resumed, gpt2_argv, train_gpt2
 from harness import run_distributed
+from precision import requires_ds_fp16
 
 STEPS, MICRO, GLOBAL = 10, 2, 8
 
@@ -60,19 +60,9 @@ def test_resume_is_exact_at_tp2_pp2_dp2(gpt2_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.precision
+@requires_ds_fp16  # the refusal where fp16 is missing: tests/test_faults.py (both sides)
 def test_fp16_zero1_pipeline_resume_is_exact(gpt2_data, tmp_path):
-    from deepspeed.accelerator import get_accelerator
-
-    if not get_accelerator().is_fp16_supported():
-        # This device cannot run DeepSpeed fp16 (e.g. some CPUs): then the promise is a clear
-        # error on every rank before compute. The branch below runs where fp16 works; both
-        # are also emulated on any machine in tests/test_faults.py.
-        messages = run_distributed(error_with_precision_support, 4,
-                                   _argv(gpt2_data, 1, 2, 2, "--fp16", "--zero-stage", "1"),
-                                   fp16=False, bf16=get_accelerator().is_bf16_supported())
-        assert all("--fp16 is not supported by DeepSpeed on this device" in m
-                   for m in messages), messages
-        return
     # DeepSpeed's fp16 optimizer with ZeRO-1 shards the fp32 master weights across dp ranks:
     # every rank's shard must come back for the run to continue bit for bit.
     (full, _), (resumed, _) = _resume(gpt2_data, tmp_path, 1, 2, 2, "--fp16", "--zero-stage",

@@ -12,6 +12,7 @@ import torch
 
 from gpt2_runs import gpt2_argv, train_gpt2, user_error
 from harness import run_distributed
+from precision import requires_ds_fp16
 
 STEPS, AT, MICRO, GLOBAL = 20, 10, 2, 8
 
@@ -57,12 +58,9 @@ def test_resume_at_other_layouts_continues_the_uninterrupted_run(gpt2_data, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.precision
+@requires_ds_fp16
 def test_fp16_zero1_engine_resumes_at_another_data_parallel_size(gpt2_data, tmp_path):
-    from deepspeed.accelerator import get_accelerator
-
-    if not get_accelerator().is_fp16_supported():
-        pytest.skip("DeepSpeed has no fp16 on this device (tests/test_gpt2_pipeline.py "
-                    "checks the clear error instead)")
     ckpt = str(tmp_path / "ckpt")
     extra = ("--deepspeed", "--fp16", "--zero-stage", "1", "--train-iters", "10")
     full = run_distributed(train_gpt2, 2, _argv(gpt2_data, 1, 1, 2, *extra, "--save", ckpt,

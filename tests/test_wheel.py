@@ -29,6 +29,24 @@ def _run(cmd, cwd, env, timeout=900):
     return done.stdout + done.stderr
 
 
+def _see_running_packages(python, cwd, env):
+    """Let the new venv import what the running interpreter has (torch, deepspeed, ...).
+
+    ``--system-site-packages`` would give it the *base* interpreter's packages, which hold
+    nothing when the suite itself runs in a virtual environment. A ``.pth`` file of plain
+    paths adds the running interpreter's site-packages after the venv's own, without
+    processing the ``.pth`` files in them: the checkout's editable install stays invisible,
+    so ``megatron`` can only come from the wheel.
+    """
+    dirs = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+    assert dirs, f"no site-packages directory on the running interpreter's path: {sys.path}"
+    query = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    own = subprocess.run([python, "-c", query], cwd=cwd, env=env, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    with open(os.path.join(own, "running_interpreter.pth"), "w", encoding="utf-8") as handle:
+        handle.write("\n".join(dirs) + "\n")
+
+
 @pytest.mark.slow
 def test_wheel_installs_outside_checkout_and_builds_kernels(gpt2_data, tmp_path):
     # build from a copy, so the checkout gets no build/ or .egg-info folders
@@ -43,9 +61,10 @@ def test_wheel_installs_outside_checkout_and_builds_kernels(gpt2_data, tmp_path)
     assert "megatron/csrc/data/helpers.cpp" in names
     assert not any(n.startswith("csrc/") for n in names)  # nothing outside the package
 
-    venv = tmp_path / "venv"  # torch / deepspeed from the system site-packages
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path, env)
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
     python = str(venv / "bin" / "python")
+    _see_running_packages(python, tmp_path, env)
     _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
           str(wheel)], tmp_path, env)
 

@@ -57,7 +57,7 @@ def _parse(argv, extra_args_provider, defaults, family):
 
 
 def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=None,
-                     world_size=None, rank=None, check_files=True):
+                     world_size=None, rank=None, check_files=True, accelerator=None):
     """Parse, merge the YAML config, validate, build the tokenizer and freeze.
 
     Args:
@@ -69,6 +69,8 @@ def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=
         world_size, rank: the launch's (default: ``$WORLD_SIZE`` / ``$RANK``, else 1 / 0).
         check_files: check that data, vocab and checkpoint paths exist and build the
             tokenizer (which derives the padded vocabulary size).
+        accelerator: DeepSpeed's accelerator that ``--fp16`` / ``--bf16`` are checked against
+            (default: this device's); tests pass a stand-in to emulate a device.
 
     Returns:
         ``(RunConfig, tokenizer)``; the tokenizer is None when ``check_files`` is False.
@@ -82,7 +84,7 @@ def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=
     ns.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     if ns.local_rank is None:
         ns.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    problems = derive_and_validate(ns, family, check_files=check_files)
+    problems = derive_and_validate(ns, family, check_files=check_files, accelerator=accelerator)
     tokenizer = None
     if check_files and not problems:
         from ..tokenizer import build_tokenizer
@@ -102,14 +104,14 @@ def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=
 
 
 def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=None,
-               rank=None, check_files=True, family=None):
+               rank=None, check_files=True, family=None, accelerator=None):
     """Megatron's name: :func:`build_run_config` without the tokenizer.
 
     Returns:
         The frozen :class:`RunConfig` (flags read as ``args.hidden_size``).
     """
     return build_run_config(argv, family, extra_args_provider, defaults, world_size, rank,
-                            check_files)[0]
+                            check_files, accelerator)[0]
 
 
 def saved_run_config(saved, family=None):

@@ -72,6 +72,36 @@ def check_load_dir(args, problems):
                     f"(or the same folder as --save) to start from scratch when it is missing")
 
 
+#: Environment switches that make DeepSpeed's accelerator report a precision as unsupported
+#: ("0"), to check the refusal on a device that has it (the tests and .ci/run use them). They
+#: can only take a capability away: DeepSpeed itself refuses a dtype its device lacks.
+PRECISION_SWITCHES = {"fp16": "MEGATRON_TDS_DS_FP16", "bf16": "MEGATRON_TDS_DS_BF16"}
+
+
+def deepspeed_precision_support(accelerator=None):
+    """``{"fp16": bool, "bf16": bool}``: what DeepSpeed's accelerator runs, after the switches.
+
+    Args:
+        accelerator: DeepSpeed's accelerator object (default: ``get_accelerator()``); tests
+            pass a stand-in to emulate a device with or without a capability.
+    """
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+    support = {"fp16": bool(accelerator.is_fp16_supported()),
+               "bf16": bool(accelerator.is_bf16_supported())}
+    for name, variable in PRECISION_SWITCHES.items():
+        value = os.environ.get(variable)
+        if value is None or value == "":
+            continue
+        if value != "0":
+            raise ValueError(f"{variable}={value!r}: only 0 (report {name} as unsupported) is "
+                             f"allowed; unset it to use what the device reports")
+        support[name] = False
+    return support
+
+
 def check_precision(args, problems, accelerator=None):
     """``--fp16`` / ``--bf16`` on a device that cannot run them, found before DeepSpeed starts.
 
@@ -93,12 +123,11 @@ def check_precision(args, problems, accelerator=None):
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
-    supported = accelerator.is_fp16_supported() if wanted == "fp16" \
-        else accelerator.is_bf16_supported()
-    if supported:
+    support = deepspeed_precision_support(accelerator)
+    if support[wanted]:
         return
     device = describe_device(accelerator)
-    other = "--bf16" if wanted == "fp16" and accelerator.is_bf16_supported() else None
+    other = "--bf16" if wanted == "fp16" and support["bf16"] else None
     fix = f"use {other} or fp32 (no precision flag)" if other else "use fp32 (no precision flag)"
     problems.append(f"--{wanted} is not supported by DeepSpeed on this device ({device}); {fix}, "
                     f"or run on a device with {wanted} support")

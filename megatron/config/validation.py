@@ -232,13 +232,15 @@ def derive_vocab(args, vocab_size):
         vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
-def derive_and_validate(args, family=None, check_files=True):
+def derive_and_validate(args, family=None, check_files=True, accelerator=None):
     """Check every flag (generic and the family's) and fill derived values.
 
     Args:
         args: the parsed namespace (the only mutable form of the configuration).
         family: the run's :class:`~megatron.families.ModelFamily`, or None.
         check_files: also check that data, vocab and config files exist.
+        accelerator: DeepSpeed's accelerator to check ``--fp16`` / ``--bf16`` against
+            (default: this device's; tests pass a stand-in to emulate one).
 
     Returns:
         The list of problems (empty when the configuration is valid).
@@ -264,7 +266,7 @@ def derive_and_validate(args, family=None, check_files=True):
         check(args, problems)
     if family is not None:
         family.validate(args, problems)
-    preflight.check_precision(args, problems)
+    preflight.check_precision(args, problems, accelerator)
     if check_files:
         _files(args, problems)
         preflight.check_save_dir(args.save, problems)
