@@ -39,9 +39,14 @@ free_port() {
 write_config() {
   local node cpus mem
   node=$(hostname -s)
-  cpus=$(nproc)
+  # nproc honours OMP_NUM_THREADS (often 1 in test runs), which is not the machine's size;
+  # and the tests' jobs need 2 tasks per node: declare at least 4 (config_overrides lets
+  # slurmd take the configured size over what it detects).
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+  [ "$cpus" -ge 4 ] || cpus=4
   # Declared a little below the machine's memory: slurmd drains a node whose real memory is
-  # below the configured one.
+  # below the configured one. The topology is spelled out so that slurmd does not reduce
+  # the CPUs to one per socket when it cannot read the machine's topology.
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
   cat >"$dir/slurm.conf" <<EOF
@@ -67,7 +72,7 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 MpiDefault=none
 SlurmdParameters=config_overrides
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus Sockets=1 CoresPerSocket=$cpus ThreadsPerCore=1 RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 }
