@@ -22,6 +22,8 @@ import struct
 import numpy as np
 
 from megatron.data.index_check import check_doc_idx, check_entries
+from megatron.data.legacy_indexed_dataset import LegacyIndexedDataset, is_legacy_index
+from megatron.data.sequence_access import SequenceAccess
 from megatron.errors import ConfigError, DataError
 from megatron.locks import remove_stale_tmps, tmp_name
 
@@ -109,35 +111,6 @@ class _Index:
         self.pointers = np.frombuffer(self._mmap, np.int64, n, offset)  # [N], bytes
         offset += 8 * n
         self.doc_idx = np.frombuffer(self._mmap, np.int64, d, offset)  # [D]
-
-
-class SequenceAccess:
-    """Reading token sequences out of a memory-mapped ``.bin``: ``len``, ``[i]``, ``[a:b]``
-    and ``get``, over the reader's ``sizes``, ``pointers`` (bytes), ``dtype`` and ``_bin``.
-    Shared by the MMIDIDX reader here and the TNTIDX one (legacy_indexed_dataset.py)."""
-
-    def __len__(self):
-        return len(self.sizes)
-
-    def __getitem__(self, idx):
-        if isinstance(idx, (int, np.integer)):
-            return self.get(int(idx))
-        if isinstance(idx, slice):
-            return [self.get(i) for i in range(*idx.indices(len(self)))]
-        raise TypeError(f"index must be an int or a slice, not {type(idx).__name__}")
-
-    def get(self, idx, offset=0, length=None):
-        """Tokens ``[offset, offset + length)`` of sequence ``idx`` as a read-only array."""
-        if idx < 0:
-            idx += len(self)
-        size = int(self.sizes[idx])
-        if length is None:
-            length = size - offset
-        if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"sequence {idx} has {size} tokens; asked for [{offset}, "
-                             f"{offset + length})")
-        start = int(self.pointers[idx]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin, self.dtype, length, start)
 
 
 class MMapIndexedDataset(SequenceAccess):
@@ -291,8 +264,6 @@ def make_dataset(path, impl="mmap", skip_warmup=True):
     or Megatron's older ``TNTIDX`` ("lazy"/"cached", read-only, see
     :mod:`megatron.data.legacy_indexed_dataset`).
     """
-    from .legacy_indexed_dataset import LegacyIndexedDataset, is_legacy_index
-
     if impl not in ("mmap", "infer", "lazy", "cached"):
         raise ConfigError(f"--data-impl {impl!r} is not supported; use 'mmap' (lazy/cached "
                           f"files are recognised and read as well)")

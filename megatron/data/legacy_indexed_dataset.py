@@ -23,7 +23,7 @@ import struct
 
 import numpy as np
 
-from megatron.data.indexed_dataset import SequenceAccess
+from megatron.data.sequence_access import SequenceAccess
 from megatron.errors import DataError
 
 MAGIC = b"TNTIDX\x00\x00"
