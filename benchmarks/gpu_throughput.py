@@ -132,13 +132,16 @@ def _common_flags(opts, layers, hidden, heads, batch, extra):
 
 def project_step(kind, family, flags, vocab, batch_fn, device):
     """``step()`` of the real training path for ``family`` (``gpt2`` / ``t5``)."""
-    from megatron.training.backend import build_backend
+    from megatron.families import get_family
+    from megatron.global_vars import get_tokenizer
+    from megatron.training.backend_factory import build_backend
 
-    entry = __import__("pretrain_gpt2" if family == "gpt2" else "pretrain_t5")
+    model_family = get_family(family)
     argv = flags + (["--compile"] if kind == "compile" else []) + \
         (["--deepspeed", "--zero-stage", "1"] if kind == "deepspeed" else [])
-    cfg = _init_project(argv, family, vocab, eod=vocab - 1)
-    backend = build_backend(cfg, entry.model_provider)
+    cfg = _init_project(argv, model_family, vocab, eod=vocab - 1)
+    backend = build_backend(cfg, lambda pipeline: model_family.build_model(cfg, pipeline))
+    forward_step = model_family.forward_step(model_family.make_batch_fn(cfg, get_tokenizer()))
     backend.train()
     batch = batch_fn(device)
 
@@ -149,7 +152,7 @@ def project_step(kind, family, flags, vocab, batch_fn, device):
     iterator = data()
 
     def step():
-        backend.train_step(entry.forward_step, iterator)
+        backend.train_step(forward_step, iterator)
 
     return step, cfg
 

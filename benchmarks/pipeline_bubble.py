@@ -76,11 +76,10 @@ def _time_steps(pp, micro_batches, steps=3):
                            topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=1, num_dp=1))
     model._input_type, model._input_grad = ["float", "bool"], [True, False]
     model._input_pipe_partitioned = [False, False]
-    model._megatron_batch_fn = _batch_fn
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": micro_batches,
               "train_batch_size": MICRO * micro_batches, "steps_per_print": 10**9,
               "gradient_clipping": 0.0}
-    engine, *_ = deepspeed.initialize(model=model, config=config,
+    engine, *_ = deepspeed.initialize(model=model, config=config, batch_fn=_batch_fn,
                                       optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
     data = iter(lambda: None, 1)  # endless Nones; the batch function makes the tensors
     engine.train_batch(data)  # warmup (also learns the stage shapes)

@@ -6,6 +6,7 @@ tuples of tensors between stages (CPM-Pretrain's TDS). Every other attribute is
 DeepSpeed's own (``tds.zero``, ``tds.comm``, ``tds.checkpointing``, ...).
 """
 import contextlib
+import functools
 import os
 
 import deepspeed as _deepspeed
@@ -58,27 +59,40 @@ __version__ = _deepspeed.__version__
 
 
 @contextlib.contextmanager
-def _tds_pipeline_engine():
+def _tds_pipeline_engine(clip_grad_norm_fn):
     """Let deepspeed.initialize build tds's engine for the duration of one call."""
     original = _deepspeed.PipelineEngine
-    _deepspeed.PipelineEngine = PipelineEngine
+    _deepspeed.PipelineEngine = functools.partial(PipelineEngine,
+                                                  clip_grad_norm_fn=clip_grad_norm_fn)
     try:
         yield
     finally:
         _deepspeed.PipelineEngine = original
 
 
-def initialize(*args, **kwargs):
+def initialize(*args, batch_fn=None, clip_grad_norm_fn=None, **kwargs):
     """``deepspeed.initialize``; a ``PipelineModule`` gets tds's pipeline engine.
+
+    Args:
+        args, kwargs: DeepSpeed's (``model``, ``optimizer``, ``config``, ...).
+        batch_fn: pipeline only: ``raw batch -> (inputs, labels)``, applied on the first
+            and last stage to what the data iterator yields (DeepSpeed's ``set_batch_fn``).
+        clip_grad_norm_fn: pipeline only: ``f(parameters, max_norm) -> total norm`` that
+            clips in place (default: DeepSpeed's).
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed does.
     """
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
     if not isinstance(model, PipelineModule):
+        if batch_fn is not None or clip_grad_norm_fn is not None:
+            raise TypeError("batch_fn and clip_grad_norm_fn apply to a PipelineModule only")
         return _deepspeed.initialize(*args, **kwargs)
-    with _tds_pipeline_engine():
-        return _deepspeed.initialize(*args, **kwargs)
+    with _tds_pipeline_engine(clip_grad_norm_fn):
+        engine, *rest = _deepspeed.initialize(*args, **kwargs)
+    if batch_fn is not None:
+        engine.set_batch_fn(batch_fn)
+    return (engine, *rest)
 
 
 def __getattr__(name):

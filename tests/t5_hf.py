@@ -70,7 +70,7 @@ def native_logits(ckpt_dir, batch):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.checkpoint_conversion.t5_convert import load_t5_for_inference
+    from megatron.inference import load_t5_for_inference
 
     mpu.initialize_model_parallel(dist.get_world_size(), 1)
     mpu.model_parallel_cuda_manual_seed(1)
@@ -84,7 +84,7 @@ def native_generate(source, enc, enc_real, max_new_tokens):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.checkpoint_conversion.t5_convert import load_t5_for_inference
+    from megatron.inference import load_t5_for_inference
     from megatron.t5_generation import greedy_generate
 
     mpu.initialize_model_parallel(dist.get_world_size(), 1)
@@ -102,9 +102,9 @@ def load_into_pipe(ckpt_dir):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.checkpoint_conversion.native_reader import load_rank_file, rank_files
+    from megatron.checkpoint.format import load_rank_file, rank_files
     from megatron.families import get_family
-    from megatron.training.checkpointing import iteration_dir
+    from megatron.checkpoint.format import iteration_dir
     from megatron.model.t5_model_pipe import T5ModelPipe
     from tds.pipe import PipeModelDataParallelTopology
 

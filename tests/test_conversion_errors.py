@@ -10,7 +10,7 @@ import torch
 from gpt2_ckpt import random_checkpoint
 from gpt2_runs import REPO, run_script
 from megatron.checkpoint_conversion import reshard, write_native
-from megatron.training.checkpointing import checkpoint_name
+from megatron.checkpoint import checkpoint_name
 
 TOOL = os.path.join(REPO, "tools", "convert_checkpoint.py")
 

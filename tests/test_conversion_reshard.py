@@ -13,7 +13,7 @@ from megatron.checkpoint_conversion import (ConversionRequest, FullCheckpoint, f
                                             read_native, reshard, run_conversion,
                                             stage_spec_bounds, tp_split_dim, write_native)
 from megatron.checkpoint_conversion.gpt2_keys import WORD_EMBEDDINGS, pipe_to_full_key
-from megatron.training.checkpointing import checkpoint_name
+from megatron.checkpoint import checkpoint_name
 
 LAYERS, HIDDEN, HEADS, VOCAB, POSITIONS = 3, 32, 4, 256, 16
 

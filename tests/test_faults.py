@@ -236,6 +236,7 @@ def test_fp16_pipeline_on_a_device_without_fp16_fails_on_every_rank(gpt2_data):
 _KILL_AT_SAVE = r'''
 import os, signal, sys
 import torch
+import megatron.checkpoint.format as fmt
 import megatron.training.checkpointing as ck
 
 moment, argv = sys.argv[1], sys.argv[2:]
@@ -252,7 +253,7 @@ def second(fn, before=True):
         return out
     return wrapped
 
-real_save, real_atomic = ck.save_checkpoint, ck._write_atomic
+real_save, real_atomic = ck.save_checkpoint, fmt.write_atomic
 def counting_save(*args, **kwargs):
     saves.append(1)
     return real_save(*args, **kwargs)
@@ -270,16 +271,16 @@ if moment == "model_file":
             die()
     torch.save = half_save
 elif moment == "before_publish":
-    ck._publish = second(ck._publish)
+    ck.publish_iteration = second(ck.publish_iteration)
 elif moment == "before_tracker":
-    ck.write_tracker = second(ck.write_tracker)
+    fmt.write_tracker = second(fmt.write_tracker)
 elif moment == "tracker_tmp":
     def tracker_tmp(path, write):
-        if path.endswith(ck.TRACKER_FILENAME) and len(saves) == 2:
+        if path.endswith(fmt.TRACKER_FILENAME) and len(saves) == 2:
             write(path + ".tmp-" + os.uname().nodename + "-" + str(os.getpid()))
             die()
         return real_atomic(path, write)
-    ck._write_atomic = tracker_tmp
+    fmt.write_atomic = tracker_tmp
 sys.argv = ["pretrain_gpt2.py", *argv]
 import pretrain_gpt2
 pretrain_gpt2.main(argv)

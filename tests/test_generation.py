@@ -75,7 +75,7 @@ def _decode_all(ckpt_dir, prompts, seed):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.checkpoint_conversion.inference_model import load_gpt2_for_inference
+    from megatron.inference import load_gpt2_for_inference
     from megatron.text_generation import generate
 
     mpu.initialize_model_parallel(dist.get_world_size(), 1)

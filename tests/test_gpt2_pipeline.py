@@ -22,7 +22,7 @@ def _run(data, tp, pp, dp, *extra):
 
 @pytest.mark.slow
 def test_3d_layouts_give_the_serial_losses_and_weights(gpt2_data, tmp_path):
-    from megatron.checkpoint_conversion.native_reader import read_native
+    from megatron.checkpoint import read_native
 
     def run(tp, pp, dp):
         save = str(tmp_path / f"tp{tp}_pp{pp}_dp{dp}")

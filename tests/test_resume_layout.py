@@ -96,7 +96,7 @@ def test_a_layout_that_cannot_hold_the_model_is_refused_before_anything_is_writt
 def test_named_adam_state_round_trips_into_a_reordered_optimizer():
     """Moments keyed by name land on the same parameters in an optimizer whose groups list
     them in another order (as another layout's stage would)."""
-    from megatron.checkpoint_conversion.optimizer_reshard import (adam_state_dict,
+    from megatron.checkpoint.optimizer_names import (adam_state_dict,
                                                                   named_adam_state,
                                                                   param_names)
 
@@ -149,8 +149,8 @@ def test_optimizer_state_that_cannot_move_is_refused_with_the_way_out(tmp_path):
     """DeepSpeed's fp16/bf16 optimizer without ZeRO, and checkpoints that do not name their
     parameters, are refused with a message naming --no-load-optim."""
     from megatron.errors import CheckpointError
-    from megatron.training.checkpointing import optimizer_shard_name
-    from megatron.training.layout_change import _named_state
+    from megatron.checkpoint.format import optimizer_shard_name
+    from megatron.checkpoint.layout_change import _named_state
 
     root = str(tmp_path)
     path = optimizer_shard_name(root, 7, 0, 0, 0)

@@ -48,7 +48,7 @@ def test_gpt2_sequence_parallel_gives_the_serial_losses_and_weights(gpt2_data, t
     def argv(*extra):
         return gpt2_argv(gpt2_data, "--num-layers", "4", *extra)
 
-    from megatron.checkpoint_conversion.native_reader import read_native
+    from megatron.checkpoint import read_native
 
     _check(train_gpt2, argv, read_native, [(2, 1, 1), (4, 1, 1), (2, 2, 2)], tmp_path)
 

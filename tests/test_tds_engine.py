@@ -111,12 +111,12 @@ def _engine(seed, tp, pp, dp, gas, contract=None, seq=SEQ):
                            partition_method="uniform")
     types, grads, parts = contract or (["float", "bool"], [True, False], [True, False])
     model._input_type, model._input_grad, model._input_pipe_partitioned = types, grads, parts
-    model._megatron_batch_fn = batch_fn
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
               "train_batch_size": MICRO * gas * dp, "steps_per_print": 10**9,
               "gradient_clipping": CLIP}
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config,
+                                      batch_fn=batch_fn, clip_grad_norm_fn=mpu.clip_grad_norm)
     return engine
 
 

@@ -20,10 +20,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron import mpu  # noqa: E402
-from megatron.checkpoint_conversion.inference_model import load_gpt2_for_inference  # noqa: E402
-from megatron.checkpoint_conversion.native_reader import load_rank_file, rank_files, \
-    resolve_iteration  # noqa: E402
-from megatron.training.checkpointing import iteration_dir  # noqa: E402
+from megatron.checkpoint.format import (iteration_dir, load_rank_file, rank_files,  # noqa: E402
+                                        resolve_iteration)
+from megatron.inference import load_gpt2_for_inference  # noqa: E402
 from megatron.errors import ConfigError, DataError, entry_point  # noqa: E402
 from megatron.text_generation import SamplingConfig, generate_text  # noqa: E402
 from megatron.tokenizer import build_tokenizer  # noqa: E402

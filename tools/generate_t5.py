@@ -106,7 +106,7 @@ def init_distributed(backend):
 
 @entry_point
 def main(argv=None):
-    from megatron.checkpoint_conversion.t5_convert import load_t5_for_inference
+    from megatron.inference import load_t5_for_inference
     from megatron.t5_generation import fill_spans, greedy_generate
 
     args = get_args(argv)

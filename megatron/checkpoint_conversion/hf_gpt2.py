@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 (``GPT2LMHeadModel``) <-> full GPT2Model state dict and args.
+"""Hugging Face GPT-2 (``GPT2LMHeadModel``) <-> full GPT2Model state dict and args: the GPT-2
+family's HF adapter (:func:`read_hf`, :func:`write_hf`).
 
 Differences bridged here (everything else maps one to one):
 
@@ -13,7 +14,12 @@ Differences bridged here (everything else maps one to one):
 Not representable in HF GPT-2 (rejected with an error): a per-head size other than
 hidden / heads, linear layers without biases, and HF activations other than tanh-GeLU.
 """
+import os
+
+from ..checkpoint.native_reader import FullCheckpoint
+from ..checkpoint.vocab_padding import resolve_true_vocab_size, tokenizer_from_args
 from ..errors import CheckpointError, ConfigError
+from . import hf_io
 
 #: HF activation names that are GeLU's tanh approximation, which GPT2Model uses.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -194,3 +200,57 @@ def full_to_hf(full, args, true_vocab):
                 tensor = qkv_to_hf(tensor, heads)
             out[f"transformer.h.{i}.{hf_name}"] = tensor.t() if transpose else tensor
     return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- the adapter
+FAMILY = "gpt2"
+
+
+def _tokenizer_files(request, hf_dir=None):
+    """Absolute vocab/merge paths: flags first, then files next to the HF weights."""
+    found = {}
+    for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
+        flag = getattr(request, key, None)
+        if flag:
+            if not os.path.isfile(flag):
+                raise ConfigError(f"--{key.replace('_', '-')} {flag} does not exist")
+            found[key] = os.path.abspath(flag)
+        elif hf_dir and os.path.isfile(os.path.join(hf_dir, name)):
+            found[key] = os.path.abspath(os.path.join(hf_dir, name))
+    return found
+
+
+def read_hf(path, request):
+    """An HF GPT-2 directory as a :class:`FullCheckpoint` (real vocabulary rows only).
+
+    Args:
+        path: a ``save_pretrained`` directory.
+        request: the conversion request (its ``iteration`` and tokenizer files go into the
+            native output's args).
+    """
+    config = hf_io.read_config(path)
+    args = args_from_hf_config(config)
+    args.update(_tokenizer_files(request, path))
+    args["eod_token_id"] = config.get("eos_token_id")
+    state = hf_to_full(hf_io.read_weights(path), args)
+    return FullCheckpoint(state, args, request.iteration or 0, {})
+
+
+def write_hf(ckpt, path, request):
+    """Write ``ckpt`` as an HF GPT-2 directory (config, safetensors, tokenizer files)."""
+    args = {**ckpt.args, **_tokenizer_files(request)}
+    true_vocab = resolve_true_vocab_size(args, request.true_vocab)
+    if true_vocab is None:
+        raise ConfigError("the real vocabulary size is unknown (the tokenizer files the "
+                          "checkpoint names are gone); pass --true-vocab-size N or "
+                          "--vocab-file/--merge-file")
+    tokenizer = tokenizer_from_args(args)
+    eod = tokenizer.eod if tokenizer is not None else args.get("eod_token_id")
+    config = hf_config_from_args(args, true_vocab, eod)
+    state = full_to_hf(ckpt.state, args, true_vocab)
+    extra = []
+    if args.get("tokenizer_type") == "GPT2BPETokenizer":
+        extra = [(args[k], name) for k, name in (("vocab_file", "vocab.json"),
+                                                 ("merge_file", "merges.txt"))
+                 if args.get(k) and os.path.isfile(args[k])]
+    hf_io.write_hf_dir(path, config, state, extra)

@@ -1,4 +1,5 @@
-"""Hugging Face T5 (``T5ForConditionalGeneration``) <-> full T5Model state dict and args.
+"""Hugging Face T5 (``T5ForConditionalGeneration``) <-> full T5Model state dict and args: the T5
+family's HF adapter (:func:`read_hf`, :func:`write_hf`).
 
 Differences bridged here (everything else maps one to one, no transposes: both store
 linear weights ``[out, in]``):
@@ -15,10 +16,15 @@ linear weights ``[out, in]``):
   that differs from the embedding cannot be represented (an error).
 - The vocabulary is padded here with zero rows; HF keeps ``vocab_size`` rows.
 """
+import os
+
 import torch
 
-from ..errors import CheckpointError
-from . import t5_keys
+from ..checkpoint import t5_keys
+from ..checkpoint.native_reader import FullCheckpoint
+from ..checkpoint.vocab_padding import resolve_true_vocab_size, tokenizer_from_args
+from ..errors import CheckpointError, ConfigError
+from . import hf_io
 
 FF_TYPES = ("relu", "gated-gelu")
 
@@ -202,3 +208,38 @@ def full_to_hf(state, args, vocab_size, pad_id=0, eos_id=1):
         "dropout_rate": args.get("hidden_dropout", 0.1),
     }
     return config, {k: v.contiguous() for k, v in weights.items()}
+
+
+# ---------------------------------------------------------------- the adapter
+FAMILY = "t5"
+
+
+def read_hf(path, request=None):
+    """An HF T5 directory as a :class:`FullCheckpoint` (real vocabulary rows only).
+
+    Args:
+        path: a ``save_pretrained`` directory.
+        request: the conversion request (its ``iteration`` and ``tokenizer_model`` go into
+            the native output), or None.
+    """
+    iteration = getattr(request, "iteration", None)
+    tokenizer_model = getattr(request, "tokenizer_model", None)
+    config = hf_io.read_config(path)
+    if config.get("model_type", "t5") != "t5":
+        raise CheckpointError(f"{path} holds a {config.get('model_type')!r} model, not T5")
+    state, args = hf_to_full(config, hf_io.read_weights(path))
+    if tokenizer_model:
+        if not os.path.isfile(tokenizer_model):
+            raise ConfigError(f"--tokenizer-model {tokenizer_model} does not exist")
+        args["tokenizer_model"] = os.path.abspath(tokenizer_model)
+    return FullCheckpoint(state, args, iteration or 0, {})
+
+
+def write_hf(ckpt, path, request=None):
+    """Write ``ckpt`` as a ``T5ForConditionalGeneration`` directory."""
+    true_vocab = getattr(request, "true_vocab", None)
+    vocab = resolve_true_vocab_size(ckpt.args, true_vocab) or ckpt.args["padded_vocab_size"]
+    tokenizer = tokenizer_from_args(ckpt.args)
+    ids = {} if tokenizer is None else {"pad_id": tokenizer.pad, "eos_id": tokenizer.eod}
+    config, weights = full_to_hf(ckpt.state, ckpt.args, vocab, **ids)
+    hf_io.write_hf_dir(path, config, weights)

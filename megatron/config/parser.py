@@ -16,7 +16,6 @@ import argparse
 import os
 
 from ..errors import ConfigError, MegatronError
-from ..families import get_family
 from .flags import ADD_GROUPS
 from .run_config import RunConfig
 from .validation import derive_and_validate, derive_vocab
@@ -28,13 +27,13 @@ def build_parser(extra_args_provider=None, family=None):
 
     Args:
         extra_args_provider: ``f(parser) -> parser`` adding flags of a user's model.
-        family: a model family name (``gpt2``, ``t5``) or :class:`ModelFamily`, or None.
+        family: a :class:`~megatron.families.ModelFamily` (``megatron.families.get_family``
+            turns a name into one), or None.
     """
     parser = argparse.ArgumentParser(description="megatron-tds pretraining",
                                      allow_abbrev=False)
     for add_group in ADD_GROUPS:
         add_group(parser)
-    family = get_family(family)
     if family is not None:
         family.add_flags(parser)
         parser.set_defaults(**family.flag_defaults)
@@ -62,7 +61,8 @@ def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=
 
     Args:
         argv: command-line arguments (default: ``sys.argv[1:]``).
-        family: model family (``gpt2``, ``t5``) whose flags and checks join the pass.
+        family: the :class:`~megatron.families.ModelFamily` whose flags and checks join the
+            pass, or None.
         extra_args_provider: ``f(parser) -> parser`` adding a user model's flags.
         defaults: dict of defaults the entry script sets (overridden by the config file
             and by the command line), e.g. ``{"tokenizer_type": "GPT2BPETokenizer"}``.
@@ -78,7 +78,6 @@ def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=
     Raises:
         ConfigError: listing every invalid or inconsistent setting.
     """
-    family = get_family(family)
     ns = _parse(argv, extra_args_provider, defaults, family)
     ns.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     ns.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
@@ -122,7 +121,7 @@ def saved_run_config(saved, family=None):
 
     Args:
         saved: the ``args`` dict stored in a checkpoint.
-        family: model family name (``gpt2``, ``t5``) whose flags to default.
+        family: the :class:`~megatron.families.ModelFamily` whose flags to default, or None.
     """
     parser = build_parser(family=family)
     values = {a.dest: a.default for a in parser._actions if a.dest != "help"}
@@ -133,7 +132,7 @@ def saved_run_config(saved, family=None):
 
             values[key] = getattr(torch, values[key].replace("torch.", ""))
     values.setdefault("compute_dtype", None)
-    return RunConfig(values, get_family(family).name if family is not None else None)
+    return RunConfig(values, family.name if family is not None else None)
 
 
 def args_to_dict(args):

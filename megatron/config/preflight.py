@@ -1,6 +1,6 @@
 """Up-front checks of the run's directories, and of the device's precision support.
 
-They run inside the one validation pass (:func:`megatron.validation.derive_and_validate`),
+They run inside the one validation pass (:func:`megatron.config.validation.derive_and_validate`),
 before torch.distributed exists, so each rank checks for itself: a probe file per rank
 (named after its host and pid, so ranks never collide) costs a few microseconds and needs
 no communication, and every rank reaches the same verdict on a shared folder. Each check
@@ -135,7 +135,7 @@ def check_precision(args, problems, accelerator=None):
 
 def uses_deepspeed(args):
     """True when the run goes through a DeepSpeed / tds engine (the backend factory's rule)."""
-    from ..training.backend import uses_pipeline_engine
+    from .run_config import uses_pipeline_engine
 
     return bool(args.deepspeed) or uses_pipeline_engine(args.pipeline_model_parallel_size)
 

@@ -6,12 +6,19 @@ the padded vocabulary and the compute dtype) and never changes afterwards: setti
 attribute raises. Megatron-style code reads flags flat (``args.hidden_size``); new code
 reads the typed sections (``cfg.parallel.dp``, ``cfg.precision.dtype``, ``cfg.optim.lr``).
 What changes while a run goes (iteration, consumed samples, which splits exist) lives in
-the training state (:class:`megatron.training.state.TrainState`), not here.
+the training state (:class:`megatron.training.loop.TrainState`), not here.
 """
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+
+
+def uses_pipeline_engine(pp: int) -> bool:
+    """Whether ``pp`` pipeline stages train through tds's pipeline engine (whose checkpoints
+    hold stage-keyed state dicts): the one rule, for validation, the backend factory and the
+    checkpoint writers."""
+    return pp > 1
 
 
 class FrozenConfigError(AttributeError):

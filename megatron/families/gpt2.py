@@ -1,5 +1,13 @@
-"""GPT-2's hooks: model config from flags, model, datasets, FLOP count, conversion keys."""
-from . import ModelFamily, pipeline_topology, transformer_kwargs
+"""GPT-2, described once: model config from flags, the model (serial or pipeline stages of the
+same layers), its batch and loss, datasets, FLOP count, checkpoint keys and HF adapter."""
+import torch
+
+from .. import mpu
+from ..checkpoint import gpt2_keys
+from ..checkpoint_conversion import hf_gpt2
+from ..model.language_model import masked_lm_loss
+from ..model.utils import get_ltor_masks_and_position_ids
+from .base import ModelFamily, pipeline_topology, transformer_kwargs
 
 
 def model_config(flags, dropout=True):
@@ -18,11 +26,30 @@ def build_model(cfg, pipeline, parallel_output=True):
         from ..model.gpt2_model_pipe import GPT2ModelPipe
 
         return GPT2ModelPipe(config, cfg.padded_vocab_size, cfg.max_position_embeddings,
-                             pipeline_topology())
+                             pipeline_topology(), loss_fn=masked_lm_loss)
     from ..model.gpt2_model import GPT2Model
 
     return GPT2Model(config, cfg.padded_vocab_size, cfg.max_position_embeddings,
                      parallel_output)
+
+
+def make_batch_fn(cfg, tokenizer):
+    """``raw -> ((tokens, position_ids, attention_mask), (labels, loss_mask))``.
+
+    Tensor-parallel rank 0 reads (the others pass None) and shares the ``[b, s + 1]`` text
+    with its group; the causal mask (``[1, 1, s, s]``, True = masked), the loss mask and the
+    positions are built on the device.
+    """
+    eod, eod_mask_loss = tokenizer.eod, cfg.eod_mask_loss
+
+    def batch(data):
+        text = mpu.broadcast_data(["text"], data, torch.int64)["text"]  # [b, s + 1]
+        tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, eod, eod_mask_loss)
+        return (tokens, position_ids, attention_mask), (labels, loss_mask)
+
+    return batch
 
 
 def build_datasets(cfg, tokenizer, num_samples):
@@ -47,13 +74,8 @@ def _add_flags(parser):
     return parser
 
 
-def _keys():
-    from ..checkpoint_conversion import gpt2_keys
-
-    return gpt2_keys
-
-
 FAMILY = ModelFamily(
     name="gpt2", add_flags=_add_flags, model_config=model_config, build_model=build_model,
-    build_datasets=build_datasets, flops_per_step=flops_per_step, keys=_keys,
+    build_datasets=build_datasets, flops_per_step=flops_per_step, make_batch_fn=make_batch_fn,
+    loss_fn=masked_lm_loss, keys=gpt2_keys, hf=hf_gpt2,
     flag_defaults={"tokenizer_type": "GPT2BPETokenizer"})

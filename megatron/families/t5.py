@@ -1,5 +1,6 @@
-"""T5's hooks: flags and their part of the one validation pass, model config, model,
-datasets, FLOP count and conversion keys.
+"""T5, described once: flags and their part of the one validation pass, model config, the
+model (serial or pipeline stages of the same layers), its batch and loss, datasets, FLOP
+count, checkpoint keys and HF adapter.
 
 Flags (CPM-Pretrain's names; the generic ``--num-layers`` counts layers per stack,
 ``--hidden-size`` is d_model, ``--kv-hidden-size`` d_kv, ``--ff-hidden-size`` d_ff):
@@ -16,9 +17,19 @@ validation pass (megatron/config): lengths the span corruption cannot fill,
 relative-attention settings whose buckets are not defined, a tokenizer without sentinels,
 an encoder sample longer than the data.
 """
+import torch
+
+from .. import mpu
+from ..checkpoint import t5_keys
+from ..checkpoint_conversion import t5_hf
 from ..errors import ConfigError, DataError
+from ..model.language_model import masked_lm_loss
 from ..model.t5_layers import FF_TYPES
-from . import ModelFamily, pipeline_topology, transformer_kwargs
+from ..model.t5_model import t5_attention_masks
+from .base import ModelFamily, pipeline_topology, transformer_kwargs
+
+#: The integer tensors of a T5 sample (megatron.data.t5_dataset), broadcast in one call.
+BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_real")
 
 #: T5 has no position embeddings; the generic --max-position-embeddings is set this high so
 #: any --enc-seq-length validates and a checkpoint loads at another length (fine-tuning).
@@ -153,10 +164,25 @@ def build_model(cfg, pipeline, parallel_output=True):
     if pipeline:
         from ..model.t5_model_pipe import T5ModelPipe
 
-        return T5ModelPipe(config, pipeline_topology())
+        return T5ModelPipe(config, pipeline_topology(), loss_fn=masked_lm_loss)
     from ..model.t5_model import T5Model
 
     return T5Model(config, parallel_output)
+
+
+def make_batch_fn(cfg, tokenizer):
+    """``raw -> ((enc_ids, dec_ids, enc_mask, dec_mask, cross_mask), (labels, loss_mask))``.
+
+    Tensor-parallel rank 0 reads (the others pass None) and shares the ``[b, s]`` integer
+    tensors with its group in one broadcast; the bool masks (enc ``[b, 1, se, se]``, dec
+    ``[b, 1, sd, sd]``, cross ``[b, 1, sd, se]``, True = masked) are built on the device.
+    """
+    def batch(data):
+        b = mpu.broadcast_data(list(BATCH_KEYS), data, torch.int64)
+        masks = t5_attention_masks(b["enc_real"].bool(), b["loss_mask"].bool())
+        return (b["text_enc"], b["text_dec"], *masks), (b["labels"], b["loss_mask"].float())
+
+    return batch
 
 
 def build_datasets(cfg, tokenizer, num_samples):
@@ -178,14 +204,9 @@ def flops_per_step(cfg):
                              cfg.global_batch_size)
 
 
-def _keys():
-    from ..checkpoint_conversion import t5_keys
-
-    return t5_keys
-
-
 FAMILY = ModelFamily(
     name="t5", add_flags=add_t5_args, model_config=model_config, build_model=build_model,
-    build_datasets=build_datasets, flops_per_step=flops_per_step, keys=_keys,
-    flag_defaults=T5_DEFAULTS, label="T5", layer_stacks=2, derive=derive, validate=validate,
+    build_datasets=build_datasets, flops_per_step=flops_per_step, make_batch_fn=make_batch_fn,
+    loss_fn=masked_lm_loss, keys=t5_keys, hf=t5_hf, flag_defaults=T5_DEFAULTS, label="T5",
+    layer_stacks=2, derive=derive, validate=validate,
     validate_with_tokenizer=validate_with_tokenizer)

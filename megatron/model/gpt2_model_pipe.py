@@ -11,7 +11,7 @@ from torch import nn
 from tds.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from .. import mpu
-from .language_model import Embedding, lm_loss, parallel_lm_logits
+from .language_model import Embedding, masked_lm_loss, parallel_lm_logits
 from .transformer import ParallelTransformerLayer, make_layer_norm
 
 TIED_WEIGHT = "word_embeddings.weight"
@@ -26,10 +26,11 @@ class EmbeddingPipe(Embedding):
 
 
 def lm_head(embedding, hidden):
-    """The tied copy on the last stage: ``[s, b, h] -> [s, b, v/tp]`` logits."""
+    """The tied copy on the last stage: ``[s, b, h] -> [b, s, v/tp]`` logits (GPT2Model's
+    output layout, so both take the same loss)."""
     return parallel_lm_logits(hidden, embedding.word_embeddings.weight, parallel_output=True,
                               true_vocab_size=embedding.true_vocab_size,
-                              sequence_parallel=embedding.sequence_parallel)
+                              sequence_parallel=embedding.sequence_parallel).transpose(0, 1)
 
 
 class ParallelTransformerLayerPipe(ParallelTransformerLayer):
@@ -52,11 +53,20 @@ class FinalLayerNormPipe(nn.Module):
         return self.norm(hidden)
 
 
-def gpt2_loss(logits, labels):
-    """Mean loss over unmasked tokens: logits ``[s, b, v/tp]``, labels ``(ids, loss_mask)``."""
-    ids, loss_mask = labels
-    losses = lm_loss(logits, ids)  # [b, s]
-    return (losses.float() * loss_mask).sum() / loss_mask.sum()
+def gpt2_pipeline_specs(config, vocab_size, max_position_embeddings):
+    """GPT2Model's layers in order, as tds layer specs (what a pipeline partitions):
+    the tied embedding, ``num_layers`` blocks, the final LayerNorm, the tied output layer."""
+    embed_args = (config.hidden_size, vocab_size, max_position_embeddings,
+                  config.hidden_dropout, config.init_method_std, config.seed)
+    embed_kwargs = {"true_vocab_size": config.true_vocab_size,
+                    "sequence_parallel": config.sequence_parallel}
+    specs = [TiedLayerSpec("embed", EmbeddingPipe, *embed_args, tied_weight_attr=TIED_WEIGHT,
+                           **embed_kwargs)]
+    specs += [LayerSpec(ParallelTransformerLayerPipe, config, i + 1)
+              for i in range(config.num_layers)]
+    return specs + [LayerSpec(FinalLayerNormPipe, config),
+                    TiedLayerSpec("embed", EmbeddingPipe, *embed_args, forward_fn=lm_head,
+                                  tied_weight_attr=TIED_WEIGHT, **embed_kwargs)]
 
 
 class GPT2ModelPipe(PipelineModule):
@@ -68,23 +78,15 @@ class GPT2ModelPipe(PipelineModule):
         vocab_size: padded vocabulary size.
         max_position_embeddings: learned positions.
         topology: DeepSpeed topology (pp x dp x tp), matching mpu's groups.
+        loss_fn: ``loss_fn(logits [b, s, v/tp], labels)`` on the last stage (the family's;
+            default the masked next-token loss).
     """
 
-    def __init__(self, config, vocab_size, max_position_embeddings, topology):
-        embed_args = (config.hidden_size, vocab_size, max_position_embeddings,
-                      config.hidden_dropout, config.init_method_std, config.seed)
-        embed_kwargs = {"true_vocab_size": config.true_vocab_size,
-                        "sequence_parallel": config.sequence_parallel}
-        specs = [TiedLayerSpec("embed", EmbeddingPipe, *embed_args, tied_weight_attr=TIED_WEIGHT,
-                               **embed_kwargs)]
-        specs += [LayerSpec(ParallelTransformerLayerPipe, config, i + 1)
-                  for i in range(config.num_layers)]
-        specs += [LayerSpec(FinalLayerNormPipe, config),
-                  TiedLayerSpec("embed", EmbeddingPipe, *embed_args, forward_fn=lm_head,
-                                tied_weight_attr=TIED_WEIGHT, **embed_kwargs)]
+    def __init__(self, config, vocab_size, max_position_embeddings, topology,
+                 loss_fn=masked_lm_loss):
         interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
-        super().__init__(layers=specs, loss_fn=gpt2_loss, topology=topology,
-                         partition_method="type:transformer",
+        super().__init__(layers=gpt2_pipeline_specs(config, vocab_size, max_position_embeddings),
+                         loss_fn=loss_fn, topology=topology, partition_method="type:transformer",
                          activation_checkpoint_interval=interval,
                          activation_checkpoint_func=mpu.checkpoint,
                          checkpointable_layers=["ParallelTransformerLayerPipe"])

@@ -79,3 +79,15 @@ def lm_loss(logits, labels):
     return mpu.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1)
 
 
+def masked_lm_loss(logits, labels):
+    """Mean next-token loss over the unmasked tokens: the loss of GPT-2 and T5, serial and
+    pipelined alike.
+
+    Args:
+        logits: ``[b, s, v/tp]`` vocab-parallel logits (the model's output, or the pipeline's
+            last stage's).
+        labels: ``(ids [b, s], loss_mask [b, s])``; ``loss_mask`` float, 0 where not counted.
+    """
+    ids, loss_mask = labels
+    losses = mpu.vocab_parallel_cross_entropy(logits, ids)  # [b, s], fp32
+    return (losses * loss_mask).sum() / loss_mask.sum()

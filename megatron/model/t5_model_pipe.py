@@ -26,7 +26,7 @@ from torch import nn
 from tds.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from .. import mpu
-from .language_model import lm_loss
+from .language_model import masked_lm_loss
 from .t5_layers import (
     RelativePositionBias,
     T5DecoderLayer,
@@ -63,19 +63,27 @@ class T5EmbeddingPipe(T5Embedding):
         return enc, enc_mask, dec, dec_mask, cross_mask
 
 
-class T5EncoderLayerPipe(T5EncoderLayer):
-    """Updates ``enc_hidden``; the other four tensors pass through."""
+class _SharedBiasLayer:
+    """A stack's layer in a pipeline: the stack's shared relative-bias table, by reference."""
 
     def __init__(self, config, layer_number, shared_bias):
         super().__init__(config, layer_number)
         self.shared_bias = shared_bias
         self.sp_factor = sp_factor(config)
 
+    def bias_for(self, hidden):
+        """``[1, np, s, s]`` bias for a ``[s (/tp under SP), b, h]`` hidden state."""
+        s = hidden.shape[0] * self.sp_factor  # full length under SP
+        return self.shared_bias(s, s)
+
+
+class T5EncoderLayerPipe(_SharedBiasLayer, T5EncoderLayer):
+    """Updates ``enc_hidden``; the other four tensors pass through."""
+
     def forward(self, inputs):
         enc, enc_mask, dec, dec_mask, cross_mask = inputs
-        se = enc.shape[0] * self.sp_factor  # full length under SP
-        bias = self.shared_bias(se, se)
-        return super().forward(enc, enc_mask, bias), enc_mask, dec, dec_mask, cross_mask
+        enc = super().forward(enc, enc_mask, self.bias_for(enc))
+        return enc, enc_mask, dec, dec_mask, cross_mask
 
 
 class T5EncoderFinalNormPipe(nn.Module):
@@ -96,19 +104,12 @@ class T5EncoderFinalNormPipe(nn.Module):
         return (self._norm_dropout(enc), *rest)
 
 
-class T5DecoderLayerPipe(T5DecoderLayer):
+class T5DecoderLayerPipe(_SharedBiasLayer, T5DecoderLayer):
     """Updates ``dec_hidden`` (cross-attending to the encoder output in ``enc_hidden``)."""
-
-    def __init__(self, config, layer_number, shared_bias):
-        super().__init__(config, layer_number)
-        self.shared_bias = shared_bias
-        self.sp_factor = sp_factor(config)
 
     def forward(self, inputs):
         enc, enc_mask, dec, dec_mask, cross_mask = inputs
-        sd = dec.shape[0] * self.sp_factor  # full length under SP
-        bias = self.shared_bias(sd, sd)
-        dec = super().forward(dec, dec_mask, bias, enc, cross_mask)
+        dec = super().forward(dec, dec_mask, self.bias_for(dec), enc, cross_mask)
         return enc, enc_mask, dec, dec_mask, cross_mask
 
 
@@ -128,27 +129,22 @@ class T5LMHeadPipe(nn.Module):
         self.true_vocab_size = config.true_vocab_size
         self.sequence_parallel = config.sequence_parallel
 
-    def forward(self, hidden):
+    def forward(self, hidden):  # [sd, b, h] -> [b, sd, v/tp], T5Model's output layout
         return t5_logits(hidden, self.lm_head.weight, tied=False, parallel_output=True,
                          true_vocab_size=self.true_vocab_size,
-                         sequence_parallel=self.sequence_parallel)
+                         sequence_parallel=self.sequence_parallel).transpose(0, 1)
 
 
 def tied_lm_head(embedding, hidden):
-    """The tied copy on the last stage: scaled hidden against the word embedding."""
+    """The tied copy on the last stage: scaled hidden against the word embedding,
+    ``[sd, b, h] -> [b, sd, v/tp]`` (T5Model's output layout)."""
     return t5_logits(hidden, embedding.word_embeddings.weight, tied=True, parallel_output=True,
                      true_vocab_size=embedding.true_vocab_size,
-                     sequence_parallel=embedding.sequence_parallel)
+                     sequence_parallel=embedding.sequence_parallel).transpose(0, 1)
 
 
-def t5_loss(logits, labels):
-    """Mean loss over ``loss_mask``: logits ``[sd, b, v/tp]``, labels ``(ids, loss_mask)``."""
-    ids, loss_mask = labels
-    losses = lm_loss(logits, ids)  # [b, sd]
-    return (losses.float() * loss_mask).sum() / loss_mask.sum()
-
-
-def _specs(config, biases):
+def t5_pipeline_specs(config, biases):
+    """T5Model's layers in order, as tds layer specs (what a pipeline partitions)."""
     L = config.num_layers
     embed = TiedLayerSpec("embed", T5EmbeddingPipe, config, tied_weight_attr=TIED_WEIGHT)
     specs = [embed]
@@ -171,12 +167,15 @@ class T5ModelPipe(PipelineModule):
         config: :class:`T5TransformerConfig` (``checkpoint_activations`` /
             ``checkpoint_num_layers`` set the recompute interval).
         topology: DeepSpeed topology (pp x dp x tp), matching mpu's groups.
+        loss_fn: ``loss_fn(logits [b, sd, v/tp], labels)`` on the last stage (the family's;
+            default the masked next-token loss).
     """
 
-    def __init__(self, config, topology):
+    def __init__(self, config, topology, loss_fn=masked_lm_loss):
         biases = {stack: SharedBias() for stack in STACKS}
         interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
-        super().__init__(layers=_specs(config, biases), loss_fn=t5_loss, topology=topology,
+        super().__init__(layers=t5_pipeline_specs(config, biases), loss_fn=loss_fn,
+                         topology=topology,
                          partition_method="type:t5(encoder|decoder)layerpipe",
                          activation_checkpoint_interval=interval,
                          activation_checkpoint_func=mpu.checkpoint,
@@ -192,7 +191,7 @@ class T5ModelPipe(PipelineModule):
 
     def _stages_with(self, stack, num_layers):
         """Pipeline stages holding at least one layer of ``stack``, in order."""
-        first = 1 if stack == "encoder" else num_layers + 2  # spec indices, see _specs
+        first = 1 if stack == "encoder" else num_layers + 2  # spec indices: t5_pipeline_specs
         return sorted({self.stage_owner(i) for i in range(first, first + num_layers)})
 
     def _build_shared_bias(self, config, stack, shared):

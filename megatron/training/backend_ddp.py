@@ -45,17 +45,6 @@ class DDPBackend(TrainingBackend):
     def loss_scale(self):
         return self.optimizer.loss_scale
 
-    def named_optimizer(self):
-        return self.optimizer.optimizer  # AdamW over the fp32 parameters themselves
-
-    def load_scaler_state(self, scaler):
-        if self.optimizer.grad_scaler is None:
-            return True
-        if scaler.get("ddp") is not None:
-            self.optimizer.grad_scaler.load_state_dict(scaler["ddp"])
-            return True
-        return not any(v is not None for v in scaler.values())
-
     def train_step(self, forward_step_func, data_iterator):
         gas = self.cfg.batch.gas
         self.optimizer.zero_grad()

@@ -6,12 +6,12 @@ precision (fp16 with fp32 master weights and its loss scaler, or bf16), ZeRO, cl
 the data-parallel reduction; the optimizer (AdamW, no decay on biases and norms) and LR
 schedule come from the same factory as the DDP backend's, so both take the same steps.
 """
-import inspect
 import json
 
 from .. import mpu
-from ..errors import CheckpointError, ConfigError, not_text
+from ..errors import ConfigError, not_text
 from .backend import TrainingBackend, build_optimizer_and_scheduler
+from .engine_state_io import EngineStateIO
 
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
               "train_batch_size")
@@ -89,30 +89,30 @@ def attach_deepspeed_comm(cfg):
     deepspeed.init_distributed(dist_backend=cfg.parallel.dist_backend)
 
 
-_ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
-
-
 class EngineBackend(TrainingBackend):
     """A DeepSpeed engine (tds's pipeline engine for a PipelineModule)."""
 
-    shards_optimizer = True
-
     def __init__(self, model, optimizer, lr_scheduler, cfg, pipeline):
-        super().__init__(model, optimizer, lr_scheduler, cfg)
+        super().__init__(model, optimizer, lr_scheduler, cfg, EngineStateIO)
         self.pipeline = pipeline
         self.name = "pipeline" if pipeline else "deepspeed"
 
     @classmethod
-    def build(cls, module, cfg, pipeline):
-        """``tds.initialize`` the module with our optimizer and schedule."""
+    def build(cls, module, cfg, pipeline, batch_fn=None):
+        """``tds.initialize`` the module with our optimizer and schedule.
+
+        A pipeline engine gets the batch function and Megatron's gradient clipping (each
+        parameter counted once across tp and pp, tied copies too) through tds's API.
+        """
         import tds as deepspeed
 
         attach_deepspeed_comm(cfg)
         optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg, for_engine=True)
+        pipe = {"batch_fn": batch_fn, "clip_grad_norm_fn": mpu.clip_grad_norm} if pipeline \
+            else {"mpu": mpu}
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=lr_scheduler,
-            config=build_deepspeed_config(cfg, pipeline), mpu=None if pipeline else mpu,
-            dist_init_required=False)
+            config=build_deepspeed_config(cfg, pipeline), dist_init_required=False, **pipe)
         return cls(engine, ds_optimizer, lr_scheduler, cfg, pipeline)
 
     @property
@@ -141,127 +141,3 @@ class EngineBackend(TrainingBackend):
             return [{"lm loss": self.model.eval_batch(data_iterator).detach().float()}]
         return [forward_step_func(data_iterator, self.model)[1]
                 for _ in range(self.cfg.batch.gas)]
-
-    def counters(self):
-        return {k: int(getattr(self.model, k, 0)) for k in _ENGINE_COUNTERS}
-
-    def load_counters(self, counters):
-        for key, value in counters.items():
-            setattr(self.model, key, value)
-
-    def named_optimizer(self):
-        # fp32 without ZeRO: the engine steps our AdamW itself
-        return self.optimizer if self.optimizer is self.model.basic_optimizer else None
-
-    def load_named_optimizer(self, named, step):
-        from .zero_state import load_named
-
-        if not hasattr(self.optimizer, "single_partition_of_fp32_groups"):
-            raise CheckpointError(
-                f"this run's optimizer ({type(self.optimizer).__name__}: DeepSpeed's fp16/bf16 "
-                f"optimizer without ZeRO) cannot take optimizer state from another tensor- or "
-                f"pipeline-parallel layout; add --zero-stage 1, or pass --no-load-optim")
-        load_named(self.optimizer, self.module(), named, step)
-
-    def load_scaler_state(self, scaler):
-        if not self.cfg.precision.fp16 or not hasattr(self.optimizer, "loss_scaler"):
-            return True
-        if scaler.get("deepspeed") is not None:
-            self.optimizer.loss_scaler = scaler["deepspeed"]
-            return True
-        return not any(v is not None for v in scaler.values())
-
-    def load_optimizer_files(self, paths):
-        """Load the optimizer from the saved data-parallel ranks' files (``paths``).
-
-        - Our AdamW (fp32, no ZeRO): every rank saved the same state; read one.
-        - ZeRO (stages 1-2): DeepSpeed's elastic format
-          (``zero_optimization.elastic_checkpoint``, on by default in
-          build_deepspeed_config) reads every saved partition, merges them and cuts this
-          rank's, master weights included, so the dp size may differ from the saved one;
-          the rigid format reads this rank's own file and needs the saved dp size.
-        - DeepSpeed's fp16/bf16 optimizers without ZeRO: only at the saved dp size.
-        """
-        dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-        params = inspect.signature(self.optimizer.load_state_dict).parameters
-        if "state_dict_list" not in params:
-            if len(paths) != dp and self.named_optimizer() is None:
-                raise CheckpointError(_other_dp_message(len(paths), dp, "this optimizer"))
-            own = paths[dp_rank] if dp_rank < len(paths) else paths[0]  # replicated state
-            self.optimizer.load_state_dict(load_engine_optimizer_file(own))
-            return
-        # Their fp32 master weights must come from the files, not be re-derived from the
-        # fp16/bf16 weights.
-        extra = {"load_from_fp32_weights": True} if "load_from_fp32_weights" in params else {}
-        mine = min(dp_rank, len(paths) - 1)
-        own = load_engine_optimizer_file(paths[mine])
-        elastic = isinstance(own.get("base_optimizer_state"), list)
-        if not elastic and len(paths) == dp:  # rigid: this rank's own partition is enough
-            states = [None] * dp
-            states[dp_rank] = own
-        else:  # elastic: DeepSpeed merges every saved partition
-            states = _SavedPartitions(own if r == mine else load_engine_optimizer_file(p)
-                                      for r, p in enumerate(paths))
-        if len(paths) != dp:
-            what = None
-            if not elastic:
-                what = "a checkpoint saved with zero_optimization.elastic_checkpoint false"
-            elif not getattr(self.optimizer, "elastic_checkpoint", False):
-                what = "this run (its zero_optimization.elastic_checkpoint is false)"
-            if what:
-                raise CheckpointError(_other_dp_message(len(paths), dp, what))
-        if elastic:
-            # DeepSpeed's elastic format records the step only for optimizers that keep it
-            # in their param groups; torch's AdamW keeps it in each parameter's state (which
-            # the format carries), so there is no group step to restore.
-            for state in states:
-                state.setdefault("base_optimizer_state_step", None)
-        self.optimizer.load_state_dict(states, **extra)
-        for group in getattr(self.optimizer, "optimizer", self.optimizer).param_groups:
-            if "step" in group and group["step"] is None:
-                del group["step"]
-
-    def after_weights_only_load(self):
-        if hasattr(self.optimizer, "refresh_fp32_params"):
-            self.optimizer.refresh_fp32_params()  # fp16/bf16: master weights from the model
-
-
-def _other_dp_message(saved_dp, dp, what):
-    return (f"the checkpoint's optimizer state was saved at data-parallel size {saved_dp}, "
-            f"this run has {dp}, and {what} cannot be re-partitioned; resume at "
-            f"data-parallel size {saved_dp}, or pass --no-load-optim to load the weights only")
-
-
-class _SavedPartitions(list):
-    """Every saved data-parallel rank's ZeRO state, for DeepSpeed's elastic load.
-
-    DeepSpeed iterates over the list to merge the partitions, and also indexes it by the
-    *new* data-parallel rank for values every rank saved alike (loss scaler, step, clip
-    setting); a run grown past the saved size would index beyond it, so such an index gets
-    rank 0's (identical) copy.
-    """
-
-    def __getitem__(self, index):
-        if isinstance(index, int) and index >= len(self):
-            index = 0
-        return super().__getitem__(index)
-
-
-def load_engine_optimizer_file(path):
-    """weights_only load that also admits DeepSpeed's plain records in optimizer states.
-
-    ZeRO and bf16 optimizer states pickle a few DeepSpeed objects: the loss scaler and
-    fragment addresses. They are plain attribute holders (no ``__setstate__``, no
-    ``__reduce__``), so allowing exactly these classes still executes no pickled code.
-    """
-    import torch
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    records = [fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum]
-    try:
-        with torch.serialization.safe_globals(records):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot read optimizer shard {path}: {exc}") from None

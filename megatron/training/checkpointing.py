@@ -1,14 +1,10 @@
-"""Save and load training checkpoints (Megatron's layout), atomically and without pickled code.
+"""Save and resume a training run: its model, optimizer, schedule, RNG and data position.
 
-Layout::
-
-    <save>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt
-    <save>/latest_checkpointed_iteration.txt
-
-A save goes to ``<save>/.tmp/iter_0000100`` first; rank 0 renames it to ``iter_0000100``
-once every file is complete, then rewrites the tracker (also via a temporary file). A crash
-at any point leaves the previous checkpoint and tracker untouched. Loading uses
-``torch.load(weights_only=True)``, so a checkpoint cannot execute code.
+The format on disk (Megatron's layout, the tracker, atomic publication, weights-only loads)
+is :mod:`megatron.checkpoint`'s; this module decides what a run puts into it and how a run
+takes it back, through the backend's :class:`~.state_io.OptimizerStateIO`. A save goes to
+``<save>/.tmp/iter_*`` first; rank 0 publishes the folder once every file is complete, then
+rewrites the tracker, so a crash at any point leaves the previous checkpoint in place.
 """
 import os
 import random
@@ -19,67 +15,14 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
+from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker: public here)
+    CHECKPOINT_FORMAT, TRACKER_FILENAME, check_compatible, checkpoint_name, iteration_dir,
+    megatron_v2_name, optimizer_shard_name, publish_iteration, read_tracker,
+    saved_optimizer_files, write_atomic, write_tracker)
+from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs
 from ..config import args_to_dict
-from ..errors import CheckpointError, not_text
+from ..errors import CheckpointError
 from ..utils import print_rank_0, raise_if_any_rank_failed, warn_rank_0
-from ..locks import remove_stale_tmps, tmp_name
-
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-CHECKPOINT_FORMAT = "megatron-tds/1"
-
-#: Settings that must agree between a checkpoint and the flags that load it.
-MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "kv_channels",
-              "ffn_hidden_size", "padded_vocab_size", "max_position_embeddings", "hidden_bias",
-              "tensor_model_parallel_size", "pipeline_model_parallel_size",
-              # T5 (absent from GPT-2 checkpoints, so never compared for them)
-              "t5_ff", "untie_embeddings", "relative_attention_num_buckets")
-
-#: The settings of MODEL_KEYS that a resume at another layout may change
-#: (megatron/training/layout_change.py).
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
-
-
-def iteration_dir(root, iteration):
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def checkpoint_name(root, iteration, tp_rank, pp_rank):
-    """Path of one rank's file inside ``root/iter_*`` (or a temporary iteration folder)."""
-    return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp_rank:02d}_{pp_rank:03d}",
-                        "model_optim_rng.pt")
-
-
-def _megatron_v2_name(root, iteration, tp_rank):
-    """Megatron-LM's name when there is no pipeline: ``mp_rank_{tp:02d}``."""
-    return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp_rank:02d}",
-                        "model_optim_rng.pt")
-
-
-def read_tracker(root):
-    """The iteration in ``root``'s tracker file, or None when there is none."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read().strip()
-    except UnicodeDecodeError as exc:
-        raise not_text(path, exc, "the tracker file should hold an iteration number; write "
-                       "the newest complete iteration (an iter_* folder's number) into it",
-                       CheckpointError) from None
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
-
-
-def _write_atomic(path, write):
-    remove_stale_tmps(path)  # a killed writer's leftovers
-    tmp = tmp_name(path)
-    write(tmp)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- RNG state
@@ -119,13 +62,8 @@ def _gather_rng_states():
 
 
 # ---------------------------------------------------------------- save
-def optimizer_shard_name(root, iteration, tp_rank, pp_rank, dp_rank):
-    """Per-data-parallel-rank optimizer file (DeepSpeed engines shard optimizer state)."""
-    return os.path.join(os.path.dirname(checkpoint_name(root, iteration, tp_rank, pp_rank)),
-                        f"optim_dp_rank_{dp_rank:03d}.pt")
-
-
 def _main_state(iteration, backend, args, train_state, rng_states):
+    io = backend.state_io
     state = {
         "format": CHECKPOINT_FORMAT, "iteration": iteration, "args": args_to_dict(args),
         "model": backend.module().state_dict(),
@@ -133,16 +71,14 @@ def _main_state(iteration, backend, args, train_state, rng_states):
         "consumed_train_samples": train_state.consumed_train_samples,
         "consumed_valid_samples": train_state.consumed_valid_samples,
     }
-    if not args.no_save_optim and not backend.shards_optimizer:
-        state["optimizer"] = backend.optimizer.state_dict()
-    named = backend.named_optimizer()
-    if not args.no_save_optim and named is not None:
-        # names the positional optimizer state, so a resume at another layout can re-slice it
-        from ..checkpoint_conversion.optimizer_reshard import param_names
-
-        state["optimizer_param_names"] = param_names(backend.module(), named)
+    if not args.no_save_optim:
+        if not io.sharded:
+            state["optimizer"] = io.state_dict()
+        names = io.param_names()
+        if names is not None:  # lets a resume at another layout re-slice the state
+            state["optimizer_param_names"] = names
     state["lr_scheduler"] = backend.lr_scheduler.state_dict()
-    counters = backend.counters()
+    counters = io.counters()
     if counters:
         state["engine"] = counters
     return state
@@ -174,127 +110,71 @@ def save_checkpoint(iteration, backend, args, train_state):
     if dp == 0:
         state = _main_state(iteration, backend, args, train_state, rng_states)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        _write_atomic(path, lambda tmp: torch.save(state, tmp))
-    if backend.shards_optimizer and not args.no_save_optim:
+        write_atomic(path, lambda tmp: torch.save(state, tmp))
+    if backend.state_io.sharded and not args.no_save_optim:
         shard = optimizer_shard_name(tmp_root, iteration, tp, pp, dp)
         os.makedirs(os.path.dirname(shard), exist_ok=True)
-        _write_atomic(shard, lambda tmp: torch.save(backend.optimizer.state_dict(), tmp))
+        write_atomic(shard, lambda tmp: torch.save(backend.state_io.state_dict(), tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        _publish(root, tmp_root, iteration)
+        publish_iteration(root, tmp_root, iteration)
     dist.barrier()
     print_rank_0(f"> saved checkpoint at iteration {iteration} to {root}")
 
 
-def _publish(root, tmp_root, iteration):
-    """Move the finished iteration folder into place, then point the tracker at it."""
-    final = iteration_dir(root, iteration)
-    if os.path.exists(final):  # re-saving the same iteration: replace it whole
-        old = iteration_dir(os.path.join(root, ".old"), iteration)
-        shutil.rmtree(old, ignore_errors=True)
-        os.makedirs(os.path.dirname(old), exist_ok=True)
-        os.replace(final, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(iteration_dir(tmp_root, iteration), final)
-    write_tracker(root, iteration)
-
-
-def write_tracker(root, iteration):
-    """Point ``root``'s tracker file at ``iteration`` (atomically; one rank calls it)."""
-    def write(tmp):
-        with open(tmp, "w") as handle:
-            handle.write(str(iteration))
-
-    _write_atomic(os.path.join(root, TRACKER_FILENAME), write)
-
-
 # ---------------------------------------------------------------- load
-def check_compatible(saved, args, path, ignore=()):
-    """Raise unless the checkpoint's saved model settings match the run's.
-
-    Args:
-        saved: the checkpoint's args dict.
-        args: the run configuration.
-        path: the checkpoint, for the message.
-        ignore: settings allowed to differ (:data:`LAYOUT_KEYS` for a resume at another
-            layout).
-    """
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, flags {args.get(k)!r}"
-             for k in MODEL_KEYS if k in saved and k not in ignore and saved.get(k) != args.get(k)]
-    if not diffs:
-        return
-    raise CheckpointError(f"checkpoint {path} was made for a different model:\n    "
-                          + "\n    ".join(diffs) + "\n  fix the flags to match it")
-
-
 def _read_own_file(args, iteration):
     tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
     path = checkpoint_name(args.load, iteration, tp, pp)
-    if not os.path.isfile(path) and pp == 0:
-        path = _megatron_v2_name(args.load, iteration, tp) if os.path.isfile(
-            _megatron_v2_name(args.load, iteration, tp)) else path
+    if not os.path.isfile(path) and pp == 0 and \
+            os.path.isfile(megatron_v2_name(args.load, iteration, tp)):
+        path = megatron_v2_name(args.load, iteration, tp)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint in "
                               f"{args.load} is incomplete or was made with another layout")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
     check_compatible(state.get("args", {}), args, path)
     return state
-
-
-def saved_optimizer_files(root, iteration, tp_rank, pp_rank):
-    """Every data-parallel rank's optimizer file of one (tp, pp), in rank order (their number
-    is the saved data-parallel size).
-
-    Raises:
-        CheckpointError: there are none, or one is missing.
-    """
-    folder = os.path.dirname(checkpoint_name(root, iteration, tp_rank, pp_rank))
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    count = sum(1 for name in names if name.startswith("optim_dp_rank_"))
-    hint = "pass --no-load-optim (or --finetune) to load the weights only"
-    if count == 0:
-        raise CheckpointError(f"checkpoint in {root} has no optimizer files in {folder} (saved "
-                              f"without optimizer state, or by the DDP backend); {hint}")
-    paths = [optimizer_shard_name(root, iteration, tp_rank, pp_rank, r) for r in range(count)]
-    missing = [p for p in paths if not os.path.isfile(p)]
-    if missing:
-        raise CheckpointError(f"optimizer file {missing[0]} is missing: the checkpoint is "
-                              f"incomplete; {hint}")
-    return paths
 
 
 def _load_optimizer(backend, state, args, iteration):
     """The optimizer state: in the main file, or the data-parallel ranks' files of a
     sharding backend (which may have been saved at another data-parallel size)."""
-    hint = "pass --no-load-optim (or --finetune) to load the weights only"
-    if not backend.shards_optimizer:
+    io = backend.state_io
+    if not io.sharded:
         if "optimizer" not in state:
-            raise CheckpointError(f"checkpoint in {args.load} has no optimizer state; {hint}")
-        backend.load_optimizer_state(state["optimizer"])
+            raise CheckpointError(f"checkpoint in {args.load} has no optimizer state; pass "
+                                  f"--no-load-optim (or --finetune) to load the weights only")
+        io.load(state["optimizer"])
         return
-    paths = saved_optimizer_files(args.load, iteration, mpu.get_tensor_model_parallel_rank(),
-                                  mpu.get_pipeline_model_parallel_rank())
-    backend.load_optimizer_files(paths)
-    backend.load_counters(_engine_counters(state, args))
+    io.load_files(saved_optimizer_files(args.load, iteration,
+                                        mpu.get_tensor_model_parallel_rank(),
+                                        mpu.get_pipeline_model_parallel_rank()))
+    io.load_counters(_engine_counters(state, args))
+
+
+def _load_at_new_layout(backend, args, iteration, load_optim):
+    """Another tp or pp: this rank's slice of the whole checkpoint (megatron.checkpoint)."""
+    rank = read_at_new_layout(args.load, iteration, args, load_optim)
+    backend.module().load_state_dict(rank.model)
+    if rank.optimizer is not None:
+        backend.state_io.load_named(rank.optimizer)
+        if backend.state_io.sharded:
+            backend.state_io.load_counters(_engine_counters(rank.first, args))
+    warn_rank_0(
+        f"resuming {rank.description} at tp={args.parallel.tp}, pp={args.parallel.pp}: "
+        f"weights{', Adam state' if load_optim else ''}, LR schedule and data position "
+        f"carried over; random streams restart from --seed")
+    return dict(rank.first, layout_change=True)
 
 
 def _load_state(backend, args, iteration, load_optim):
-    """Load the weights (and optimizer) for this rank; return the main file's state.
-
-    A checkpoint of another tensor- or pipeline-parallel size goes through
-    :mod:`.layout_change`; otherwise each rank reads its own file (and optimizer files).
-    """
-    from .layout_change import load_at_new_layout, saved_layout_differs
-
+    """Load the weights (and optimizer) for this rank; return the main file's state."""
     if saved_layout_differs(args.load, iteration, args):
-        state = load_at_new_layout(backend, args, iteration, load_optim)
-        state["layout_change"] = True
-        if load_optim and backend.shards_optimizer:
-            backend.load_counters(_engine_counters(state, args))
-        return state
+        return _load_at_new_layout(backend, args, iteration, load_optim)
     state = _read_own_file(args, iteration)
     backend.module().load_state_dict(state["model"])
     if load_optim:
@@ -313,6 +193,19 @@ def _engine_counters(state, args):
     counters.setdefault("skipped_steps", 0)
     counters["micro_steps"] = steps * args.batch.gas
     return counters
+
+
+def _restore_rng(args, state):
+    if args.no_load_rng:
+        return
+    if "rng_state" in state:
+        rng_states = state["rng_state"]
+        dp_rank = mpu.get_data_parallel_rank()
+        set_rng_state(rng_states[dp_rank] if dp_rank < len(rng_states) else rng_states[0])
+    elif "layout_change" not in state:
+        # tools/convert_checkpoint.py writes weights only: dropout restarts from --seed
+        warn_rank_0(f"checkpoint in {args.load} has no RNG state (a converted, weights-only "
+                    f"checkpoint); random streams start from --seed")
 
 
 def load_checkpoint(backend, args, train_state):
@@ -339,20 +232,13 @@ def load_checkpoint(backend, args, train_state):
         error = exc
     raise_if_any_rank_failed(error, CheckpointError)
     if not load_optim:
-        backend.after_weights_only_load()
+        backend.state_io.after_weights_only_load()
     if args.finetune:
         print_rank_0(f"> loaded weights from {args.load} (iteration {iteration}) to fine-tune")
         return 0
     if "lr_scheduler" in state:
         backend.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if not args.no_load_rng and "rng_state" not in state and "layout_change" not in state:
-        # tools/convert_checkpoint.py writes weights only: dropout restarts from --seed
-        warn_rank_0(f"checkpoint in {args.load} has no RNG state (a converted, weights-only "
-                    f"checkpoint); random streams start from --seed")
-    elif not args.no_load_rng and "rng_state" in state:
-        rng_states = state["rng_state"]
-        dp_rank = mpu.get_data_parallel_rank()
-        set_rng_state(rng_states[dp_rank] if dp_rank < len(rng_states) else rng_states[0])
+    _restore_rng(args, state)
     train_state.consumed_train_samples = state.get("consumed_train_samples", 0)
     train_state.consumed_valid_samples = state.get("consumed_valid_samples", 0)
     print_rank_0(f"> loaded checkpoint from {args.load} at iteration {iteration}")

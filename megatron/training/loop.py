@@ -1,7 +1,10 @@
-"""pretrain(): the generic loop that drives any model given its three providers.
+"""pretrain(): the generic loop that drives any model.
 
-    pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func,
-             family="gpt2")
+    pretrain(family=GPT2)                                   # a model family of megatron-tds
+    pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func)  # Megatron
+
+A :class:`~megatron.families.ModelFamily` describes its model, batch, loss and datasets once;
+Megatron-style providers (for a model of your own) are accepted instead, and win where given:
 
 - ``train_valid_test_dataset_provider([n_train, n_valid, n_test]) -> (train, valid, test)``
 - ``model_provider(pipeline) -> torch.nn.Module`` (a ``PipelineModule`` when ``pipeline``;
@@ -9,7 +12,7 @@
 - ``forward_step_func(data_iterator, model) -> (loss, {"lm loss": loss.detach()})``
 
 How a step runs (DDP or a DeepSpeed / tds engine) is the training backend's business
-(megatron/training/backend.py); this loop only counts, logs, evaluates and saves.
+(megatron/training/backend_factory.py); this loop only counts, logs, evaluates and saves.
 """
 from dataclasses import dataclass, field
 
@@ -17,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
-from ..global_vars import get_tensorboard_writer, get_timers
+from ..global_vars import get_tensorboard_writer, get_timers, get_tokenizer
 from ..initialize import initialize_megatron
 from ..utils import print_rank_0
-from .backend import build_backend
+from .backend_factory import build_backend
 from .checkpointing import load_checkpoint, save_checkpoint
 from .data_iterators import build_train_valid_test_data_iterators
 from .divergence import check_pending, check_weights
@@ -136,18 +139,48 @@ def train(forward_step_func, backend, train_iterator, valid_iterator, args, stat
     return state
 
 
-def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_func,
-             extra_args_provider=None, args_defaults=None, argv=None, family=None):
+def _providers(family, cfg, dataset_provider, model_provider, forward_step_func):
+    """The family's providers where the caller gave none, and the pipeline batch function."""
+    if family is None:
+        missing = [name for name, given in (("train_valid_test_dataset_provider",
+                                             dataset_provider),
+                                            ("model_provider", model_provider),
+                                            ("forward_step_func", forward_step_func))
+                   if given is None]
+        if missing:
+            raise TypeError(f"pretrain() needs a model family or {', '.join(missing)}")
+        return dataset_provider, model_provider, forward_step_func, None
+    tokenizer = get_tokenizer()
+    batch_fn = family.make_batch_fn(cfg, tokenizer)
+    if dataset_provider is None:
+        def dataset_provider(num_samples):
+            print_rank_0(f"> building {family.label or family.name} datasets")
+            return family.build_datasets(cfg, tokenizer, num_samples)
+    if model_provider is None:
+        def model_provider(pipeline=False):
+            print_rank_0(f"> building {family.label or family.name} model")
+            return family.build_model(cfg, pipeline)
+    return (dataset_provider, model_provider,
+            forward_step_func or family.forward_step(batch_fn), batch_fn)
+
+
+def pretrain(train_valid_test_dataset_provider=None, model_provider=None,
+             forward_step_func=None, extra_args_provider=None, args_defaults=None, argv=None,
+             family=None):
     """Initialise, build model/optimizer/data, resume, train, evaluate, save.
 
     Args:
-        train_valid_test_dataset_provider: ``f([n_train, n_valid, n_test]) -> datasets``.
-        model_provider: ``f(pipeline) -> model`` (or Megatron's ``f() -> model``).
-        forward_step_func: ``f(data_iterator, model) -> (loss, stats)``.
+        train_valid_test_dataset_provider: ``f([n_train, n_valid, n_test]) -> datasets``
+            (default: the family's datasets).
+        model_provider: ``f(pipeline) -> model`` (or Megatron's ``f() -> model``; default:
+            the family's model).
+        forward_step_func: ``f(data_iterator, model) -> (loss, stats)`` (default: the
+            family's batch and loss).
         extra_args_provider: adds flags to the parser.
         args_defaults: defaults the entry script sets (e.g. the tokenizer type).
         argv: flags (default: ``sys.argv[1:]``).
-        family: model family (``gpt2``, ``t5``): its flags, checks and FLOP count.
+        family: model family (a :class:`~megatron.families.ModelFamily`, or ``gpt2`` /
+            ``t5``): its flags, checks, model, batch, loss, datasets and FLOP count.
 
     Returns:
         The final :class:`TrainState` (per-step losses, evaluation losses, iteration).
@@ -156,12 +189,14 @@ def pretrain(train_valid_test_dataset_provider, model_provider, forward_step_fun
 
     family = get_family(family)
     args = initialize_megatron(extra_args_provider, args_defaults or {}, argv, family=family)
+    dataset_provider, model_provider, forward_step_func, batch_fn = _providers(
+        family, args, train_valid_test_dataset_provider, model_provider, forward_step_func)
     flops = family.flops_per_step(args) if family is not None else None
     state = TrainState(flops_per_step=flops or 0.0)
-    backend = build_backend(args, model_provider)
+    backend = build_backend(args, model_provider, batch_fn)
     state.iteration = load_checkpoint(backend, args, state)
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        train_valid_test_dataset_provider, args, state)
+        dataset_provider, args, state)
     print_rank_0(f"> training from iteration {state.iteration} to {args.train_iters}")
     start = state.iteration
     train(forward_step_func, backend, train_it, valid_it, args, state)

@@ -1,15 +1,16 @@
 """Learn the inter-stage shapes once, before the first step, and check them everywhere.
 
-Stage 0 runs the first micro-batch forward (no grad), checks its output tuple against the
-contract and sends a small header (dtype and shape per position, or an error flag) to
-stage 1, which runs its forward on zero tensors of those shapes, and so on. Then every rank
-joins one all-gather of error messages, so a broken contract raises the same ValueError on
-every rank of the job. RNG states are restored, so the probe changes nothing.
+Stage 0 runs the first micro-batch forward (no grad, the module in eval mode, so no
+dropout draws from any generator), checks its output tuple against the contract and sends a
+small header (dtype and shape per position, or an error flag) to stage 1, which runs its
+forward on zero tensors of those shapes, and so on. Then every rank joins one all-gather of
+error messages, so a broken contract raises the same ValueError on every rank of the job.
+torch's own generators are restored too, so the probe changes nothing.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
-
-from megatron.mpu.random import get_all_rng_states, set_all_rng_states
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -42,8 +43,25 @@ def _decode(header):
     return meta
 
 
+@contextlib.contextmanager
+def _side_effect_free(module):
+    """No grad, eval mode (dropout draws nothing), torch's generators restored after."""
+    training = module.training
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        module.train(training)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 def _stage_forward(engine, inputs):
-    with torch.no_grad():
+    with _side_effect_free(engine.module):
         return engine.module(inputs)
 
 
@@ -93,11 +111,7 @@ def discover_boundary(engine):
     Raises:
         ValueError: on every rank, with the message of the first rank that found a problem.
     """
-    states = get_all_rng_states()
-    try:
-        recv_meta, send_meta, error = _probe(engine)
-    finally:
-        set_all_rng_states(states)
+    recv_meta, send_meta, error = _probe(engine)
     messages = [None] * dist.get_world_size()
     dist.all_gather_object(messages, str(error) if error else None)
     first = next(((rank, m) for rank, m in enumerate(messages) if m), None)

@@ -22,8 +22,6 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine as _DeepSpeedPipelineEngine
 
-from megatron import mpu
-
 from .boundary import discover_boundary
 from .contract import StageContract, contract_of
 from .p2p import StageLink
@@ -32,19 +30,21 @@ from .p2p import StageLink
 class PipelineEngine(_DeepSpeedPipelineEngine):
     """DeepSpeed pipeline engine with CPM-Pretrain's typed inter-stage tuples.
 
-    Built by ``tds.initialize()`` for a ``PipelineModule``. The module must declare the
-    contract attributes; ``_megatron_batch_fn`` (if present) becomes the batch function.
+    Built by ``tds.initialize()`` for a ``PipelineModule``, which must declare the contract
+    attributes. ``tds.initialize(..., batch_fn=..., clip_grad_norm_fn=...)`` sets the batch
+    function (raw batch -> ``(inputs, labels)``, as ``set_batch_fn``) and the gradient
+    clipping (``f(parameters, max_norm) -> total norm``, clipping in place; default
+    DeepSpeed's).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, clip_grad_norm_fn=None, **kwargs):
         model = kwargs.get("model")
         self.contract = contract_of(model)  # same attributes on every rank: all fail alike
+        self.clip_grad_norm_fn = clip_grad_norm_fn
         super().__init__(*args, **kwargs)
         # Our instructions handle masks and partitioning per position: no GPT-2 hacks.
         self.has_attention_mask = self.has_bool_tensors = False
         self.is_pipe_partitioned = self.is_grad_partitioned = False
-        if getattr(self.module, "_megatron_batch_fn", None) is not None:
-            self.set_batch_fn(self.module._megatron_batch_fn)
         self.link = StageLink(self.grid.get_slice_parallel_group(), self.device)
         self.recv_meta = self.send_meta = None
         self.prev_rank = self.grid.stage_to_global(self.prev_stage) if self.stage_id > 0 else None
@@ -213,13 +213,16 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
 
     # ------------------------------------------------------------ gradient clipping
     def clip_fp32_gradients(self):
-        """Megatron's clip: each parameter counted once across tp and pp (tied copies too).
+        """The caller's clip (megatron passes mpu.clip_grad_norm: each parameter counted once
+        across tp and pp, tied copies too), else DeepSpeed's.
 
         DeepSpeed's fp32 path counts replicated parameters only on pipeline stage 0 and
         counts the tied embedding on both stages, so its norm is wrong once pp > 1.
         """
-        self._global_grad_norm = mpu.clip_grad_norm(self.module.parameters(),
-                                                    self.gradient_clipping())
+        if self.clip_grad_norm_fn is None:
+            return super().clip_fp32_gradients()
+        self._global_grad_norm = self.clip_grad_norm_fn(self.module.parameters(),
+                                                        self.gradient_clipping())
 
     _INSTRUCTION_MAP = {
         schedule.OptimizerStep: _DeepSpeedPipelineEngine._exec_optimizer_step,

@@ -7,8 +7,7 @@ each parameter's slice lies in the partition (``param_slice_mappings``: name ->
 data-parallel rank's saved state of one (tp, pp), each parameter's fp32 master weight,
 ``exp_avg`` and ``exp_avg_sq``; :func:`load_named` writes a named state into a live ZeRO
 optimizer through each parameter's fragment mapping (``param._hp_mapping``), so the resume
-at another layout (megatron/training/layout_change.py) re-slices ZeRO state like the DDP
-backend's. Both read DeepSpeed's own records; the supported DeepSpeed range is pinned in
+at another layout (:mod:`.layout_change`) re-slices ZeRO state like the DDP backend's. Both read DeepSpeed's own records; the supported DeepSpeed range is pinned in
 ``tds`` (docs/tds.md).
 """
 import torch
@@ -105,3 +104,22 @@ def load_named(zero, module, named, step):
         state.clear()
         state.update(step=_new_step(step, base.param_groups[group], flat.device), **moments)
     zero._hp_optimizer_states_linked = False  # DeepSpeed re-links fragments to the new state
+
+
+def load_engine_optimizer_file(path):
+    """weights_only load that also admits DeepSpeed's plain records in optimizer states.
+
+    ZeRO and bf16 optimizer states pickle a few DeepSpeed objects: the loss scaler and
+    fragment addresses. They are plain attribute holders (no ``__setstate__``, no
+    ``__reduce__``), so allowing exactly these classes still executes no pickled code.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    records = [fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum]
+    try:
+        with torch.serialization.safe_globals(records):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read optimizer shard {path}: {exc}") from None

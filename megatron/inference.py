@@ -1,17 +1,19 @@
-"""Build a GPT2Model for inference from a native checkpoint of any layout.
+"""Models for generation from a checkpoint of any layout (native or Hugging Face).
 
-The model runs at this process group's tensor-parallel size (pp must be 1). A checkpoint
-saved at that same tp without pipeline stages is loaded file by file; any other layout is
-merged and resharded in memory (:mod:`.native_reader` / :mod:`.native_writer`), so a
-pipeline run's checkpoint or one of another tp generates without converting it first.
+The model runs at this process group's tensor-parallel size (pp must be 1). A GPT-2
+checkpoint saved at that same tp without pipeline stages is loaded file by file; any other
+layout is merged and resharded in memory (:mod:`megatron.checkpoint`), so a pipeline run's
+checkpoint or one of another tp generates without converting it first.
 """
-from .. import mpu
-from ..training.checkpointing import checkpoint_name, iteration_dir
-from ..errors import CheckpointError, ConfigError
-from ..families import get_family
-from . import gpt2_keys
-from .native_reader import load_rank_file, rank_files, read_native, resolve_iteration
-from .native_writer import reshard, stage_state
+from . import mpu
+from .checkpoint import gpt2_keys
+from .checkpoint.format import (checkpoint_name, iteration_dir, load_rank_file, rank_files,
+                                resolve_iteration)
+from .checkpoint.native_reader import read_native
+from .checkpoint.native_writer import reshard, stage_state
+from .checkpoint_conversion import hf_io, t5_hf
+from .errors import CheckpointError, ConfigError
+from .families import get_family
 
 
 def _own_weights(root, iteration, true_vocab):
@@ -46,7 +48,7 @@ def load_gpt2_for_inference(root, iteration=None, true_vocab=None):
     Returns:
         ``(model, args)``: the model and the saved args (with this layout's padded size).
     """
-    from ..model.gpt2_model import GPT2Model
+    from .model.gpt2_model import GPT2Model
 
     if mpu.get_pipeline_model_parallel_world_size() != 1:
         raise ConfigError("generation runs without pipeline stages; launch tp processes only")
@@ -58,9 +60,41 @@ def load_gpt2_for_inference(root, iteration=None, true_vocab=None):
                           f"{tp} processes launched; launch a divisor of {heads}")
     model = GPT2Model(get_family("gpt2").config_from_saved(args), args["padded_vocab_size"],
                       args["max_position_embeddings"], parallel_output=False)
+    _load_weights(model, state, root)
+    return model.eval(), args
+
+
+def load_t5_for_inference(source, iteration=None, true_vocab=None):
+    """T5Model (eval, gathered logits) with the weights of a native or HF checkpoint.
+
+    Every tensor-parallel rank calls it; the model runs at this group's tp (pp must be 1).
+    Any layout is merged and resharded in memory.
+
+    Args:
+        source: a native ``--save`` directory or an HF ``save_pretrained`` directory.
+        iteration: native: which iteration (default: latest).
+        true_vocab: real vocabulary rows, if needed to re-pad and unknown otherwise.
+
+    Returns:
+        ``(model, args)`` with the args of this layout (``padded_vocab_size``, sizes).
+    """
+    from .model.t5_model import T5Model
+
+    if mpu.get_pipeline_model_parallel_world_size() != 1:
+        raise ConfigError("T5 inference runs without pipeline stages; launch tp processes only")
+    full = t5_hf.read_hf(source) if hf_io.is_hf_dir(source) else \
+        read_native(source, iteration, family="t5")
+    tp = mpu.get_tensor_model_parallel_world_size()
+    target = reshard(full, tp, 1, true_vocab=true_vocab)
+    model = T5Model(get_family("t5").config_from_saved(target.args), parallel_output=False)
+    state = stage_state(target.state, target.args, mpu.get_tensor_model_parallel_rank())
+    _load_weights(model, state, source)
+    return model.eval(), target.args
+
+
+def _load_weights(model, state, source):
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint {root} does not fit the model its args describe: "
+        raise CheckpointError(f"checkpoint {source} does not fit the model its args describe: "
                               f"{str(exc).splitlines()[0]}") from None
-    return model.eval(), args

@@ -1,22 +1,20 @@
-"""Resume a checkpoint at another (tp, pp) layout, with its optimizer state (issue 14).
+"""Read a checkpoint for a rank of another (tp, pp) layout, with its optimizer state.
 
-``--load`` of a checkpoint saved at (tp, pp, dp) into a run at (tp', pp', dp') with another
-tp or pp comes here (:func:`saved_layout_differs` decides; a change of dp alone needs none of
-this: the DDP backend's optimizer state is replicated across dp, and a DeepSpeed ZeRO
-engine re-partitions its own, see ``EngineBackend.load_optimizer_files``).
+A checkpoint saved at (tp, pp, dp) that a run at (tp', pp', dp') loads with another tp or pp
+comes here (:func:`saved_layout_differs` decides; a change of dp alone needs none of this:
+DDP optimizer state is replicated across dp, and a DeepSpeed ZeRO engine re-partitions its
+own).
 
 Every rank reads the whole checkpoint: the (tp, pp) main files and, for a run saved by a
 DeepSpeed engine, each (tp, pp)'s optimizer files. The weights and the optimizer state are
-merged into whole-model tensors with the conversion tools' key tables
-(:func:`~megatron.checkpoint_conversion.native_reader.merge_layout`), their vocabulary rows
-re-padded for tp' (new padding rows are zero, and masked out of the logits), and this rank
-keeps its slice (:func:`~megatron.checkpoint_conversion.native_writer.stage_state`). The
-optimizer state is keyed like the weights: by the parameter names each checkpoint records
-for our AdamW (DDP backend, or an fp32 engine without ZeRO), and by DeepSpeed's own
+merged into whole-model tensors with the model's key map (:func:`.native_reader.merge_layout`),
+their vocabulary rows re-padded for tp' (new padding rows are zero, and masked out of the
+logits), and this rank keeps its slice (:func:`.native_writer.stage_state`). The optimizer
+state is keyed like the weights: by the parameter names each checkpoint records for our
+AdamW (DDP backend, or an fp32 engine without ZeRO), and by DeepSpeed's own
 ``param_slice_mappings`` for ZeRO-1/2 partitions (:mod:`.zero_state`, fp32 master weights
-included). The step count, the param groups' hyper-parameters, the LR schedule, the data
-position and the fp16 loss scaler (between runs of the same backend) carry over; random
-streams restart from ``--seed`` (each layout draws dropout masks differently anyway).
+included). The result is data (:class:`RankState`); the training package gives it to the
+run's optimizer.
 
 Cost: each rank holds the whole model and its optimizer state in CPU memory once while
 loading.
@@ -25,25 +23,64 @@ What cannot move this way: DeepSpeed's fp16/bf16 optimizers without ZeRO (flat b
 no recorded per-parameter layout); such a checkpoint resumes at its own layout, or moves
 with ``--no-load-optim``.
 """
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .. import mpu
 from ..errors import CheckpointError
-from ..utils import warn_rank_0
-from .backend import uses_pipeline_engine
-from .checkpointing import LAYOUT_KEYS, check_compatible, saved_optimizer_files
+from .format import (LAYOUT_KEYS, check_compatible, check_rank_layout, iteration_dir,
+                     load_rank_file, rank_files, saved_optimizer_files, uses_pipeline_engine)
+from .key_maps import key_map_for
+from .native_reader import check_complete, merge_layout
+from .native_writer import check_layout, layout_args, stage_state
+from .optimizer_names import named_adam_state
+from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size
+from .zero_state import is_zero_state, load_engine_optimizer_file, named_from_saved
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-_HINT = ("resume at the saved layout, or pass --no-load-optim to move the weights, LR "
-         "schedule and data position without the optimizer state")
+HINT = ("resume at the saved layout, or pass --no-load-optim to move the weights, LR "
+        "schedule and data position without the optimizer state")
+
+
+@dataclass
+class NamedOptimizerState:
+    """This rank's slice of a checkpoint's Adam state, by parameter name.
+
+    Attributes:
+        named: ``{name: {"exp_avg", "exp_avg_sq", "fp32"}}``; ``fp32`` is the master weight
+            (ZeRO's, else the fp32 weight itself).
+        step: the optimizer step count.
+        groups: the saved param groups' hyper-parameters, or None (ZeRO records none).
+        scaler: ``{"ddp": ...}`` or ``{"deepspeed": ...}`` fp16 loss-scaler state, or None.
+    """
+
+    named: Dict[str, Dict[str, torch.Tensor]]
+    step: Any
+    groups: Optional[List[dict]]
+    scaler: Optional[dict]
+
+
+@dataclass
+class RankState:
+    """What a rank of the new layout loads.
+
+    Attributes:
+        model: this rank's model state dict.
+        optimizer: its optimizer state, or None when not asked for.
+        first: the saved (tp 0, pp 0) file's state (iteration, LR schedule, consumed
+            samples, engine counters), without RNG states.
+        description: the saved layout, for messages.
+    """
+
+    model: Dict[str, torch.Tensor]
+    optimizer: Optional[NamedOptimizerState]
+    first: dict
+    description: str
 
 
 def _rank_states(root, iteration):
     """``{(tp, pp): main file state}`` of the checkpoint, with its saved args and folder."""
-    from ..checkpoint_conversion.native_reader import (check_rank_layout, iteration_dir,
-                                                       load_rank_file, rank_files)
-
     folder = iteration_dir(root, iteration)
     files = rank_files(folder)
     if (0, 0) not in files:
@@ -60,8 +97,6 @@ def _rank_states(root, iteration):
 
 def saved_layout_differs(root, iteration, args):
     """Whether the checkpoint's (tp, pp) differs from the run's (reads one file's args)."""
-    from ..checkpoint_conversion.native_reader import iteration_dir, rank_files
-
     files = rank_files(iteration_dir(root, iteration))
     if (0, 0) not in files:
         return False  # the normal path reports the missing file
@@ -81,13 +116,9 @@ def _named_state(state, root, iteration, tp_rank, pp_rank):
         loss scaler or None)``; ``fp32`` (the master weight) only from ZeRO, whose model
         weights may be fp16.
     """
-    from ..checkpoint_conversion.optimizer_reshard import named_adam_state
-    from .backend_engine import load_engine_optimizer_file
-    from .zero_state import is_zero_state, named_from_saved
-
     names = state.get("optimizer_param_names")
     unnamed = CheckpointError(f"checkpoint in {root} does not record its optimizer's "
-                              f"parameter names (saved by an older megatron-tds); {_HINT}")
+                              f"parameter names (saved by an older megatron-tds); {HINT}")
     if "optimizer" in state:  # DDP backend: MegatronOptimizer's {"optimizer", "grad_scaler"}
         if names is None:
             raise unnamed
@@ -109,14 +140,12 @@ def _named_state(state, root, iteration, tp_rank, pp_rank):
         return named, groups, None
     raise CheckpointError(f"checkpoint in {root} holds the state of DeepSpeed's fp16/bf16 "
                           f"optimizer without ZeRO, which cannot be re-sliced for another "
-                          f"tensor- or pipeline-parallel size; {_HINT}")
+                          f"tensor- or pipeline-parallel size; {HINT}")
 
 
 def _full_moments(states, saved, folder, keys, root, iteration):
     """Whole-model optimizer tensors ``{"exp_avg"|"exp_avg_sq"[|"fp32"]: {key: tensor}}``,
     the step, the param groups (or None) and the loss scaler (or None)."""
-    from ..checkpoint_conversion.native_reader import merge_layout
-
     named, groups, scaler = {}, None, None
     for (tp_rank, pp_rank), state in states.items():
         named[(tp_rank, pp_rank)], rank_groups, rank_scaler = \
@@ -126,7 +155,7 @@ def _full_moments(states, saved, folder, keys, root, iteration):
     first = next(iter(named[(0, 0)].values()), None)
     if first is None:
         raise CheckpointError(f"checkpoint in {root} has an empty optimizer state (saved "
-                              f"before the first step?); {_HINT}")
+                              f"before the first step?); {HINT}")
     kinds = [k for k in ("exp_avg", "exp_avg_sq", "fp32")
              if all(k in e for n in named.values() for e in n.values())]
     moments = {m: merge_layout(keys, saved, lambda t, p, m=m: {k: v[m] for k, v in
@@ -138,8 +167,6 @@ def _full_moments(states, saved, folder, keys, root, iteration):
 
 def _target_args(saved, args):
     """The saved args with this run's layout and padded vocabulary."""
-    from ..checkpoint_conversion.native_writer import check_layout, layout_args
-
     target = layout_args(saved, args.parallel.tp, args.parallel.pp)
     target["padded_vocab_size"] = args.padded_vocab_size
     check_layout(target, args.parallel.tp, args.parallel.pp)
@@ -148,9 +175,6 @@ def _target_args(saved, args):
 
 def _this_rank(full, target, keys, true_vocab):
     """This rank's slice of whole-model tensors, re-padded for its vocabulary size."""
-    from ..checkpoint_conversion.native_writer import stage_state
-    from ..checkpoint_conversion.vocab_padding import repad_vocab_rows
-
     full = repad_vocab_rows(full, true_vocab, target["padded_vocab_size"], keys.VOCAB_KEYS)
     pp = target["pipeline_model_parallel_size"]
     bounds = keys.stage_bounds(target, pp)[mpu.get_pipeline_model_parallel_rank()] \
@@ -158,75 +182,53 @@ def _this_rank(full, target, keys, true_vocab):
     return stage_state(full, target, mpu.get_tensor_model_parallel_rank(), bounds)
 
 
-def _load_optimizer(backend, own_weights, moments, step, groups, scaler, slice_of):
-    """Give this rank's slice of the optimizer state to the backend's optimizer."""
-    from ..checkpoint_conversion.optimizer_reshard import adam_state_dict
-
-    own = {m: slice_of(moments[m]) for m in moments}
-    own.setdefault("fp32", {k: v.float() for k, v in own_weights.items()})  # fp32 sources
-    names = [n for n, _ in backend.module().named_parameters()]
-    missing = [n for n in names if n not in own["exp_avg"]]
-    if missing:
-        raise CheckpointError(f"the checkpoint has no optimizer state for {missing[:3]}")
-    adam = backend.named_optimizer()
-    if adam is None:  # DeepSpeed's ZeRO: through each parameter's slice of its partitions
-        backend.load_named_optimizer({n: {k: own[k][n] for k in own} for n in names}, step)
-    else:
-        from ..checkpoint_conversion.optimizer_reshard import param_names
-
-        order = param_names(backend.module(), adam)
-        named = {n: {"step": step.clone() if torch.is_tensor(step) else step,
-                     **{m: own[m][n] for m in _MOMENTS}} for n in order}
-        template = adam.state_dict()["param_groups"]
-        adam.load_state_dict(adam_state_dict(named, groups or template, order, template))
-    if scaler and not backend.load_scaler_state(scaler):
-        warn_rank_0("the fp16 loss scale restarts from --initial-loss-scale (the checkpoint "
-                    "was saved by the other training backend)")
+def _check_vocab(saved, args, folder):
+    run_vocab = args.get("true_vocab_size")
+    if saved.get("true_vocab_size") and run_vocab and saved["true_vocab_size"] != run_vocab:
+        raise CheckpointError(f"checkpoint {folder} has {saved['true_vocab_size']} vocabulary "
+                              f"entries, this run's tokenizer {run_vocab}")
 
 
-def load_at_new_layout(backend, args, iteration, load_optim):
-    """Load ``args.load`` at ``iteration`` into this run's layout (every rank; no collectives).
+def read_at_new_layout(root, iteration, args, load_optim):
+    """This rank's part of ``root`` at ``iteration`` for the run's layout (no collectives).
 
-    Loads the weights and, with ``load_optim``, the optimizer into ``backend``; returns the
-    (0, 0) file's state (iteration, LR schedule, consumed samples, engine counters) for the
-    caller to restore the rest, without RNG states.
+    Args:
+        root: the checkpoint directory (``--load``).
+        iteration: the iteration to read.
+        args: the run configuration (its layout, padded vocabulary and model settings).
+        load_optim: also re-slice the optimizer state.
 
     Raises:
         CheckpointError: another model, an incomplete checkpoint, or optimizer state that
             cannot move (see the module docstring).
     """
-    from ..checkpoint_conversion.native_reader import check_complete, family_of, key_map, \
-        merge_layout
-    from ..checkpoint_conversion.vocab_padding import resolve_true_vocab_size
-
-    states, saved, folder = _rank_states(args.load, iteration)
+    states, saved, folder = _rank_states(root, iteration)
     check_compatible(saved, args, folder, ignore=LAYOUT_KEYS)
     true_vocab = resolve_true_vocab_size(saved, args.get("true_vocab_size"))
-    if saved.get("true_vocab_size") and args.get("true_vocab_size") and \
-            saved["true_vocab_size"] != args.get("true_vocab_size"):
-        raise CheckpointError(f"checkpoint {folder} has {saved['true_vocab_size']} vocabulary "
-                              f"entries, this run's tokenizer {args.get('true_vocab_size')}")
-    keys = key_map(family_of(saved))
+    _check_vocab(saved, args, folder)
+    keys = key_map_for(saved)
     target = _target_args(saved, args)
     weights = check_complete(keys, merge_layout(keys, saved, lambda t, p: states[(t, p)]
                                                 .get("model", {}), folder), saved, folder)
-    optimizer = _full_moments(states, saved, folder, keys, args.load, iteration) \
+    moments = _full_moments(states, saved, folder, keys, root, iteration) \
         if load_optim else None
-    if optimizer is not None and "fp32" in optimizer[0]:
-        weights.update(optimizer[0]["fp32"])  # ZeRO's fp32 masters: exact, where weights are fp16
+    if moments is not None and "fp32" in moments[0]:
+        weights.update(moments[0]["fp32"])  # ZeRO's fp32 masters: exact, where weights are fp16
 
     def slice_of(full):
         return _this_rank(full, target, keys, true_vocab)
 
     own_weights = slice_of(weights)
-    backend.module().load_state_dict(own_weights)
-    if optimizer is not None:
-        _load_optimizer(backend, own_weights, *optimizer, slice_of)
+    optimizer = None
+    if moments is not None:
+        full, step, groups, scaler = moments
+        own = {m: slice_of(full[m]) for m in full}
+        own.setdefault("fp32", {k: v.float() for k, v in own_weights.items()})  # fp32 sources
+        named = {name: {m: own[m][name] for m in own if name in own[m]}
+                 for name in own["exp_avg"]}
+        optimizer = NamedOptimizerState(named, step, groups, scaler)
     first = dict(states[(0, 0)])
     first.pop("rng_state", None)
-    warn_rank_0(
-        f"resuming {folder} (tp={saved['tensor_model_parallel_size']}, "
-        f"pp={saved.get('pipeline_model_parallel_size', 1)}) at tp={args.parallel.tp}, "
-        f"pp={args.parallel.pp}: weights{', Adam state' if load_optim else ''}, LR schedule "
-        f"and data position carried over; random streams restart from --seed")
-    return first
+    description = (f"{folder} (tp={saved['tensor_model_parallel_size']}, "
+                   f"pp={saved.get('pipeline_model_parallel_size', 1)})")
+    return RankState(own_weights, optimizer, first, description)

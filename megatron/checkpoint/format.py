@@ -1,0 +1,206 @@
+"""The on-disk format of a checkpoint: folder and file names, the tracker, what must match.
+
+Layout (Megatron-LM's)::
+
+    <root>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt
+    <root>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/optim_dp_rank_{dp:03d}.pt   (sharded optimizers)
+    <root>/latest_checkpointed_iteration.txt
+
+Megatron-LM without pipeline stages names the rank folder ``mp_rank_{tp:02d}``; both are
+read. A writer builds the iteration folder under a temporary root and :func:`publish_iteration`
+renames it into place before the tracker is rewritten (atomically), so a crash at any point
+leaves the previous checkpoint and tracker as they were. Every reader here loads with
+``torch.load(weights_only=True)``: a checkpoint cannot execute code.
+"""
+import os
+import re
+import shutil
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..config.run_config import uses_pipeline_engine  # noqa: F401 (part of the format)
+from ..errors import CheckpointError, not_text
+from ..locks import remove_stale_tmps, tmp_name
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKPOINT_FORMAT = "megatron-tds/1"
+MODEL_FILENAME = "model_optim_rng.pt"
+
+#: Settings that must agree between a checkpoint and the flags that load it.
+MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "kv_channels",
+              "ffn_hidden_size", "padded_vocab_size", "max_position_embeddings", "hidden_bias",
+              "tensor_model_parallel_size", "pipeline_model_parallel_size",
+              # T5 (absent from GPT-2 checkpoints, so never compared for them)
+              "t5_ff", "untie_embeddings", "relative_attention_num_buckets")
+
+#: The settings of MODEL_KEYS that a resume at another layout may change
+#: (:mod:`megatron.checkpoint.layout_change`).
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
+
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+# ---------------------------------------------------------------- names
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int) -> str:
+    """Path of one rank's file inside ``root/iter_*`` (or a temporary iteration folder)."""
+    return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp_rank:02d}_{pp_rank:03d}",
+                        MODEL_FILENAME)
+
+
+def megatron_v2_name(root: str, iteration: int, tp_rank: int) -> str:
+    """Megatron-LM's name when there is no pipeline: ``mp_rank_{tp:02d}``."""
+    return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp_rank:02d}", MODEL_FILENAME)
+
+
+def optimizer_shard_name(root: str, iteration: int, tp_rank: int, pp_rank: int,
+                         dp_rank: int) -> str:
+    """Per-data-parallel-rank optimizer file (DeepSpeed engines shard optimizer state)."""
+    return os.path.join(os.path.dirname(checkpoint_name(root, iteration, tp_rank, pp_rank)),
+                        f"optim_dp_rank_{dp_rank:03d}.pt")
+
+
+# ---------------------------------------------------------------- tracker
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration in ``root``'s tracker file, or None when there is none."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read().strip()
+    except UnicodeDecodeError as exc:
+        raise not_text(path, exc, "the tracker file should hold an iteration number; write "
+                       "the newest complete iteration (an iter_* folder's number) into it",
+                       CheckpointError) from None
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+def write_atomic(path: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` then rename ``tmp`` to ``path`` (a killed writer leaves no half file)."""
+    remove_stale_tmps(path)  # a killed writer's leftovers
+    tmp = tmp_name(path)
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Point ``root``'s tracker file at ``iteration`` (atomically; one rank calls it)."""
+    def write(tmp):
+        with open(tmp, "w") as handle:
+            handle.write(str(iteration))
+
+    write_atomic(os.path.join(root, TRACKER_FILENAME), write)
+
+
+def publish_iteration(root: str, tmp_root: str, iteration: int) -> None:
+    """Move the finished ``tmp_root`` iteration folder into ``root``, then point the tracker
+    at it. Re-saving an iteration replaces the old folder whole."""
+    final = iteration_dir(root, iteration)
+    if os.path.exists(final):
+        old = iteration_dir(os.path.join(root, ".old"), iteration)
+        shutil.rmtree(old, ignore_errors=True)
+        os.makedirs(os.path.dirname(old), exist_ok=True)
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(iteration_dir(tmp_root, iteration), final)
+    write_tracker(root, iteration)
+
+
+# ---------------------------------------------------------------- reading
+def resolve_iteration(root: str, iteration: Optional[int] = None) -> int:
+    """The iteration to read: ``iteration`` if given, else the tracker's."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise CheckpointError(f"{root} holds no checkpoint ({TRACKER_FILENAME} is missing); "
+                                  f"point at a --save directory or pass --iteration")
+    if not os.path.isdir(iteration_dir(root, iteration)):
+        raise CheckpointError(f"checkpoint folder {iteration_dir(root, iteration)} is missing")
+    return iteration
+
+
+def rank_files(folder: str) -> Dict[Tuple[int, int], str]:
+    """``{(tp_rank, pp_rank): path}`` for every rank folder in ``folder``."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        match = _RANK_DIR.match(name)
+        if match:
+            key = (int(match.group(1)), int(match.group(2) or 0))
+            files[key] = os.path.join(folder, name, MODEL_FILENAME)
+    return files
+
+
+def load_rank_file(path: str) -> dict:
+    """One rank file, read without executing pickled code."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint file {path}: "
+                              f"{str(exc).splitlines()[0]}") from None
+
+
+def check_rank_layout(files: Dict[Tuple[int, int], str], tp: int, pp: int, folder: str) -> None:
+    """Raise unless ``files`` are exactly the rank folders of a ``tp`` x ``pp`` layout."""
+    expected = {(t, p) for t in range(tp) for p in range(pp)}
+    missing, extra = sorted(expected - set(files)), sorted(set(files) - expected)
+    if missing:
+        names = ", ".join(f"mp_rank_{t:02d}_{p:03d}" for t, p in missing)
+        raise CheckpointError(f"checkpoint {folder} is incomplete: tp={tp} x pp={pp} needs "
+                              f"{names}, which are missing")
+    if extra:
+        raise CheckpointError(f"checkpoint {folder} has rank folders {extra} beyond its saved "
+                              f"layout tp={tp} x pp={pp}: files from different runs are mixed")
+
+
+def saved_optimizer_files(root: str, iteration: int, tp_rank: int, pp_rank: int) -> List[str]:
+    """Every data-parallel rank's optimizer file of one (tp, pp), in rank order (their number
+    is the saved data-parallel size).
+
+    Raises:
+        CheckpointError: there are none, or one is missing.
+    """
+    folder = os.path.dirname(checkpoint_name(root, iteration, tp_rank, pp_rank))
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    count = sum(1 for name in names if name.startswith("optim_dp_rank_"))
+    hint = "pass --no-load-optim (or --finetune) to load the weights only"
+    if count == 0:
+        raise CheckpointError(f"checkpoint in {root} has no optimizer files in {folder} (saved "
+                              f"without optimizer state, or by the DDP backend); {hint}")
+    paths = [optimizer_shard_name(root, iteration, tp_rank, pp_rank, r) for r in range(count)]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise CheckpointError(f"optimizer file {missing[0]} is missing: the checkpoint is "
+                              f"incomplete; {hint}")
+    return paths
+
+
+def check_compatible(saved: dict, args, path: str, ignore=()) -> None:
+    """Raise unless the checkpoint's saved model settings match the run's.
+
+    Args:
+        saved: the checkpoint's args dict.
+        args: the run configuration (anything with ``get(name)``).
+        path: the checkpoint, for the message.
+        ignore: settings allowed to differ (:data:`LAYOUT_KEYS` for a resume at another
+            layout).
+    """
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, flags {args.get(k)!r}"
+             for k in MODEL_KEYS if k in saved and k not in ignore and saved.get(k) != args.get(k)]
+    if not diffs:
+        return
+    raise CheckpointError(f"checkpoint {path} was made for a different model:\n    "
+                          + "\n    ".join(diffs) + "\n  fix the flags to match it")

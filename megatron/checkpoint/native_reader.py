@@ -1,0 +1,183 @@
+"""Read a native checkpoint of any model family and any (tp, pp) layout into one full
+state dict.
+
+The files of ``<root>/iter_N/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` are read with
+``torch.load(weights_only=True)``; tensor-parallel shards are concatenated along their split
+dimension, pipeline-stage keys are renamed to the whole model's, copies held by several
+stages are checked to agree, and the result is checked for completeness against the model
+sizes in the saved args. What differs between GPT-2 and T5 comes from the model's key map
+(:mod:`.gpt2_keys`, :mod:`.t5_keys`; :func:`.key_maps.key_map_for` picks it from the saved args).
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import CheckpointError
+from ..progress import progress
+from . import gpt2_keys
+from .format import (check_rank_layout, iteration_dir, load_rank_file, rank_files,
+                     resolve_iteration)
+from .key_maps import key_map_for, key_map_named
+
+#: Replicated tensors (LayerNorms, row-parallel biases, the tied embedding copies) must agree
+#: across the ranks that hold them; they are bitwise equal after training, so a difference
+#: above this means files from different runs were mixed.
+REPLICA_TOLERANCE = 1e-6
+
+#: What a weights-only conversion carries over besides the model (plain values only).
+CARRIED_KEYS = ("consumed_train_samples", "consumed_valid_samples", "lr_scheduler")
+
+
+@dataclass
+class FullCheckpoint:
+    """A whole model in its unsplit key names (GPT2Model's, T5Model's), independent of any
+    parallel layout.
+
+    Attributes:
+        state: ``{model key: full tensor}``.
+        args: the saved args dict (model sizes, tokenizer, the source layout).
+        iteration: the training iteration it was saved at (0 for converted HF weights).
+        extras: progress carried to a converted checkpoint (:data:`CARRIED_KEYS`).
+    """
+
+    state: dict
+    args: dict
+    iteration: int = 0
+    extras: dict = field(default_factory=dict)
+
+
+def replicas_agree(a, b, what):
+    """Raise unless two copies of a replicated tensor are equal (up to REPLICA_TOLERANCE)."""
+    if a.shape != b.shape or (a.float() - b.float()).abs().max().item() > REPLICA_TOLERANCE:
+        raise CheckpointError(f"{what} differs between the ranks that hold it: the checkpoint "
+                              f"mixes files from different runs, or tied copies drifted apart")
+
+
+def merge_tensor_parallel(shards, where, split_dim=gpt2_keys.tp_split_dim):
+    """One stage's tp shards (rank order, full-model keys) -> full tensors.
+
+    Args:
+        shards: list of state dicts, one per tensor-parallel rank.
+        where: description for error messages.
+        split_dim: key -> the dimension it is split on, or None when replicated (the model
+            family's key table: GPT-2's by default).
+    """
+    keys = list(shards[0])
+    for rank, shard in enumerate(shards[1:], start=1):
+        if set(shard) != set(keys):
+            raise CheckpointError(f"{where}: tp rank {rank} holds other tensors than tp rank 0")
+    merged = {}
+    for key in keys:
+        dim = split_dim(key)
+        if dim is None:
+            for rank, shard in enumerate(shards[1:], start=1):
+                replicas_agree(shards[0][key], shard[key],
+                               f"{where}: replicated {key} (tp rank {rank})")
+            merged[key] = shards[0][key]
+        else:
+            merged[key] = torch.cat([shard[key] for shard in shards], dim=dim)
+    return merged
+
+
+def _to_full_keys(keys, state, num_layers):
+    if not keys.is_pipe_state(state):
+        return dict(state)
+    return {keys.pipe_to_full_key(k, num_layers): v for k, v in state.items()}
+
+
+def _add_stage(keys, full, stage, pp_rank):
+    """Add one stage's tensors; stages come in order, so the first copy of a tensor held by
+    several stages is kept, and later copies are checked (``keys.stage_replica``)."""
+    for key, tensor in stage.items():
+        if key not in full:
+            full[key] = tensor
+            continue
+        rule = keys.stage_replica(key)
+        if rule == "agree":
+            replicas_agree(full[key], tensor, f"{key} (pipeline stage {pp_rank})")
+        elif rule != "first":
+            raise CheckpointError(f"{key} appears on two pipeline stages (again on stage "
+                                  f"{pp_rank})")
+
+
+def check_complete(keys, full, args, folder):
+    expected = keys.expected_keys(args)
+    missing = [k for k in expected if k not in full]
+    unexpected = sorted(set(full) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {folder} does not hold a {keys.describe(args)}: "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    vocab = full[keys.VOCAB_KEYS[0]].shape[0]
+    if vocab != args["padded_vocab_size"]:
+        raise CheckpointError(f"checkpoint {folder}: word embeddings have {vocab} rows but its "
+                              f"args say padded_vocab_size={args['padded_vocab_size']}")
+    return {k: full[k] for k in expected}
+
+
+def _check_family(args, family, path):
+    """The key map of the checkpoint; when ``family`` is given, it must be that family's."""
+    keys = key_map_for(args)
+    if family is not None and family != keys.FAMILY:
+        raise CheckpointError(f"{path} is not a {key_map_named(family).NAME} checkpoint (it "
+                              f"holds a {keys.NAME}); use {keys.CONVERT_TOOL}")
+    return keys
+
+
+def merge_layout(keys, args, local_state, where):
+    """Per-rank state dicts of the (tp, pp) layout in ``args`` -> one whole-model dict.
+
+    Tensor-parallel shards are concatenated, pipeline-stage keys renamed to the whole
+    model's, and tensors held by several stages checked to agree. Used for the weights and,
+    by a resume at another layout, for each Adam moment (keyed like the weights).
+
+    Args:
+        keys: the model's key map (:mod:`.key_maps`).
+        args: the saved args (layout and ``num_layers``).
+        local_state: ``f(tp_rank, pp_rank) -> {local key: tensor}``, called stage by stage.
+        where: description for error messages.
+    """
+    tp, pp = args["tensor_model_parallel_size"], args.get("pipeline_model_parallel_size", 1)
+    full = {}
+    for pp_rank in progress(range(pp), desc="reading stages", unit="stages"):
+        stage = [_to_full_keys(keys, local_state(t, pp_rank), args["num_layers"])
+                 for t in range(tp)]
+        merged = merge_tensor_parallel(stage, f"{where} stage {pp_rank}",
+                                       split_dim=keys.tp_split_dim)
+        _add_stage(keys, full, merged, pp_rank)
+    return full
+
+
+def read_native(root, iteration=None, family=None):
+    """Read and merge a native checkpoint into a :class:`FullCheckpoint`.
+
+    Args:
+        root: a ``--save`` directory.
+        iteration: which iteration (default: the tracker's).
+        family: ``gpt2`` or ``t5`` to insist on one (default: what the saved args say).
+
+    Raises:
+        CheckpointError: missing, incomplete, mixed or other-family checkpoint.
+    """
+    iteration = resolve_iteration(root, iteration)
+    folder = iteration_dir(root, iteration)
+    files = rank_files(folder)
+    if (0, 0) not in files:
+        raise CheckpointError(f"checkpoint {folder} has no mp_rank_00_000 (or mp_rank_00) file")
+    first = load_rank_file(files[(0, 0)])
+    args = dict(first.get("args") or {})
+    required = ("num_layers", "padded_vocab_size", "tensor_model_parallel_size")
+    if not all(k in args for k in required):
+        raise CheckpointError(f"{files[(0, 0)]} has no saved model args: not a megatron-tds "
+                              f"checkpoint")
+    keys = _check_family(args, family, files[(0, 0)])
+    tp, pp = args["tensor_model_parallel_size"], args.get("pipeline_model_parallel_size", 1)
+    check_rank_layout(files, tp, pp, folder)
+
+    def model_of(tp_rank, pp_rank):
+        state = first if (tp_rank, pp_rank) == (0, 0) else load_rank_file(files[(tp_rank, pp_rank)])
+        return state.get("model", {})
+
+    full = merge_layout(keys, args, model_of, folder)
+    extras = {k: first[k] for k in CARRIED_KEYS if k in first}
+    return FullCheckpoint(check_complete(keys, full, args, folder), args,
+                          int(first.get("iteration", iteration)), extras)

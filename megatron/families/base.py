@@ -1,0 +1,100 @@
+"""What every model family is: :class:`ModelFamily`, and the settings all transformers share
+(the package docstring, :mod:`megatron.families`, explains the interface)."""
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Dict, Optional
+
+
+def _no_problems(*_):
+    return None
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """The per-model description (see the module docstring)."""
+
+    name: str
+    add_flags: Callable
+    model_config: Callable
+    build_model: Callable
+    """``build_model(cfg, pipeline) -> nn.Module``."""
+    build_datasets: Callable
+    flops_per_step: Callable
+    make_batch_fn: Callable
+    """``make_batch_fn(cfg, tokenizer) -> f(raw batch or None) -> (inputs, labels)``: tensor-
+    parallel rank 0 reads, the batch is shared with its group, masks are built on the device."""
+    loss_fn: Callable
+    """``loss_fn(outputs, labels) -> scalar loss`` of the model's (or last stage's) outputs."""
+    keys: Optional[ModuleType] = None
+    """The checkpoint key map (:mod:`megatron.checkpoint.gpt2_keys` / ``t5_keys``)."""
+    hf: Optional[ModuleType] = None
+    """The Hugging Face adapter (``read_hf`` / ``write_hf``, megatron.checkpoint_conversion)."""
+    flag_defaults: Dict[str, Any] = field(default_factory=dict)
+    """Defaults the family sets for generic flags (a config file or a flag overrides them)."""
+    label: str = ""
+    """Name in the configuration error's heading ("invalid T5 configuration")."""
+    layer_stacks: int = 1
+    """Stacks of --num-layers layers (2 for an encoder-decoder), for the pipeline check."""
+    derive: Callable = _no_problems
+    """``derive(ns)``: fill the family's derived flags before the generic checks."""
+    validate: Callable = _no_problems
+    """``validate(ns, problems)``: append a message for each bad family setting."""
+    validate_with_tokenizer: Callable = _no_problems
+    """``validate_with_tokenizer(ns, tokenizer, problems)``: checks that need the vocabulary."""
+
+    def config_from_saved(self, saved: dict):
+        """The dropout-free fp32 model config of a checkpoint's saved ``args`` dict
+        (settings it lacks take today's flag defaults)."""
+        import torch
+
+        from ..config import saved_run_config
+
+        flags = saved_run_config(saved, self).replace(compute_dtype=torch.float32,
+                                                      checkpoint_activations=False)
+        return self.model_config(flags, dropout=False)
+
+    def forward_step(self, batch_fn: Callable) -> Callable:
+        """Megatron's ``forward_step(data_iterator, model) -> (loss, {"lm loss": ...})`` for
+        the serial model, from the family's batch function and loss."""
+        def forward_step(data_iterator, model):
+            raw = next(data_iterator) if data_iterator is not None else None
+            inputs, labels = batch_fn(raw)
+            loss = self.loss_fn(model(*inputs), labels)
+            return loss, {"lm loss": loss.detach()}
+
+        return forward_step
+
+
+def transformer_kwargs(flags, dropout: bool = True) -> dict:
+    """The settings every family's transformer config takes from the flags.
+
+    Args:
+        flags: a :class:`~megatron.config.RunConfig` (or a saved configuration made with
+            :func:`megatron.config.saved_run_config`).
+        dropout: False for inference (dropout probabilities 0).
+    """
+    return dict(
+        num_layers=flags.num_layers, hidden_size=flags.hidden_size,
+        num_attention_heads=flags.num_attention_heads, kv_channels=flags.kv_channels,
+        ffn_hidden_size=flags.ffn_hidden_size,
+        hidden_dropout=flags.hidden_dropout if dropout else 0.0,
+        attention_dropout=flags.attention_dropout if dropout else 0.0,
+        layernorm_epsilon=flags.layernorm_epsilon,
+        checkpoint_activations=flags.checkpoint_activations,
+        checkpoint_num_layers=flags.checkpoint_num_layers,
+        masked_softmax_fusion=flags.masked_softmax_fusion, compute_dtype=flags.compute_dtype,
+        seed=flags.seed,
+        # padded vocabulary rows get -inf logits; unknown (None) in some old checkpoints
+        true_vocab_size=flags.get("true_vocab_size"),
+        sequence_parallel=bool(flags.get("sequence_parallel")) and dropout,  # not in inference
+        attention_backend=flags.get("attention_backend") or "auto")
+
+
+def pipeline_topology():
+    """DeepSpeed's pipeline topology of this process grid (same rank order as mpu)."""
+    from tds.pipe import PipeModelDataParallelTopology
+
+    from .. import mpu
+
+    s = mpu.get_parallel_state()
+    return PipeModelDataParallelTopology(num_pp=s.pp_size, num_mp=s.tp_size, num_dp=s.dp_size)

@@ -1,0 +1,60 @@
+"""build_backend(): the one place that decides how a run trains (DDP, DeepSpeed, tds pipeline).
+
+- ``pp > 1`` (:func:`~megatron.checkpoint.format.uses_pipeline_engine`): the model provider
+  builds pipeline stages and tds's pipeline engine trains them;
+- ``--deepspeed``: DeepSpeed's engine (ZeRO, its fp16/bf16 optimizers);
+- otherwise torch DDP with our AdamW wrapper.
+"""
+import inspect
+
+from .. import mpu
+from ..checkpoint.format import uses_pipeline_engine
+
+
+def _call_provider(model_provider, pipeline):
+    """``model_provider(pipeline=...)`` when it takes the argument, else Megatron's ``()``."""
+    if "pipeline" in inspect.signature(model_provider).parameters:
+        return model_provider(pipeline=pipeline)
+    return model_provider()
+
+
+def _report_parameters(model):
+    count = sum(p.numel() for p in model.parameters())
+    state = mpu.get_parallel_state()
+    if state.dp_rank == 0:
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+              f"({state.tp_rank}, {state.pp_rank}): {count}", flush=True)
+
+
+def build_backend(cfg, model_provider, batch_fn=None):
+    """Build the model through ``model_provider`` and the backend that trains it.
+
+    Args:
+        cfg: the run configuration.
+        model_provider: ``f(pipeline: bool) -> module`` (a tds ``PipelineModule`` when
+            ``pipeline``), or Megatron's ``f() -> module``.
+        batch_fn: ``raw batch -> (inputs, labels)`` for the pipeline engine (the family's);
+            a pipeline module built by a Megatron-DeepSpeed style provider may carry it as
+            ``_megatron_batch_fn`` instead.
+
+    Returns:
+        A :class:`~.backend.TrainingBackend`.
+    """
+    pipeline = uses_pipeline_engine(cfg.parallel.pp)
+    engine = pipeline or cfg.parallel.deepspeed
+    if engine:
+        from .backend_engine import EngineBackend, attach_deepspeed_comm
+
+        attach_deepspeed_comm(cfg)  # a PipelineModule needs it while it is built
+    model = _call_provider(model_provider, pipeline)
+    if cfg.get("compile"):  # --compile: regional, each transformer layer in place
+        from ..model.compile import compile_layers
+
+        compile_layers(model)
+    _report_parameters(model)
+    if engine:
+        batch_fn = batch_fn or getattr(model, "_megatron_batch_fn", None)
+        return EngineBackend.build(model, cfg, pipeline, batch_fn)
+    from .backend_ddp import DDPBackend
+
+    return DDPBackend.build(model, cfg)

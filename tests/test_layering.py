@@ -1,0 +1,154 @@
+"""The package's import structure: layers in one order, no import circles.
+
+Every ``import`` in megatron/ and tds/ (module level or inside a function) is read with
+``ast``; an import may only point to its own layer or a lower one, and the module graph has
+no cycle (a package's ``__init__`` counts as a module). docs/architecture.md draws the
+layers; a new module must be placed in one of them here.
+"""
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: Lowest first. A module belongs to the entry naming it or its nearest parent package
+#: ("megatron" names the package's own ``__init__`` only).
+LAYERS = [
+    ("base", ["megatron", "megatron.errors", "megatron.locks", "megatron.progress",
+              "megatron.timers", "megatron.utils", "megatron.build_utils",
+              "megatron.global_vars", "megatron.metrics_writers", "megatron.run_plots"]),
+    ("tds", ["tds"]),
+    ("mpu", ["megatron.mpu"]),
+    ("kernels", ["megatron.fused_kernels"]),
+    ("model", ["megatron.model", "megatron.optimizer", "megatron.learning_rates"]),
+    ("data", ["megatron.tokenizer", "megatron.data"]),
+    ("config", ["megatron.config"]),
+    ("checkpoint", ["megatron.checkpoint"]),
+    ("conversion", ["megatron.checkpoint_conversion"]),
+    ("families", ["megatron.families"]),
+    ("run", ["megatron.initialize", "megatron.inference", "megatron.text_generation",
+             "megatron.t5_generation", "megatron.planning"]),
+    ("training", ["megatron.training"]),
+]
+
+
+def _modules():
+    found = {}
+    for package in ("megatron", "tds"):
+        for folder, _, files in os.walk(os.path.join(REPO, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    dotted = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                    found[dotted[:-len(".__init__")] if dotted.endswith(".__init__")
+                          else dotted] = path
+    return found
+
+
+def _targets(module, path, node, modules):
+    """The project modules an import statement names."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+        if node.level:
+            base = ".".join(base.split(".")[:len(base.split(".")) - node.level + 1])
+            target = base + ("." + node.module if node.module else "")
+        else:
+            target = node.module
+        names = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target
+                 for a in node.names]
+    out = set()
+    for name in names:
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        if name in modules and name != module:
+            out.add(name)
+    return out
+
+
+def import_graph():
+    modules = _modules()
+    graph = {}
+    for module, path in modules.items():
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        graph[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[module] |= _targets(module, path, node, modules)
+    return graph
+
+
+def layer_of(module):
+    """Index in LAYERS of the entry naming ``module`` or its nearest parent package."""
+    best = None
+    for index, (_, names) in enumerate(LAYERS):
+        for name in names:
+            inside = module.startswith(name + ".") and name != "megatron"
+            if (module == name or inside) and (best is None or len(name) > len(best[1])):
+                best = (index, name)
+    assert best is not None, f"{module} is in no layer of tests/test_layering.py: place it"
+    return best[0]
+
+
+def test_every_import_points_to_its_layer_or_below():
+    graph = import_graph()
+    upward = [f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+              for m, targets in sorted(graph.items()) for t in sorted(targets)
+              if layer_of(t) > layer_of(m)]
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_tds_imports_no_megatron():
+    graph = import_graph()
+    bad = [f"{m} -> {t}" for m, ts in graph.items() if m.startswith("tds")
+           for t in ts if t.startswith("megatron")]
+    assert not bad, bad
+
+
+def test_no_module_getattr_workarounds():
+    """No ``__getattr__`` at module level in megatron/ (lazy imports around a circle); tds's
+    forwards DeepSpeed's own API, which is its contract."""
+    offenders = []
+    for module, path in _modules().items():
+        if not module.startswith("megatron"):
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body):
+            offenders.append(module)
+    assert not offenders, offenders
+
+
+def test_the_checker_sees_a_planted_upward_import_and_circle(tmp_path, monkeypatch):
+    """The walker itself can fail: a fake tree with an upward import and a circle."""
+    for rel, text in {"megatron/__init__.py": "", "megatron/mpu/__init__.py":
+                      "from ..training import loop\n", "megatron/training/__init__.py": "",
+                      "megatron/training/loop.py": "from .. import mpu\n",
+                      "tds/__init__.py": ""}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.setattr(__import__(__name__), "REPO", str(tmp_path))
+    graph = import_graph()
+    assert "megatron.training.loop" in graph["megatron.mpu"]
+    assert layer_of("megatron.training.loop") > layer_of("megatron.mpu")
+    assert "megatron.mpu" in graph["megatron.training.loop"]
