@@ -351,3 +351,32 @@ def test_runner_fails_on_every_rank_before_any_step(kind):
         assert f"rank {rank} raised" in message, message
     fragment = "rank 1 action" if kind == "schedule" else "needs callbacks load, backward"
     assert fragment in message, message
+
+
+# ---------------------------------------------------------------- measured bubble
+def _time_bubble(pp, cases, steps, forward_s):
+    from pipeline_bubble import _time_runner
+
+    return _time_runner(pp, cases, steps, forward_s)
+
+
+@pytest.mark.slow
+def test_measured_bubble_shrinks_as_predicted():
+    """Sleep-calibrated equal stages (50 ms forward, 100 ms backward) on 4 gloo ranks:
+    interleaving (v = 2) beats 1F1B by the simulator's ratio, within noise (about 20 s)."""
+    from pipeline_bubble import _step_stats
+
+    p, m, steps, forward_s = 4, 8, 3, 0.05
+    cases = [("1f1b", 1, m), ("interleaved", 2, m)]
+    per_rank = run_distributed(_time_bubble, p, p, cases, steps, forward_s, timeout=300)
+    latency = per_rank[0][0]
+    costs = Costs(forward_s, 2 * forward_s, forward_s, forward_s, latency)
+    measured, predicted = {}, {}
+    for name, v, _ in cases:
+        measured[name] = _step_stats([rank[1][(name, v, m)] for rank in per_rank])[0]
+        actions, v = _schedule(name, p, v, m)
+        predicted[name] = simulate(actions, v, costs).step_time
+        assert 0.95 < measured[name] / predicted[name] < 1.10, (name, measured, predicted)
+    ratio = measured["interleaved"] / measured["1f1b"]
+    assert ratio < predicted["interleaved"] / predicted["1f1b"] + 0.05, (measured, predicted)
+    assert ratio < 0.95, (measured, predicted)
