@@ -174,7 +174,7 @@ def _time_runner(pp, cases, steps, forward_s):
 
 def runner_main(args):
     from harness import run_distributed
-    from pipeline_simulator import Costs, build, simulate
+    from pipeline_simulator import Costs, build, formula, simulate
 
     cases = [(name, vpp, m) for m in args.micro_batches
              for name, vpp in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4),
@@ -186,8 +186,8 @@ def runner_main(args):
     print(f"p2p latency (one message, ping-pong): {latency * 1e3:.2f} ms; {args.steps} steps "
           f"per schedule after one warm-up; step time = slowest rank")
     print(f"{'schedule':>11} {'v':>2} {'m':>3} {'measured ms':>11} {'+-sd':>5} "
-          f"{'sleep 0':>7} {'predicted':>9} {'meas/pred':>9} {'/1F1B meas':>10} "
-          f"{'/1F1B pred':>10}")
+          f"{'sleep 0':>7} {'predicted':>9} {'meas/pred':>9} {'bubble':>6} {'pred':>5} "
+          f"{'formula':>7} {'/1F1B meas':>10} {'/1F1B pred':>10}")
     base = {}
     for name, vpp, m in cases:
         mean, sd = _step_stats([rank[1][(name, vpp, m)] for rank in per_rank])
@@ -196,11 +196,15 @@ def runner_main(args):
         predicted = simulate(build(name, args.pp, vpp, m), vpp, costs).step_time
         if name == "1f1b":
             base[m] = (mean, predicted)
+        work = 3 * forward_s * m  # one rank's sleeping per step
         print(f"{name:>11} {vpp:>2} {m:>3} {mean * 1e3:>11.1f} {sd * 1e3:>5.1f} "
               f"{idle * 1e3:>7.1f} {predicted * 1e3:>9.1f} {mean / predicted:>9.3f} "
+              f"{1 - work / mean:>6.3f} {1 - work / predicted:>5.3f} "
+              f"{formula(name, args.pp, vpp, m):>7.3f} "
               f"{mean / base[m][0]:>10.3f} {predicted / base[m][1]:>10.3f}")
     print("sleep 0: the same schedule with zero-cost chunks (p2p and Python overhead only); "
-          "predicted: simulator, same costs and the measured latency")
+          "predicted: simulator, same costs and the measured latency; bubble = 1 - sleeping "
+          "time / step time (measured, predicted, textbook formula)")
 
 
 def _step_stats(per_rank_steps):

@@ -147,7 +147,8 @@ def table(pps=(2, 4, 8), vpps=(1, 2, 4), mbs=(4, 8, 16), costs: Costs = Costs())
 
 
 def detail(name: str, p: int, v: int, m: int, costs: Costs) -> List[str]:
-    result = simulate(build(name, p, v, m), v if name == "interleaved" else 1, costs)
+    v = v if name == "interleaved" else 1
+    result = simulate(build(name, p, v, m), v, costs)
     lines = [f"{name} p={p} v={v} m={m}: step {result.step_time:.3f}, overall bubble "
              f"{result.overall_bubble:.4f} (formula {formula(name, p, v, m):.4f})"]
     for rank in range(p):
@@ -177,8 +178,9 @@ def main():
         for p in args.pp:
             for v in args.vpp:
                 for m in args.micro_batches:
-                    for name in ("1f1b", "interleaved", "zb-h1"):
+                    for name in ("1f1b", "zb-h1") if v == args.vpp[0] else ():
                         print("\n".join(detail(name, p, v, m, costs)))
+                    print("\n".join(detail("interleaved", p, v, m, costs)))
         return
     print("\n".join(table(args.pp, args.vpp, args.micro_batches, costs)))
 
