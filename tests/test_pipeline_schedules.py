@@ -311,8 +311,9 @@ def _compare(cases, per_rank, seed, tp):
 
 
 def _cases(p):
-    return [(name, p, 2, m) for name in ("1f1b", "interleaved", "zb-h1")
-            for m in (p, 2 * p + 1)]
+    cases = [(name, p, 2, m) for name in ("1f1b", "interleaved", "zb-h1")
+             for m in (p, 2 * p + 1)]
+    return cases + [("interleaved", p, 3, 2 * p + 1)] if p == 2 else cases
 
 
 @pytest.mark.parametrize("p", [2, 4])
