@@ -126,6 +126,9 @@ class ScheduleRunner:
                              f"but the last) or a single one")
         self.boundaries = list(boundaries)
         self.stage_ranks = list(stage_ranks)
+        if dist.get_rank() not in self.stage_ranks:
+            raise ValueError(f"pipeline runner: this rank ({dist.get_rank()}) is not among "
+                             f"the stage ranks {self.stage_ranks}")
         self.pp_rank = self.stage_ranks.index(dist.get_rank())
         self.actions = list(actions[self.pp_rank])
         self.link = link
