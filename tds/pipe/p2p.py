@@ -48,3 +48,26 @@ class StageLink:
         dist.recv(part, src)
         _all_gather_single(full.view(-1), part, group=self.tp_group)
         return full
+
+    def send_op(self, tensor, dst, partitioned):
+        """The ``dist.P2POp`` sending ``tensor`` (or this rank's part) to ``dst``, for
+        ``dist.batch_isend_irecv``; the payload must stay alive until the op completes."""
+        flat = tensor.detach().contiguous().view(-1)
+        payload = self._my_part(flat) if partitioned and self.tp_size > 1 else flat
+        self.bytes_sent += payload.numel() * payload.element_size()
+        return dist.P2POp(dist.isend, payload, dst)
+
+    def recv_op(self, shape, dtype, src, partitioned):
+        """``(op, finish)``: the ``dist.P2POp`` receiving a ``shape``/``dtype`` tensor from
+        ``src``, and a function to call once it completed that returns the full tensor
+        (all-gathering the tensor-parallel parts, in the same order on every tp rank)."""
+        full = torch.empty(shape, dtype=dtype, device=self.device)
+        if not (partitioned and self.tp_size > 1):
+            return dist.P2POp(dist.irecv, full, src), lambda: full
+        part = torch.empty(full.numel() // self.tp_size, dtype=dtype, device=self.device)
+
+        def finish():
+            _all_gather_single(full.view(-1), part, group=self.tp_group)
+            return full
+
+        return dist.P2POp(dist.irecv, part, src), finish
