@@ -1,18 +1,20 @@
 """The run configuration: flags, YAML files, the one validation pass, derived values.
 
-    cfg, tokenizer = build_run_config(argv, family="gpt2")
-    cfg.hidden_size          # a flag, Megatron style
-    cfg.parallel.dp          # a typed section (ParallelDims, PrecisionConfig, ...)
+    cfg, tokenizer = build_run_config(argv, family=get_family("gpt2"))
+    cfg.parallel.dp          # a typed section (ParallelDims, ModelDims, ...): library code
+    cfg.hidden_size          # a flag, Megatron style: users' providers
 
 Nothing outside this package changes a configuration: a :class:`RunConfig` is frozen.
 """
 from .parser import (args_to_dict, build_parser, build_run_config, parse_args,
                      saved_run_config)
-from .run_config import (BatchConfig, CheckpointConfig, FrozenConfigError, LoggingConfig,
-                         OptimizerConfig, ParallelDims, PrecisionConfig, RunConfig)
+from .run_config import (SECTIONS, BatchConfig, CheckpointConfig, DataConfig, FrozenConfigError,
+                         KernelConfig, LoggingConfig, ModelDims, OptimizerConfig, ParallelDims,
+                         PrecisionConfig, RunConfig, Section, uses_pipeline_engine)
 from .validation import parse_data_path
 
-__all__ = ["BatchConfig", "CheckpointConfig", "FrozenConfigError", "LoggingConfig",
-           "OptimizerConfig", "ParallelDims", "PrecisionConfig", "RunConfig", "args_to_dict",
-           "build_parser", "build_run_config", "parse_args", "parse_data_path",
-           "saved_run_config"]
+__all__ = ["SECTIONS", "BatchConfig", "CheckpointConfig", "DataConfig", "FrozenConfigError",
+           "KernelConfig", "LoggingConfig", "ModelDims", "OptimizerConfig", "ParallelDims",
+           "PrecisionConfig", "RunConfig", "Section", "args_to_dict", "build_parser",
+           "build_run_config", "parse_args", "parse_data_path", "saved_run_config",
+           "uses_pipeline_engine"]

@@ -99,7 +99,7 @@ def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=
     if problems:
         label = f"{family.label} " if family is not None and family.label else ""
         raise ConfigError(f"invalid {label}configuration:\n  - " + "\n  - ".join(problems))
-    return RunConfig(vars(ns), family.name if family is not None else None), tokenizer
+    return _freeze(vars(ns), family), tokenizer
 
 
 def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=None,
@@ -111,6 +111,12 @@ def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=No
     """
     return build_run_config(argv, family, extra_args_provider, defaults, world_size, rank,
                             check_files, accelerator)[0]
+
+
+def _freeze(values, family):
+    if family is None:
+        return RunConfig(values)
+    return RunConfig(values, family.name, family.settings)
 
 
 def saved_run_config(saved, family=None):
@@ -132,7 +138,7 @@ def saved_run_config(saved, family=None):
 
             values[key] = getattr(torch, values[key].replace("torch.", ""))
     values.setdefault("compute_dtype", None)
-    return RunConfig(values, family.name if family is not None else None)
+    return _freeze(values, family)
 
 
 def args_to_dict(args):

@@ -8,8 +8,8 @@ reads the typed sections (``cfg.parallel.dp``, ``cfg.precision.dtype``, ``cfg.op
 What changes while a run goes (iteration, consumed samples, which splits exist) lives in
 the training state (:class:`megatron.training.loop.TrainState`), not here.
 """
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,9 +25,44 @@ class FrozenConfigError(AttributeError):
     """Raised when code tries to change a built run configuration."""
 
 
+class Section:
+    """A typed, frozen part of the run configuration, built from the flag values.
+
+    Each field reads the flag of the same ``dest`` name, or the one :attr:`FLAGS` names;
+    :meth:`derived` fills fields that are not one flag.
+    """
+
+    FLAGS: ClassVar[Dict[str, str]] = {}
+    """field name -> flag ``dest`` where they differ."""
+    DEFAULTS: ClassVar[Dict[str, Any]] = {}
+    """Values for derived settings that older saved configurations may lack."""
+
+    @classmethod
+    def derived(cls, values: dict) -> dict:
+        return {}
+
+    @classmethod
+    def from_values(cls, values: dict):
+        extra = cls.derived(values)
+        kwargs = {}
+        for f in fields(cls):
+            if f.name in extra:
+                kwargs[f.name] = extra[f.name]
+                continue
+            dest = cls.FLAGS.get(f.name, f.name)
+            if dest in values:
+                kwargs[f.name] = values[dest]
+            elif f.name in cls.DEFAULTS:
+                kwargs[f.name] = cls.DEFAULTS[f.name]
+            else:
+                raise AttributeError(f"the run configuration has no setting {dest!r} "
+                                     f"(for {cls.__name__}.{f.name})")
+        return cls(**kwargs)
+
+
 @dataclass(frozen=True)
-class ParallelDims:
-    """Sizes and this process's place in the (tensor, pipeline, data) grid."""
+class ParallelDims(Section):
+    """Sizes and this process's place in the (tensor, pipeline, data) grid (``cfg.parallel``)."""
 
     world: int
     """Number of processes."""
@@ -45,11 +80,25 @@ class ParallelDims:
     """``--deepspeed``: data parallelism through DeepSpeed's engine (ZeRO, its fp16)."""
     deepspeed_config: Optional[str]
     zero_stage: Optional[int]
+    sequence_parallel: bool = False
+    """Norm/dropout activations split along the sequence across the tp ranks."""
+
+    FLAGS: ClassVar[Dict[str, str]] = {
+        "world": "world_size", "tp": "tensor_model_parallel_size",
+        "pp": "pipeline_model_parallel_size", "dp": "data_parallel_size",
+        "dist_backend": "distributed_backend"}
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"dp": 1, "world": 1, "rank": 0, "local_rank": 0,
+                                          "dist_backend": None}
+
+    @property
+    def pipeline_engine(self) -> bool:
+        """Whether the run trains through tds's pipeline engine (:func:`uses_pipeline_engine`)."""
+        return uses_pipeline_engine(self.pp)
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
-    """Compute precision and the fp16 loss scaler's settings."""
+class PrecisionConfig(Section):
+    """Compute precision and the fp16 loss scaler's settings (``cfg.precision``)."""
 
     dtype: torch.dtype
     """Compute dtype (autocast); master weights stay fp32."""
@@ -60,6 +109,9 @@ class PrecisionConfig:
     loss_scale_window: int
     hysteresis: int
     min_loss_scale: float
+
+    FLAGS: ClassVar[Dict[str, str]] = {"dtype": "compute_dtype"}
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"params_dtype": torch.float32}
 
     @property
     def fp16(self):
@@ -75,8 +127,8 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW, gradient clipping and the learning-rate schedule."""
+class OptimizerConfig(Section):
+    """AdamW, gradient clipping and the learning-rate schedule (``cfg.optim``)."""
 
     lr: float
     min_lr: float
@@ -88,10 +140,18 @@ class OptimizerConfig:
     adam_eps: float
     clip_grad: float
     """Max global grad norm; 0 disables clipping (the norm is still measured)."""
+    skip_nonfinite_steps: bool
+    """Skip (not stop at) a step whose gradient norm is inf/nan (DDP path)."""
+
+    @classmethod
+    def derived(cls, values):
+        return {"adam_betas": (values["adam_beta1"], values["adam_beta2"])}
 
 
 @dataclass(frozen=True)
-class BatchConfig:
+class BatchConfig(Section):
+    """Batch sizes and run length (``cfg.batch``)."""
+
     micro_batch_size: int
     gas: int
     """Micro-batches per step (gradient accumulation)."""
@@ -102,18 +162,88 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
-class LoggingConfig:
+class ModelDims(Section):
+    """The transformer's sizes and model options (``cfg.model``)."""
+
+    num_layers: int
+    """Layers (per stack for an encoder-decoder)."""
+    hidden_size: int
+    num_attention_heads: int
+    kv_channels: int
+    """Per-head size."""
+    ffn_hidden_size: int
+    max_position_embeddings: int
+    padded_vocab_size: Optional[int]
+    """Vocabulary rows of the embedding (the tokenizer's, padded for tp)."""
+    true_vocab_size: Optional[int]
+    """The tokenizer's vocabulary (padded rows beyond it get -inf logits)."""
+    make_vocab_size_divisible_by: int
+    hidden_dropout: float
+    attention_dropout: float
+    init_method_std: float
+    layernorm_epsilon: float
+    hidden_bias: bool
+    checkpoint_activations: bool
+    """Recompute each group of ``checkpoint_num_layers`` layers in the backward."""
+    checkpoint_num_layers: int
+    seed: int
+    """Base of the per-layer initialisation seeds and of the data order."""
+
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"padded_vocab_size": None, "true_vocab_size": None}
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """Data and tokenizer (``cfg.data``)."""
+
+    data_path: Optional[List[str]]
+    data_impl: str
+    split: str
+    num_workers: int
+    """DataLoader worker processes."""
+    eod_mask_loss: bool
+    tokenizer_type: Optional[str]
+    vocab_file: Optional[str]
+    merge_file: Optional[str]
+    tokenizer_model: Optional[str]
+    vocab_extra_ids: int
+
+
+@dataclass(frozen=True)
+class KernelConfig(Section):
+    """How fast the step runs, not what it computes (``cfg.kernels``)."""
+
+    masked_softmax_fusion: bool
+    layernorm_fusion: bool
+    attention_backend: str
+    """``sdpa`` or ``unfused`` (megatron/model/attention.py)."""
+    compile: bool
+    """``torch.compile`` each transformer layer."""
+
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"attention_backend": "sdpa", "compile": False}
+
+
+@dataclass(frozen=True)
+class LoggingConfig(Section):
+    """The log line, evaluation and experiment tracking (``cfg.logging``)."""
+
     log_interval: int
     eval_interval: int
     eval_iters: int
     tensorboard_dir: Optional[str]
     peak_tflops: Optional[float]
+    wandb_project: Optional[str]
+    wandb_exp_name: Optional[str]
+    wandb_save_dir: Optional[str]
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(Section):
+    """Saving and resuming (``cfg.checkpoint``)."""
+
     save: Optional[str]
     load: Optional[str]
+    load_if_exists: bool
     save_interval: Optional[int]
     no_load_optim: bool
     no_load_rng: bool
@@ -122,30 +252,48 @@ class CheckpointConfig:
     exit_interval: Optional[int]
 
 
+#: ``cfg.<name>`` -> its section class.
+SECTIONS = {"parallel": ParallelDims, "precision": PrecisionConfig, "optim": OptimizerConfig,
+            "batch": BatchConfig, "model": ModelDims, "data": DataConfig,
+            "kernels": KernelConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig}
+
+
 class RunConfig:
-    """Read-only view of a validated run: flat flags plus typed sections.
+    """Read-only view of a validated run: typed sections plus flat flags.
+
+    Library code reads the typed sections (``cfg.parallel.tp``, ``cfg.model.hidden_size``,
+    :data:`SECTIONS`; a family's own settings as ``cfg.<family name>``, e.g. ``cfg.t5``);
+    Megatron-style user code reads flags flat (``get_args().hidden_size``).
 
     Args:
         values: every flag and derived value by its ``dest`` name.
         family: name of the model family the run was validated for (``gpt2``, ``t5``) or
             None for a model defined outside megatron-tds.
+        family_settings: the family's section class (a :class:`Section`), or None.
     """
 
-    __slots__ = ("_values", "family", "parallel", "precision", "optim", "batch", "logging",
-                 "checkpoint")
+    __slots__ = ("_values", "family", "_family_settings", "_sections")
 
-    def __init__(self, values, family=None):
+    def __init__(self, values, family=None, family_settings=None):
         set_ = object.__setattr__
         set_(self, "_values", dict(values))
         set_(self, "family", family)
-        v = self._values
-        if "data_parallel_size" in v:  # a full run config (not a saved-args view)
-            for name, section in _sections(v).items():
-                set_(self, name, section)
+        set_(self, "_family_settings", family_settings)
+        set_(self, "_sections", {})
 
     def __getattr__(self, name):
+        sections = object.__getattribute__(self, "_sections")
+        if name in sections:
+            return sections[name]
+        section = SECTIONS.get(name)
+        if section is None and name == object.__getattribute__(self, "family"):
+            section = object.__getattribute__(self, "_family_settings")
+        values = object.__getattribute__(self, "_values")
+        if section is not None:
+            sections[name] = section.from_values(values)
+            return sections[name]
         try:
-            return object.__getattribute__(self, "_values")[name]
+            return values[name]
         except KeyError:
             raise AttributeError(f"the run configuration has no setting {name!r}") from None
 
@@ -173,7 +321,7 @@ class RunConfig:
 
     def replace(self, **changes):
         """A new RunConfig with ``changes`` applied (tools and tests; no re-validation)."""
-        return RunConfig({**self._values, **changes}, self.family)
+        return RunConfig({**self._values, **changes}, self.family, self._family_settings)
 
 
 def values_to_plain(values):
@@ -188,37 +336,3 @@ def values_to_plain(values):
         else:
             out[key] = str(value)
     return out
-
-
-def _sections(v):
-    return {
-        "parallel": ParallelDims(
-            world=v["world_size"], tp=v["tensor_model_parallel_size"],
-            pp=v["pipeline_model_parallel_size"], dp=v["data_parallel_size"], rank=v["rank"],
-            local_rank=v["local_rank"], dist_backend=v["distributed_backend"],
-            deepspeed=v["deepspeed"], deepspeed_config=v["deepspeed_config"],
-            zero_stage=v["zero_stage"]),
-        "precision": PrecisionConfig(
-            dtype=v["compute_dtype"], params_dtype=v["params_dtype"],
-            loss_scale=v["loss_scale"], initial_scale_power=v["initial_scale_power"],
-            loss_scale_window=v["loss_scale_window"], hysteresis=v["hysteresis"],
-            min_loss_scale=v["min_loss_scale"]),
-        "optim": OptimizerConfig(
-            lr=v["lr"], min_lr=v["min_lr"], lr_decay_style=v["lr_decay_style"],
-            lr_decay_iters=v["lr_decay_iters"], lr_warmup_iters=v["lr_warmup_iters"],
-            weight_decay=v["weight_decay"], adam_betas=(v["adam_beta1"], v["adam_beta2"]),
-            adam_eps=v["adam_eps"], clip_grad=v["clip_grad"]),
-        "batch": BatchConfig(
-            micro_batch_size=v["micro_batch_size"], gas=v["gas"],
-            global_batch_size=v["global_batch_size"], train_iters=v["train_iters"],
-            seq_length=v["seq_length"]),
-        "logging": LoggingConfig(
-            log_interval=v["log_interval"], eval_interval=v["eval_interval"],
-            eval_iters=v["eval_iters"], tensorboard_dir=v["tensorboard_dir"],
-            peak_tflops=v["peak_tflops"]),
-        "checkpoint": CheckpointConfig(
-            save=v["save"], load=v["load"], save_interval=v["save_interval"],
-            no_load_optim=v["no_load_optim"], no_load_rng=v["no_load_rng"],
-            no_save_optim=v["no_save_optim"], finetune=v["finetune"],
-            exit_interval=v["exit_interval"]),
-    }

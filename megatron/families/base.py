@@ -41,6 +41,8 @@ class ModelFamily:
     """``validate(ns, problems)``: append a message for each bad family setting."""
     validate_with_tokenizer: Callable = _no_problems
     """``validate_with_tokenizer(ns, tokenizer, problems)``: checks that need the vocabulary."""
+    settings: Optional[type] = None
+    """The family's own flags as a typed section (``cfg.<name>``, a config ``Section``)."""
 
     def config_from_saved(self, saved: dict):
         """The dropout-free fp32 model config of a checkpoint's saved ``args`` dict

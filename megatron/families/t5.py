@@ -17,11 +17,14 @@ validation pass (megatron/config): lengths the span corruption cannot fill,
 relative-attention settings whose buckets are not defined, a tokenizer without sentinels,
 an encoder sample longer than the data.
 """
+from dataclasses import dataclass
+
 import torch
 
 from .. import mpu
 from ..checkpoint import t5_keys
 from ..checkpoint_conversion import t5_hf
+from ..config.run_config import Section
 from ..errors import ConfigError, DataError
 from ..model.language_model import masked_lm_loss
 from ..model.t5_layers import FF_TYPES
@@ -38,6 +41,21 @@ NO_POSITION_LIMIT = 2 ** 31 - 1
 #: Defaults pretrain_t5.py sets for the generic flags (a flag or config file overrides them).
 T5_DEFAULTS = {"tokenizer_type": "SentencePieceTokenizer", "layernorm_epsilon": 1e-6,
                "hidden_bias": False, "max_position_embeddings": NO_POSITION_LIMIT}
+
+
+@dataclass(frozen=True)
+class T5Settings(Section):
+    """T5's own flags, typed (``cfg.t5``)."""
+
+    enc_seq_length: int
+    dec_seq_length: int
+    relative_attention_num_buckets: int
+    relative_attention_max_distance: int
+    t5_ff: str
+    """``relu`` (v1.0) or ``gated-gelu`` (v1.1)."""
+    untie_embeddings: bool
+    noise_density: float
+    mean_span_length: float
 
 
 def add_t5_args(parser):
@@ -209,4 +227,4 @@ FAMILY = ModelFamily(
     build_datasets=build_datasets, flops_per_step=flops_per_step, make_batch_fn=make_batch_fn,
     loss_fn=masked_lm_loss, keys=t5_keys, hf=t5_hf, flag_defaults=T5_DEFAULTS, label="T5",
     layer_stacks=2, derive=derive, validate=validate,
-    validate_with_tokenizer=validate_with_tokenizer)
+    validate_with_tokenizer=validate_with_tokenizer, settings=T5Settings)
