@@ -1,0 +1,85 @@
+"""bf16 and fp16 through DeepSpeed's engines (tds pipeline and ``--deepspeed``), on CPU.
+
+bf16 runs here wherever DeepSpeed's CPU accelerator has it; fp16 only where it has fp16
+(tests/precision.py says which, and the skip reason says so). Tolerances: bf16 keeps 8 bits
+of mantissa, so each product rounds at ~2^-9 relative, but the loss is a mean over 2048
+tokens and the rounding errors average out: over ten steps of this tiny GPT-2 the bf16
+engines' losses stay within 6e-5 (relative) of the fp32 run's (measured on an AMD EPYC CPU;
+the parameters are bf16 in the engine). The tolerance 1e-2 leaves room for other CPUs'
+kernels while still catching a wrong loss scale, an unscaled gradient or a lost optimizer
+state (a jump at the resumed step).
+"""
+import pytest
+
+from gpt2_runs import full_and_resumed, gpt2_argv, train_gpt2
+from harness import run_distributed
+from precision import requires_ds_bf16, requires_ds_fp16
+
+STEPS, MICRO, GLOBAL = 10, 2, 8
+BF16_TOLERANCE = 1e-2
+
+
+def _argv(data, tp, pp, dp, *extra):
+    return gpt2_argv(data, "--num-layers", "4", "--model-parallel-size", str(tp),
+                     "--pipe-parallel-size", str(pp), "--batch-size", str(MICRO),
+                     "--gas", str(GLOBAL // (MICRO * dp)), "--train-iters", str(STEPS),
+                     "--hidden-dropout", "0", "--attention-dropout", "0",
+                     "--eval-interval", "1000", *extra)
+
+
+def _relative(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(gpt2_data):
+    """The serial fp32 run every precision run is compared with."""
+    return run_distributed(train_gpt2, 1, _argv(gpt2_data, 1, 1, 1), timeout=300)[0][0]
+
+
+@pytest.mark.slow
+@pytest.mark.precision
+@requires_ds_bf16
+def test_bf16_zero1_pipeline_tracks_fp32_and_resumes_exactly(gpt2_data, tmp_path,
+                                                            fp32_losses):
+    argv = _argv(gpt2_data, 1, 2, 2, "--bf16", "--zero-stage", "1")
+    (full, _), (resumed, _) = full_and_resumed(train_gpt2, 4, argv, str(tmp_path / "ckpt"), 5)
+    assert len(full) == STEPS and len(resumed) == STEPS
+    assert max(abs(a - b) for a, b in zip(full, resumed)) <= 1e-6, (full, resumed)
+    assert _relative(full, fp32_losses) < BF16_TOLERANCE, (full, fp32_losses)
+    assert full[-1] < full[0] - 0.2
+
+
+@pytest.mark.slow
+@pytest.mark.precision
+@requires_ds_bf16
+def test_bf16_zero1_engine_resumes_at_another_tensor_parallel_size(gpt2_data, tmp_path,
+                                                                   fp32_losses):
+    """``--deepspeed --bf16 --zero-stage 1`` saved at dp 2, resumed at tp 2: the fp32 masters
+    and moments move through their names, so the run goes on as if uninterrupted (up to
+    bf16's rounding at the other layout)."""
+    ckpt = str(tmp_path / "ckpt")
+    extra = ("--deepspeed", "--bf16", "--zero-stage", "1")
+    full = run_distributed(train_gpt2, 2, _argv(gpt2_data, 1, 1, 2, *extra, "--save", ckpt,
+                                                "--save-interval", "5"), timeout=300)[0][0]
+    assert _relative(full, fp32_losses) < BF16_TOLERANCE, (full, fp32_losses)
+    with open(f"{ckpt}/latest_checkpointed_iteration.txt", "w") as handle:
+        handle.write("5")
+    per_rank = run_distributed(train_gpt2, 2, _argv(gpt2_data, 2, 1, 1, *extra, "--load", ckpt),
+                               timeout=300)
+    for rank, (losses, _) in enumerate(per_rank):
+        assert len(losses) == STEPS - 5, (rank, losses)
+        assert _relative(losses, full[5:]) < 1e-2, (rank, losses, full[5:])
+
+
+@pytest.mark.slow
+@pytest.mark.precision
+@requires_ds_fp16
+def test_fp16_zero1_engine_tracks_fp32(gpt2_data, fp32_losses):
+    """fp16 with DeepSpeed's dynamic loss scaler (starting at 2^16: the first steps may
+    overflow and be skipped, which the loss curve then lags by)."""
+    losses = run_distributed(train_gpt2, 2, _argv(gpt2_data, 1, 1, 2, "--deepspeed", "--fp16",
+                                                  "--zero-stage", "1"), timeout=300)[0][0]
+    assert len(losses) == STEPS
+    assert losses[-1] < losses[0] - 0.2
+    assert abs(losses[0] - fp32_losses[0]) / fp32_losses[0] < BF16_TOLERANCE
