@@ -116,6 +116,9 @@ def add_data_args(parser):
     g.add_argument("--tokenizer-model", default=None, help="sentencepiece .model file")
     g.add_argument("--vocab-extra-ids", type=int, default=100, help="T5 sentinel tokens")
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers")
+    g.add_argument("--prefetch-batches", type=int, default=2,
+                   help="batches read ahead on a background thread (0: read on the "
+                        "training thread)")
 
 
 def add_checkpoint_args(parser):

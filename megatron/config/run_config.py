@@ -201,12 +201,16 @@ class DataConfig(Section):
     split: str
     num_workers: int
     """DataLoader worker processes."""
+    prefetch_batches: int
+    """Batches read ahead on a background thread (0: on the training thread)."""
     eod_mask_loss: bool
     tokenizer_type: Optional[str]
     vocab_file: Optional[str]
     merge_file: Optional[str]
     tokenizer_model: Optional[str]
     vocab_extra_ids: int
+
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"prefetch_batches": 0}
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,12 @@ def _optim(args, problems):
         problems.append(f"--clip-grad must be >= 0 (0 disables), got {args.clip_grad}")
 
 
+def _data(args, problems):
+    if args.num_workers < 0 or args.prefetch_batches < 0:
+        problems.append(f"--num-workers ({args.num_workers}) and --prefetch-batches "
+                        f"({args.prefetch_batches}) must be >= 0")
+
+
 def _intervals(args, problems):
     if args.log_interval < 1 or args.eval_interval < 1 or args.eval_iters < 0:
         problems.append("--log-interval and --eval-interval must be >= 1, --eval-iters >= 0")
@@ -261,7 +267,7 @@ def derive_and_validate(args, family=None, check_files=True, accelerator=None):
     problems = []
     from .speed_flags import validate_speed
 
-    for check in (_parallel, _model, _batch, _optim, _intervals, _split, _wandb,
+    for check in (_parallel, _model, _batch, _optim, _data, _intervals, _split, _wandb,
                   _sequence_parallel, validate_speed):
         check(args, problems)
     if family is not None:

@@ -3,12 +3,14 @@
 Every rank builds the datasets (cheap: memory maps; index caches are built once by rank 0),
 but only the ranks that feed the model read them: tensor-parallel rank 0 of the first and
 last pipeline stages. The others get None and receive their batch through
-``mpu.broadcast_data``.
+``mpu.broadcast_data``. Readers read ``--prefetch-batches`` batches ahead on a background
+thread (megatron/data/prefetch.py).
 """
 from .. import mpu
 from ..data.data_samplers import build_pretraining_data_loader
-from ..utils import print_rank_0
+from ..data.prefetch import Prefetcher
 from ..errors import DataError
+from ..utils import print_rank_0
 
 
 def reads_data():
@@ -18,20 +20,24 @@ def reads_data():
     return state.tp_rank == 0 and on_edge
 
 
-def train_valid_test_num_samples(args):
+def train_valid_test_num_samples(cfg):
     """Samples each split must provide for the whole run (Megatron's sizing)."""
-    gbs = args.global_batch_size
-    evaluations = args.train_iters // args.eval_interval + 1
-    return [args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs]
+    gbs, iters, log = cfg.batch.global_batch_size, cfg.batch.train_iters, cfg.logging
+    evaluations = iters // log.eval_interval + 1
+    return [iters * gbs, evaluations * log.eval_iters * gbs, log.eval_iters * gbs]
 
 
-def build_train_valid_test_data_iterators(provider, args, state):
+def _iterator(loader, depth):
+    return Prefetcher(loader, depth) if depth > 0 else iter(loader)
+
+
+def build_train_valid_test_data_iterators(provider, cfg, state):
     """Call ``provider`` and wrap each split; sets ``state.do_train/do_valid/do_test``.
 
     Returns:
         ``(train, valid, test)`` iterators, None on ranks that do not read or for empty splits.
     """
-    num_samples = train_valid_test_num_samples(args)
+    num_samples = train_valid_test_num_samples(cfg)
     print_rank_0(f"> datasets: train {num_samples[0]}, validation {num_samples[1]}, "
                  f"test {num_samples[2]} samples")
     datasets = provider(num_samples)
@@ -44,12 +50,19 @@ def build_train_valid_test_data_iterators(provider, args, state):
         if not present or not reads_data():
             iterators.append(None)
             continue
-        loader = build_pretraining_data_loader(dataset, done, args.micro_batch_size, dp_rank,
-                                               dp_size, args.num_workers)
-        iterators.append(iter(loader))
-    if not state.do_train and state.iteration < args.train_iters:
+        loader = build_pretraining_data_loader(dataset, done, cfg.batch.micro_batch_size,
+                                               dp_rank, dp_size, cfg.data.num_workers)
+        iterators.append(_iterator(loader, cfg.data.prefetch_batches))
+    if not state.do_train and state.iteration < cfg.batch.train_iters:
         # Every rank built the same (deterministic) splits, so every rank stops here.
-        raise DataError(f"--split {args.split!r} leaves the training split of --data-path "
+        raise DataError(f"--split {cfg.data.split!r} leaves the training split of --data-path "
                         f"without documents; give the training split a larger share or use "
                         f"more data")
     return tuple(iterators)
+
+
+def close_iterators(iterators):
+    """Stop the prefetching threads of ``iterators`` (None entries allowed)."""
+    for iterator in iterators:
+        if isinstance(iterator, Prefetcher):
+            iterator.close()

@@ -25,7 +25,7 @@ from ..initialize import initialize_megatron
 from ..utils import print_rank_0
 from .backend_factory import build_backend
 from .checkpointing import load_checkpoint, save_checkpoint
-from .data_iterators import build_train_valid_test_data_iterators
+from .data_iterators import build_train_valid_test_data_iterators, close_iterators
 from .divergence import check_pending, check_weights
 from .training_log import log_evaluation, log_training_step
 
@@ -207,6 +207,7 @@ def pretrain(train_valid_test_dataset_provider=None, model_provider=None,
     if state.do_test and args.eval_iters:
         loss = evaluate(forward_step_func, test_it, backend, args)
         log_evaluation(args, state.iteration, "test", loss, get_tensorboard_writer())
+    close_iterators((train_it, valid_it, test_it))
     if get_tensorboard_writer() is not None:
         get_tensorboard_writer().close()  # complete event / W&B run files before returning
     return state
