@@ -18,6 +18,20 @@ def gpt2_argv(data, *extra, layers=2, hidden=32, heads=4, seq=32):
             "--eval-iters", "1", "--seed", "1234", *extra]
 
 
+def layout_argv(data, tp, pp, dp, *extra, steps=10, micro=2, global_batch=8):
+    """Flags for a dropout-free 4-layer run at (tp, pp, dp) with a fixed global batch (the
+    layout-equivalence and resume tests)."""
+    return gpt2_argv(data, "--num-layers", "4", "--model-parallel-size", str(tp),
+                     "--pipe-parallel-size", str(pp), "--batch-size", str(micro),
+                     "--gas", str(global_batch // (micro * dp)), "--train-iters", str(steps),
+                     "--hidden-dropout", "0", "--attention-dropout", "0", *extra)
+
+
+def relative_error(a, b):
+    """Largest relative difference of two loss curves."""
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
 def train_gpt2(argv):
     """Rank body: run pretrain_gpt2.main(argv); return (per-step losses, eval losses)."""
     import pretrain_gpt2

@@ -11,24 +11,16 @@ state (a jump at the resumed step).
 """
 import pytest
 
-from gpt2_runs import full_and_resumed, gpt2_argv, train_gpt2
+from gpt2_runs import full_and_resumed, layout_argv, relative_error as _relative, train_gpt2
 from harness import run_distributed
 from precision import requires_ds_bf16, requires_ds_fp16
 
-STEPS, MICRO, GLOBAL = 10, 2, 8
+STEPS = 10
 BF16_TOLERANCE = 1e-2
 
 
 def _argv(data, tp, pp, dp, *extra):
-    return gpt2_argv(data, "--num-layers", "4", "--model-parallel-size", str(tp),
-                     "--pipe-parallel-size", str(pp), "--batch-size", str(MICRO),
-                     "--gas", str(GLOBAL // (MICRO * dp)), "--train-iters", str(STEPS),
-                     "--hidden-dropout", "0", "--attention-dropout", "0",
-                     "--eval-interval", "1000", *extra)
-
-
-def _relative(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return layout_argv(data, tp, pp, dp, "--eval-interval", "1000", *extra, steps=STEPS)
 
 
 @pytest.fixture(scope="module")

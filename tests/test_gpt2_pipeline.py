@@ -1,7 +1,7 @@
 """GPT-2 through tds's pipeline engine: 3D layouts give the serial losses; exact resume."""
 import pytest
 
-from gpt2_runs import full_and_resumed, gpt2_argv, train_gpt2
+from gpt2_runs import full_and_resumed, layout_argv, train_gpt2
 from harness import run_distributed
 from precision import requires_ds_fp16
 
@@ -9,10 +9,8 @@ STEPS, MICRO, GLOBAL = 10, 2, 8
 
 
 def _argv(data, tp, pp, dp, *extra):
-    return gpt2_argv(data, "--num-layers", "4", "--model-parallel-size", str(tp),
-                     "--pipe-parallel-size", str(pp), "--batch-size", str(MICRO),
-                     "--gas", str(GLOBAL // (MICRO * dp)), "--train-iters", str(STEPS),
-                     "--hidden-dropout", "0", "--attention-dropout", "0", *extra)
+    return layout_argv(data, tp, pp, dp, *extra, steps=STEPS, micro=MICRO,
+                       global_batch=GLOBAL)
 
 
 def _run(data, tp, pp, dp, *extra):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from gpt2_runs import gpt2_argv, train_gpt2, user_error
+from gpt2_runs import layout_argv, relative_error as _relative, train_gpt2, user_error
 from harness import run_distributed
 from precision import requires_ds_fp16
 
@@ -18,20 +18,13 @@ STEPS, AT, MICRO, GLOBAL = 20, 10, 2, 8
 
 
 def _argv(data, tp, pp, dp, *extra):
-    return gpt2_argv(data, "--num-layers", "4", "--model-parallel-size", str(tp),
-                     "--pipe-parallel-size", str(pp), "--batch-size", str(MICRO),
-                     "--gas", str(GLOBAL // (MICRO * dp)), "--train-iters", str(STEPS),
-                     "--hidden-dropout", "0", "--attention-dropout", "0",
-                     "--eval-interval", "1000", *extra)
+    return layout_argv(data, tp, pp, dp, "--eval-interval", "1000", *extra, steps=STEPS,
+                       micro=MICRO, global_batch=GLOBAL)
 
 
 def _point_tracker_at(ckpt, iteration):
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as handle:
         handle.write(str(iteration))
-
-
-def _relative(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 def _listing(root):
