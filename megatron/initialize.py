@@ -25,7 +25,7 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def init_distributed(args):
+def init_distributed(cfg):
     """Start torch.distributed (env:// rendezvous, as torchrun and deepspeed set it up).
 
     The only place the default process group is created; a DeepSpeed backend attaches its
@@ -33,17 +33,17 @@ def init_distributed(args):
     started without a launcher gets a local rendezvous of its own. Does nothing if the
     default group already exists (tests, DeepSpeed launcher).
     """
-    if args.distributed_backend == "nccl":
-        torch.cuda.set_device(args.local_rank % torch.cuda.device_count())
+    if cfg.parallel.dist_backend == "nccl":
+        torch.cuda.set_device(cfg.parallel.local_rank % torch.cuda.device_count())
     if dist.is_initialized():
-        if dist.get_world_size() != args.world_size:
+        if dist.get_world_size() != cfg.parallel.world:
             raise RuntimeError(f"torch.distributed has {dist.get_world_size()} ranks but "
-                               f"WORLD_SIZE says {args.world_size}")
+                               f"WORLD_SIZE says {cfg.parallel.world}")
     else:
-        if args.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        if cfg.parallel.world == 1 and "MASTER_ADDR" not in os.environ:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group(backend=args.distributed_backend, rank=args.rank,
-                                world_size=args.world_size,
+        dist.init_process_group(backend=cfg.parallel.dist_backend, rank=cfg.parallel.rank,
+                                world_size=cfg.parallel.world,
                                 timeout=timedelta(seconds=DIST_TIMEOUT_S))
 
 
@@ -60,18 +60,18 @@ def set_random_seed(seed):
     mpu.model_parallel_cuda_manual_seed(seed)
 
 
-def _load_kernels(args):
+def _load_kernels(cfg):
     try:
         from . import fused_kernels
     except ImportError:
         return
-    status = fused_kernels.load(args)
+    status = fused_kernels.load(cfg.kernels)
     if status:
         print_rank_0(f"> fused kernels: {status}")
 
 
-def _tensorboard_writer(args):
-    if not args.tensorboard_dir or args.rank != args.world_size - 1:
+def _tensorboard_writer(cfg):
+    if not cfg.logging.tensorboard_dir or cfg.parallel.rank != cfg.parallel.world - 1:
         return None
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -79,7 +79,7 @@ def _tensorboard_writer(args):
         print("WARNING: --tensorboard-dir given but tensorboard is not installed "
               "(pip install tensorboard); not writing TensorBoard logs", flush=True)
         return None
-    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+    return SummaryWriter(log_dir=cfg.logging.tensorboard_dir, max_queue=1000)
 
 
 def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
@@ -100,17 +100,16 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
         The frozen run configuration (also available as ``megatron.get_args()``).
     """
     reset_globals()
-    args, tokenizer = build_run_config(argv, family, extra_args_provider, args_defaults)
-    init_distributed(args)
+    cfg, tokenizer = build_run_config(argv, family, extra_args_provider, args_defaults)
+    init_distributed(cfg)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(args.tensor_model_parallel_size,
-                                  args.pipeline_model_parallel_size)
-    set_random_seed(args.seed)
-    _load_kernels(args)
-    set_globals(args=args, tokenizer=tokenizer, timers=Timers(),
-                tensorboard_writer=build_metrics_writer(args, _tensorboard_writer(args)))
-    print_rank_0(f"> initialized: world {args.world_size} = tp {args.tensor_model_parallel_size}"
-                 f" x pp {args.pipeline_model_parallel_size} x dp {args.data_parallel_size}, "
-                 f"backend {args.distributed_backend}, compute dtype {args.precision.name}")
-    return args
+    mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    set_random_seed(cfg.model.seed)
+    _load_kernels(cfg)
+    set_globals(args=cfg, tokenizer=tokenizer, timers=Timers(),
+                tensorboard_writer=build_metrics_writer(cfg, _tensorboard_writer(cfg)))
+    print_rank_0(f"> initialized: world {cfg.parallel.world} = tp {cfg.parallel.tp}"
+                 f" x pp {cfg.parallel.pp} x dp {cfg.parallel.dp}, "
+                 f"backend {cfg.parallel.dist_backend}, compute dtype {cfg.precision.name}")
+    return cfg

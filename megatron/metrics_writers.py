@@ -14,17 +14,18 @@ class WandbWriter:
     """``add_scalar`` onto a W&B run (Megatron's ``--wandb-*`` flags).
 
     Args:
-        args: run args; uses ``wandb_project``, ``wandb_exp_name``, ``wandb_save_dir``.
+        cfg: the run configuration; uses ``wandb_project``, ``wandb_exp_name``, ``wandb_save_dir``.
     """
 
-    def __init__(self, args):
+    def __init__(self, cfg):
         import wandb
 
-        save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
+        log = cfg.logging
+        save_dir = log.wandb_save_dir or os.path.join(cfg.checkpoint.save or ".", "wandb")
         os.makedirs(save_dir, exist_ok=True)
         # Flags as the run's config, as plain values (dtypes become text), as checkpoints hold
-        config = dict(sorted(args.to_dict().items()))
-        self.run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None,
+        config = dict(sorted(cfg.to_dict().items()))
+        self.run = wandb.init(project=log.wandb_project, name=log.wandb_exp_name or None,
                               dir=save_dir, config=config)
 
     def add_scalar(self, tag, value, step):
@@ -58,19 +59,19 @@ class FanOutWriter:
             writer.close()
 
 
-def build_metrics_writer(args, tensorboard_writer):
+def build_metrics_writer(cfg, tensorboard_writer):
     """The writer the training loop logs to on this rank, or None.
 
     Args:
-        args: run args (only the last rank, which prints the log line, writes).
+        cfg: the run configuration (only the last rank, which prints the log line, writes).
         tensorboard_writer: SummaryWriter from ``--tensorboard-dir`` or None.
     """
-    if not args.wandb_project:
+    if not cfg.logging.wandb_project:
         return tensorboard_writer
     wandb_writer, error = None, None
-    if args.rank == args.world_size - 1:
+    if cfg.parallel.rank == cfg.parallel.world - 1:
         try:
-            wandb_writer = WandbWriter(args)
+            wandb_writer = WandbWriter(cfg)
         except Exception as exc:  # no API key, no network, bad project name...
             error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1]}"
     # Every rank learns whether W&B started: a failure on the logging rank alone would

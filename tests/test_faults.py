@@ -375,19 +375,18 @@ def test_kill_one_rank_ends_the_run(gpt2_data, tmp_path):
 ])
 def test_divergence_names_the_newest_good_checkpoint(tmp_path, bad_loss_at, bad_norm_at,
                                                      skipped_at, expected):
-    import argparse
-
     import torch
 
     from megatron.training.checkpointing import read_tracker, write_tracker
-    from megatron.training.divergence import check_pending
+    from megatron.config import saved_run_config
     from megatron.errors import DivergenceError
+    from megatron.training.divergence import check_pending
 
     save = tmp_path / "ckpt"
     for it in range(1, 10):  # saved every step up to 9 (a save made after the last check)
         (save / f"iter_{it:07d}").mkdir(parents=True)
     write_tracker(str(save), 9)
-    args = argparse.Namespace(compute_dtype=torch.float32, save=str(save), load=None)
+    args = saved_run_config(dict(compute_dtype=torch.float32, save=str(save), load=None))
     pending = [{"lm loss": torch.tensor(2.0 + 0.1 * it), "grad norm": 1.0,
                 "skipped": it == skipped_at} for it in range(6, 11)]  # steps 6..10
     for p, it in zip(pending, range(6, 11)):
@@ -405,7 +404,7 @@ def test_divergence_names_the_newest_good_checkpoint(tmp_path, bad_loss_at, bad_
     assert what in str(info.value)
     assert f"the newest good checkpoint is iteration {good} in {save}" in str(info.value)
     assert read_tracker(str(save)) == good
-    check_pending(argparse.Namespace(compute_dtype=torch.float16, save=str(save), load=None),
+    check_pending(saved_run_config(dict(compute_dtype=torch.float16, save=str(save), load=None)),
                   10, pending)  # fp16: the loss scaler's business, not an error
 
 

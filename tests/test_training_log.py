@@ -1,5 +1,4 @@
 """The training log: Megatron's FLOP count, the progress line, TensorBoard scalars."""
-import argparse
 import contextlib
 import io
 
@@ -7,6 +6,7 @@ import pytest
 
 from gpt2_runs import gpt2_argv
 from harness import run_distributed
+from megatron.config import saved_run_config
 from megatron.training.training_log import model_flops_per_step, throughput
 
 
@@ -24,9 +24,9 @@ def _matmul_flops(b, s, layers, h, vocab):
 @pytest.mark.parametrize("b,s,layers,h,vocab", [(8, 1024, 24, 1024, 50304),
                                                 (3, 64, 2, 96, 512)])
 def test_flops_formula_counts_every_matmul(b, s, layers, h, vocab):
-    args = argparse.Namespace(global_batch_size=b, seq_length=s, num_layers=layers,
-                              hidden_size=h, padded_vocab_size=vocab, world_size=4,
-                              peak_tflops=100.0)
+    args = saved_run_config(dict(global_batch_size=b, seq_length=s, num_layers=layers,
+                                 hidden_size=h, padded_vocab_size=vocab, world_size=4,
+                                 peak_tflops=100.0))
     expected = _matmul_flops(b, s, layers, h, vocab)
     assert model_flops_per_step(args) == pytest.approx(expected, rel=1e-12)
     tokens, tflops, mfu = throughput(args, 2.0)

@@ -95,7 +95,7 @@ def _rank_states(root, iteration):
     return states, saved, folder
 
 
-def saved_layout_differs(root, iteration, args):
+def saved_layout_differs(root, iteration, cfg):
     """Whether the checkpoint's (tp, pp) differs from the run's (reads one file's args)."""
     files = rank_files(iteration_dir(root, iteration))
     if (0, 0) not in files:
@@ -105,7 +105,7 @@ def saved_layout_differs(root, iteration, args):
                            mmap=True).get("args", {})
     except Exception:
         return False  # the normal path reports the unreadable file
-    return any(k in saved and saved[k] != args.get(k) for k in LAYOUT_KEYS[:2])
+    return any(k in saved and saved[k] != cfg.get(k) for k in LAYOUT_KEYS[:2])
 
 
 def _named_state(state, root, iteration, tp_rank, pp_rank):
@@ -165,11 +165,11 @@ def _full_moments(states, saved, folder, keys, root, iteration):
     return moments, first["step"], groups, scaler
 
 
-def _target_args(saved, args):
+def _target_args(saved, cfg):
     """The saved args with this run's layout and padded vocabulary."""
-    target = layout_args(saved, args.parallel.tp, args.parallel.pp)
-    target["padded_vocab_size"] = args.padded_vocab_size
-    check_layout(target, args.parallel.tp, args.parallel.pp)
+    target = layout_args(saved, cfg.parallel.tp, cfg.parallel.pp)
+    target["padded_vocab_size"] = cfg.model.padded_vocab_size
+    check_layout(target, cfg.parallel.tp, cfg.parallel.pp)
     return target
 
 
@@ -182,20 +182,20 @@ def _this_rank(full, target, keys, true_vocab):
     return stage_state(full, target, mpu.get_tensor_model_parallel_rank(), bounds)
 
 
-def _check_vocab(saved, args, folder):
-    run_vocab = args.get("true_vocab_size")
+def _check_vocab(saved, cfg, folder):
+    run_vocab = cfg.model.true_vocab_size
     if saved.get("true_vocab_size") and run_vocab and saved["true_vocab_size"] != run_vocab:
         raise CheckpointError(f"checkpoint {folder} has {saved['true_vocab_size']} vocabulary "
                               f"entries, this run's tokenizer {run_vocab}")
 
 
-def read_at_new_layout(root, iteration, args, load_optim):
+def read_at_new_layout(root, iteration, cfg, load_optim):
     """This rank's part of ``root`` at ``iteration`` for the run's layout (no collectives).
 
     Args:
         root: the checkpoint directory (``--load``).
         iteration: the iteration to read.
-        args: the run configuration (its layout, padded vocabulary and model settings).
+        cfg: the run configuration (its layout, padded vocabulary and model settings).
         load_optim: also re-slice the optimizer state.
 
     Raises:
@@ -203,11 +203,11 @@ def read_at_new_layout(root, iteration, args, load_optim):
             cannot move (see the module docstring).
     """
     states, saved, folder = _rank_states(root, iteration)
-    check_compatible(saved, args, folder, ignore=LAYOUT_KEYS)
-    true_vocab = resolve_true_vocab_size(saved, args.get("true_vocab_size"))
-    _check_vocab(saved, args, folder)
+    check_compatible(saved, cfg, folder, ignore=LAYOUT_KEYS)
+    true_vocab = resolve_true_vocab_size(saved, cfg.model.true_vocab_size)
+    _check_vocab(saved, cfg, folder)
     keys = key_map_for(saved)
-    target = _target_args(saved, args)
+    target = _target_args(saved, cfg)
     weights = check_complete(keys, merge_layout(keys, saved, lambda t, p: states[(t, p)]
                                                 .get("model", {}), folder), saved, folder)
     moments = _full_moments(states, saved, folder, keys, root, iteration) \

@@ -67,29 +67,29 @@ class ModelFamily:
         return forward_step
 
 
-def transformer_kwargs(flags, dropout: bool = True) -> dict:
-    """The settings every family's transformer config takes from the flags.
+def transformer_kwargs(cfg, dropout: bool = True) -> dict:
+    """The settings every family's transformer config takes from the run configuration.
 
     Args:
-        flags: a :class:`~megatron.config.RunConfig` (or a saved configuration made with
+        cfg: a :class:`~megatron.config.RunConfig` (or a saved configuration made with
             :func:`megatron.config.saved_run_config`).
         dropout: False for inference (dropout probabilities 0).
     """
+    m, kernels = cfg.model, cfg.kernels
     return dict(
-        num_layers=flags.num_layers, hidden_size=flags.hidden_size,
-        num_attention_heads=flags.num_attention_heads, kv_channels=flags.kv_channels,
-        ffn_hidden_size=flags.ffn_hidden_size,
-        hidden_dropout=flags.hidden_dropout if dropout else 0.0,
-        attention_dropout=flags.attention_dropout if dropout else 0.0,
-        layernorm_epsilon=flags.layernorm_epsilon,
-        checkpoint_activations=flags.checkpoint_activations,
-        checkpoint_num_layers=flags.checkpoint_num_layers,
-        masked_softmax_fusion=flags.masked_softmax_fusion, compute_dtype=flags.compute_dtype,
-        seed=flags.seed,
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels,
+        ffn_hidden_size=m.ffn_hidden_size,
+        hidden_dropout=m.hidden_dropout if dropout else 0.0,
+        attention_dropout=m.attention_dropout if dropout else 0.0,
+        layernorm_epsilon=m.layernorm_epsilon, checkpoint_activations=m.checkpoint_activations,
+        checkpoint_num_layers=m.checkpoint_num_layers,
+        masked_softmax_fusion=kernels.masked_softmax_fusion, compute_dtype=cfg.precision.dtype,
+        seed=m.seed,
         # padded vocabulary rows get -inf logits; unknown (None) in some old checkpoints
-        true_vocab_size=flags.get("true_vocab_size"),
-        sequence_parallel=bool(flags.get("sequence_parallel")) and dropout,  # not in inference
-        attention_backend=flags.get("attention_backend") or "auto")
+        true_vocab_size=m.true_vocab_size,
+        sequence_parallel=cfg.parallel.sequence_parallel and dropout,  # not in inference
+        attention_backend=kernels.attention_backend or "auto")
 
 
 def pipeline_topology():

@@ -10,13 +10,13 @@ from ..model.utils import get_ltor_masks_and_position_ids
 from .base import ModelFamily, pipeline_topology, transformer_kwargs
 
 
-def model_config(flags, dropout=True):
+def model_config(cfg, dropout=True):
     """The :class:`~megatron.model.transformer.TransformerConfig` of a run or a checkpoint
     (arguments: :func:`megatron.families.transformer_kwargs`)."""
     from ..model.transformer import TransformerConfig
 
-    return TransformerConfig(**transformer_kwargs(flags, dropout),
-                             init_method_std=flags.init_method_std, bias=flags.hidden_bias)
+    return TransformerConfig(**transformer_kwargs(cfg, dropout),
+                             init_method_std=cfg.model.init_method_std, bias=cfg.model.hidden_bias)
 
 
 def build_model(cfg, pipeline, parallel_output=True):
@@ -25,11 +25,12 @@ def build_model(cfg, pipeline, parallel_output=True):
     if pipeline:
         from ..model.gpt2_model_pipe import GPT2ModelPipe
 
-        return GPT2ModelPipe(config, cfg.padded_vocab_size, cfg.max_position_embeddings,
-                             pipeline_topology(), loss_fn=masked_lm_loss)
+        return GPT2ModelPipe(config, cfg.model.padded_vocab_size,
+                             cfg.model.max_position_embeddings, pipeline_topology(),
+                             loss_fn=masked_lm_loss)
     from ..model.gpt2_model import GPT2Model
 
-    return GPT2Model(config, cfg.padded_vocab_size, cfg.max_position_embeddings,
+    return GPT2Model(config, cfg.model.padded_vocab_size, cfg.model.max_position_embeddings,
                      parallel_output)
 
 
@@ -40,7 +41,7 @@ def make_batch_fn(cfg, tokenizer):
     with its group; the causal mask (``[1, 1, s, s]``, True = masked), the loss mask and the
     positions are built on the device.
     """
-    eod, eod_mask_loss = tokenizer.eod, cfg.eod_mask_loss
+    eod, eod_mask_loss = tokenizer.eod, cfg.data.eod_mask_loss
 
     def batch(data):
         text = mpu.broadcast_data(["text"], data, torch.int64)["text"]  # [b, s + 1]
@@ -57,16 +58,17 @@ def build_datasets(cfg, tokenizer, num_samples):
     from ..data.gpt2_dataset import build_train_valid_test_datasets
 
     return build_train_valid_test_datasets(
-        data_prefix=cfg.data_path, splits_string=cfg.split,
-        train_valid_test_num_samples=num_samples, seq_length=cfg.seq_length, seed=cfg.seed)
+        data_prefix=cfg.data.data_path, splits_string=cfg.data.split,
+        train_valid_test_num_samples=num_samples, seq_length=cfg.batch.seq_length,
+        seed=cfg.model.seed)
 
 
 def flops_per_step(cfg):
     """Megatron's count for one step of a GPT model (no recompute):
     72 * B * s * l * h^2 * (1 + s / (6 h) + V / (12 l h)), B = global batch.
     """
-    b, s, layers, h = cfg.global_batch_size, cfg.seq_length, cfg.num_layers, cfg.hidden_size
-    vocab = cfg.padded_vocab_size
+    b, s = cfg.batch.global_batch_size, cfg.batch.seq_length
+    layers, h, vocab = cfg.model.num_layers, cfg.model.hidden_size, cfg.model.padded_vocab_size
     return 72.0 * b * s * layers * h * h * (1.0 + s / (6.0 * h) + vocab / (12.0 * layers * h))
 
 

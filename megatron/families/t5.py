@@ -89,12 +89,12 @@ def derive(ns):
         ns.enc_seq_length = ns.seq_length
 
 
-def _length_problems(args, problems):
-    enc, dec = args.enc_seq_length, args.dec_seq_length
+def _length_problems(ns, problems):
+    enc, dec = ns.enc_seq_length, ns.dec_seq_length
     if enc is None:
         problems.append("--enc-seq-length (or --seq-length) is required")
-    elif args.seq_length != enc:
-        problems.append(f"--seq-length ({args.seq_length}) and --enc-seq-length ({enc}) "
+    elif ns.seq_length != enc:
+        problems.append(f"--seq-length ({ns.seq_length}) and --enc-seq-length ({enc}) "
                         f"disagree; give only --enc-seq-length")
     if dec is None:
         problems.append("--dec-seq-length is required (decoder tokens per sample)")
@@ -102,8 +102,8 @@ def _length_problems(args, problems):
         problems.append(f"--dec-seq-length must be >= 2, got {dec}")
 
 
-def _relative_attention_problems(args, problems):
-    buckets, distance = args.relative_attention_num_buckets, args.relative_attention_max_distance
+def _relative_attention_problems(ns, problems):
+    buckets, distance = ns.relative_attention_num_buckets, ns.relative_attention_max_distance
     if buckets < 4:
         problems.append(f"--relative-attention-num-buckets ({buckets}) must be >= 4: the "
                         f"encoder splits the buckets by direction, then into exact and "
@@ -126,16 +126,16 @@ def _split_tokens(prefix, split):
     return int(np.sum(indexed.sizes[bounds[0]:bounds[1]], dtype=np.int64))
 
 
-def _data_problems(args, plan, problems):
+def _data_problems(ns, plan, problems):
     from ..config.validation import parse_data_path
 
     try:
-        _, prefixes = parse_data_path(args.data_path or [])
+        _, prefixes = parse_data_path(ns.data_path or [])
         for prefix in prefixes:
-            tokens = _split_tokens(prefix, args.split)
+            tokens = _split_tokens(prefix, ns.split)
             if tokens < plan["raw"]:
                 problems.append(
-                    f"--enc-seq-length {args.enc_seq_length} needs {plan['raw']} raw tokens per "
+                    f"--enc-seq-length {ns.enc_seq_length} needs {plan['raw']} raw tokens per "
                     f"sample but the train split of {prefix} holds {tokens}; shorten the "
                     f"sequences or give more data")
     except (DataError, ConfigError, OSError) as exc:
@@ -164,16 +164,17 @@ def validate_with_tokenizer(ns, tokenizer, problems):
         _data_problems(ns, plan, problems)
 
 
-def model_config(flags, dropout=True):
+def model_config(cfg, dropout=True):
     """The :class:`~megatron.model.t5_layers.T5TransformerConfig` of a run or a checkpoint
     (arguments: :func:`megatron.families.transformer_kwargs`)."""
     from ..model.t5_layers import T5TransformerConfig
 
+    t5 = cfg.t5
     return T5TransformerConfig(
-        **transformer_kwargs(flags, dropout), vocab_size=flags.padded_vocab_size,
-        num_buckets=flags.relative_attention_num_buckets,
-        max_distance=flags.relative_attention_max_distance, ff_type=flags.t5_ff,
-        tie_embeddings=not flags.untie_embeddings)
+        **transformer_kwargs(cfg, dropout), vocab_size=cfg.model.padded_vocab_size,
+        num_buckets=t5.relative_attention_num_buckets,
+        max_distance=t5.relative_attention_max_distance, ff_type=t5.t5_ff,
+        tie_embeddings=not t5.untie_embeddings)
 
 
 def build_model(cfg, pipeline, parallel_output=True):
@@ -208,18 +209,18 @@ def build_datasets(cfg, tokenizer, num_samples):
     from ..data.t5_dataset import build_train_valid_test_datasets
 
     return build_train_valid_test_datasets(
-        data_prefix=cfg.data_path, splits_string=cfg.split,
-        train_valid_test_num_samples=num_samples, enc_seq_length=cfg.enc_seq_length,
-        dec_seq_length=cfg.dec_seq_length, seed=cfg.seed, tokenizer=tokenizer,
-        noise_density=cfg.noise_density, mean_span_length=cfg.mean_span_length)
+        data_prefix=cfg.data.data_path, splits_string=cfg.data.split,
+        train_valid_test_num_samples=num_samples, enc_seq_length=cfg.t5.enc_seq_length,
+        dec_seq_length=cfg.t5.dec_seq_length, seed=cfg.model.seed, tokenizer=tokenizer,
+        noise_density=cfg.t5.noise_density, mean_span_length=cfg.t5.mean_span_length)
 
 
 def flops_per_step(cfg):
     """Matmul FLOPs of one training step (see :func:`megatron.model.t5_model.t5_flops_per_step`)."""
     from ..model.t5_model import t5_flops_per_step
 
-    return t5_flops_per_step(model_config(cfg), cfg.enc_seq_length, cfg.dec_seq_length,
-                             cfg.global_batch_size)
+    return t5_flops_per_step(model_config(cfg), cfg.t5.enc_seq_length, cfg.t5.dec_seq_length,
+                             cfg.batch.global_batch_size)
 
 
 FAMILY = ModelFamily(

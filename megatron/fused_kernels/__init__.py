@@ -97,20 +97,20 @@ def _path(enabled, cli_flag, module, failure, kind):
     return f"fused {kind.upper()} kernel"
 
 
-def load(args=None):
+def load(kernels=None):
     """Build or load the kernels for this process's device; return the status for the log.
 
     Args:
-        args: parsed arguments (``masked_softmax_fusion``, ``layernorm_fusion``) or None
-            to keep the defaults (both on).
+        kernels: the run's kernel settings (``cfg.kernels``: ``masked_softmax_fusion``,
+            ``layernorm_fusion``) or None to keep the defaults (both on).
 
     Returns:
         A :class:`KernelStatus`; ``str(status)`` is one line for the startup log.
     """
     global _STATUS
-    softmax = True if args is None else bool(args.masked_softmax_fusion)
-    if args is not None:
-        _FLAGS.update(layernorm_fusion=bool(args.layernorm_fusion))
+    softmax = True if kernels is None else bool(kernels.masked_softmax_fusion)
+    if kernels is not None:
+        _FLAGS.update(layernorm_fusion=bool(kernels.layernorm_fusion))
     from megatron.mpu.utils import get_device
 
     kind = get_device().type

@@ -92,7 +92,7 @@ def build_optimizer_and_scheduler(module, cfg, for_engine):
                        betas=o.adam_betas, eps=o.adam_eps, weight_decay=o.weight_decay)
     optimizer = adam if for_engine else \
         MegatronOptimizer(adam, build_grad_scaler(cfg.precision), o.clip_grad,
-                          cfg.skip_nonfinite_steps)
+                          cfg.optim.skip_nonfinite_steps)
     lr_scheduler = AnnealingLR(optimizer, o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters,
                                o.lr_decay_style)
     return optimizer, lr_scheduler

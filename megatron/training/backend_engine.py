@@ -29,8 +29,8 @@ def _read_json(path):
         raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {exc}") from None
 
 
-def _precision(config, args, path):
-    precision = args.precision
+def _precision(config, cfg, path):
+    precision = cfg.precision
     for key, flag in (("fp16", precision.fp16), ("bf16", precision.bf16)):
         enabled = bool(config.get(key, {}).get("enabled", False))
         if enabled and not flag:
@@ -46,32 +46,33 @@ def _precision(config, args, path):
         config["bf16"] = {**config.get("bf16", {}), "enabled": True}
 
 
-def build_deepspeed_config(args, pipeline):
+def build_deepspeed_config(cfg, pipeline):
     """DeepSpeed's config dict: ``--deepspeed_config`` (if any) checked against the flags.
 
     The batch sizes and clipping come from the flags (BATCHSIZE x GAS x dp, --clip-grad); a
     JSON value that disagrees is an error rather than a silent override. Precision follows
     the flags; the JSON's fp16 block supplies loss-scaler settings.
     """
-    path = args.deepspeed_config or "(flags)"
-    config = _read_json(args.deepspeed_config) if args.deepspeed_config else {}
-    batch = dict(zip(BATCH_KEYS, (args.micro_batch_size, args.gas, args.global_batch_size)))
+    path = cfg.parallel.deepspeed_config or "(flags)"
+    config = _read_json(cfg.parallel.deepspeed_config) if cfg.parallel.deepspeed_config else {}
+    b = cfg.batch
+    batch = dict(zip(BATCH_KEYS, (b.micro_batch_size, b.gas, b.global_batch_size)))
     for key, value in batch.items():
         if key in config and config[key] != value:
             raise ConfigError(f"{path}: {key} is {config[key]} but the flags give {value} "
-                              f"(batch size {args.micro_batch_size} x gas {args.gas} x "
-                              f"data-parallel {args.data_parallel_size}); make them agree")
+                              f"(batch size {b.micro_batch_size} x gas {b.gas} x "
+                              f"data-parallel {cfg.parallel.dp}); make them agree")
     config.update(batch)
-    if config.get("gradient_clipping", args.clip_grad) != args.clip_grad:
+    if config.get("gradient_clipping", cfg.optim.clip_grad) != cfg.optim.clip_grad:
         raise ConfigError(f"{path}: gradient_clipping is {config['gradient_clipping']} but "
-                          f"--clip-grad is {args.clip_grad}; make them agree")
-    config["gradient_clipping"] = args.clip_grad
+                          f"--clip-grad is {cfg.optim.clip_grad}; make them agree")
+    config["gradient_clipping"] = cfg.optim.clip_grad
     config.setdefault("steps_per_print", 10**9)  # pretrain() logs
     config.setdefault("wall_clock_breakdown", False)
-    _precision(config, args, path)
-    if args.zero_stage is not None:
+    _precision(config, cfg, path)
+    if cfg.parallel.zero_stage is not None:
         config["zero_optimization"] = {**config.get("zero_optimization", {}),
-                                       "stage": args.zero_stage}
+                                       "stage": cfg.parallel.zero_stage}
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage in (1, 2):  # lets a checkpoint resume at another data-parallel size
         config["zero_optimization"].setdefault("elastic_checkpoint", True)

@@ -47,7 +47,7 @@ def build_backend(cfg, model_provider, batch_fn=None):
 
         attach_deepspeed_comm(cfg)  # a PipelineModule needs it while it is built
     model = _call_provider(model_provider, pipeline)
-    if cfg.get("compile"):  # --compile: regional, each transformer layer in place
+    if cfg.kernels.compile:  # --compile: regional, each transformer layer in place
         from ..model.compile import compile_layers
 
         compile_layers(model)

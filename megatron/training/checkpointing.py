@@ -62,16 +62,16 @@ def _gather_rng_states():
 
 
 # ---------------------------------------------------------------- save
-def _main_state(iteration, backend, args, train_state, rng_states):
+def _main_state(iteration, backend, cfg, train_state, rng_states):
     io = backend.state_io
     state = {
-        "format": CHECKPOINT_FORMAT, "iteration": iteration, "args": args_to_dict(args),
+        "format": CHECKPOINT_FORMAT, "iteration": iteration, "args": args_to_dict(cfg),
         "model": backend.module().state_dict(),
         "rng_state": rng_states,
         "consumed_train_samples": train_state.consumed_train_samples,
         "consumed_valid_samples": train_state.consumed_valid_samples,
     }
-    if not args.no_save_optim:
+    if not cfg.checkpoint.no_save_optim:
         if not io.sharded:
             state["optimizer"] = io.state_dict()
         names = io.param_names()
@@ -84,7 +84,7 @@ def _main_state(iteration, backend, args, train_state, rng_states):
     return state
 
 
-def save_checkpoint(iteration, backend, args, train_state):
+def save_checkpoint(iteration, backend, cfg, train_state):
     """Write a complete checkpoint for ``iteration`` (collective: every rank calls it).
 
     Data-parallel rank 0 of each (tp, pp) writes the model, schedule, RNG and progress. A
@@ -94,10 +94,10 @@ def save_checkpoint(iteration, backend, args, train_state):
     Args:
         iteration: steps completed.
         backend: the :class:`~megatron.training.backend.TrainingBackend`.
-        args: the run configuration (saved, and checked when loading).
+        cfg: the run configuration (saved, and checked when loading).
         train_state: object with ``consumed_train_samples`` / ``consumed_valid_samples``.
     """
-    root = args.save
+    root = cfg.checkpoint.save
     tmp_root = os.path.join(root, ".tmp")
     rng_states = _gather_rng_states()
     if dist.get_rank() == 0:
@@ -108,10 +108,10 @@ def save_checkpoint(iteration, backend, args, train_state):
                   mpu.get_data_parallel_rank())
     path = checkpoint_name(tmp_root, iteration, tp, pp)
     if dp == 0:
-        state = _main_state(iteration, backend, args, train_state, rng_states)
+        state = _main_state(iteration, backend, cfg, train_state, rng_states)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomic(path, lambda tmp: torch.save(state, tmp))
-    if backend.state_io.sharded and not args.no_save_optim:
+    if backend.state_io.sharded and not cfg.checkpoint.no_save_optim:
         shard = optimizer_shard_name(tmp_root, iteration, tp, pp, dp)
         os.makedirs(os.path.dirname(shard), exist_ok=True)
         write_atomic(shard, lambda tmp: torch.save(backend.state_io.state_dict(), tmp))
@@ -123,66 +123,68 @@ def save_checkpoint(iteration, backend, args, train_state):
 
 
 # ---------------------------------------------------------------- load
-def _read_own_file(args, iteration):
+def _read_own_file(cfg, iteration):
+    root = cfg.checkpoint.load
     tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
-    path = checkpoint_name(args.load, iteration, tp, pp)
+    path = checkpoint_name(root, iteration, tp, pp)
     if not os.path.isfile(path) and pp == 0 and \
-            os.path.isfile(megatron_v2_name(args.load, iteration, tp)):
-        path = megatron_v2_name(args.load, iteration, tp)
+            os.path.isfile(megatron_v2_name(root, iteration, tp)):
+        path = megatron_v2_name(root, iteration, tp)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint in "
-                              f"{args.load} is incomplete or was made with another layout")
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint in {root} is "
+                              f"incomplete or was made with another layout")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
-    check_compatible(state.get("args", {}), args, path)
+    check_compatible(state.get("args", {}), cfg, path)
     return state
 
 
-def _load_optimizer(backend, state, args, iteration):
+def _load_optimizer(backend, state, cfg, iteration):
     """The optimizer state: in the main file, or the data-parallel ranks' files of a
     sharding backend (which may have been saved at another data-parallel size)."""
     io = backend.state_io
     if not io.sharded:
         if "optimizer" not in state:
-            raise CheckpointError(f"checkpoint in {args.load} has no optimizer state; pass "
-                                  f"--no-load-optim (or --finetune) to load the weights only")
+            raise CheckpointError(f"checkpoint in {cfg.checkpoint.load} has no optimizer "
+                                  f"state; pass --no-load-optim (or --finetune) to load the "
+                                  f"weights only")
         io.load(state["optimizer"])
         return
-    io.load_files(saved_optimizer_files(args.load, iteration,
+    io.load_files(saved_optimizer_files(cfg.checkpoint.load, iteration,
                                         mpu.get_tensor_model_parallel_rank(),
                                         mpu.get_pipeline_model_parallel_rank()))
-    io.load_counters(_engine_counters(state, args))
+    io.load_counters(_engine_counters(state, cfg))
 
 
-def _load_at_new_layout(backend, args, iteration, load_optim):
+def _load_at_new_layout(backend, cfg, iteration, load_optim):
     """Another tp or pp: this rank's slice of the whole checkpoint (megatron.checkpoint)."""
-    rank = read_at_new_layout(args.load, iteration, args, load_optim)
+    rank = read_at_new_layout(cfg.checkpoint.load, iteration, cfg, load_optim)
     backend.module().load_state_dict(rank.model)
     if rank.optimizer is not None:
         backend.state_io.load_named(rank.optimizer)
         if backend.state_io.sharded:
-            backend.state_io.load_counters(_engine_counters(rank.first, args))
+            backend.state_io.load_counters(_engine_counters(rank.first, cfg))
     warn_rank_0(
-        f"resuming {rank.description} at tp={args.parallel.tp}, pp={args.parallel.pp}: "
+        f"resuming {rank.description} at tp={cfg.parallel.tp}, pp={cfg.parallel.pp}: "
         f"weights{', Adam state' if load_optim else ''}, LR schedule and data position "
         f"carried over; random streams restart from --seed")
     return dict(rank.first, layout_change=True)
 
 
-def _load_state(backend, args, iteration, load_optim):
+def _load_state(backend, cfg, iteration, load_optim):
     """Load the weights (and optimizer) for this rank; return the main file's state."""
-    if saved_layout_differs(args.load, iteration, args):
-        return _load_at_new_layout(backend, args, iteration, load_optim)
-    state = _read_own_file(args, iteration)
+    if saved_layout_differs(cfg.checkpoint.load, iteration, cfg):
+        return _load_at_new_layout(backend, cfg, iteration, load_optim)
+    state = _read_own_file(cfg, iteration)
     backend.module().load_state_dict(state["model"])
     if load_optim:
-        _load_optimizer(backend, state, args, iteration)
+        _load_optimizer(backend, state, cfg, iteration)
     return state
 
 
-def _engine_counters(state, args):
+def _engine_counters(state, cfg):
     """The saved DeepSpeed engine counters, with ``micro_steps`` for this run's gas (the
     engine steps when it reaches a multiple of gas: a checkpoint saved at another gas would
     shift the accumulation boundary). A checkpoint saved by the DDP backend has none; they
@@ -191,12 +193,12 @@ def _engine_counters(state, args):
     steps = counters.setdefault("global_steps", state["iteration"])
     counters.setdefault("global_samples", state.get("consumed_train_samples", 0))
     counters.setdefault("skipped_steps", 0)
-    counters["micro_steps"] = steps * args.batch.gas
+    counters["micro_steps"] = steps * cfg.batch.gas
     return counters
 
 
-def _restore_rng(args, state):
-    if args.no_load_rng:
+def _restore_rng(cfg, state):
+    if cfg.checkpoint.no_load_rng:
         return
     if "rng_state" in state:
         rng_states = state["rng_state"]
@@ -204,12 +206,12 @@ def _restore_rng(args, state):
         set_rng_state(rng_states[dp_rank] if dp_rank < len(rng_states) else rng_states[0])
     elif "layout_change" not in state:
         # tools/convert_checkpoint.py writes weights only: dropout restarts from --seed
-        warn_rank_0(f"checkpoint in {args.load} has no RNG state (a converted, weights-only "
-                    f"checkpoint); random streams start from --seed")
+        warn_rank_0(f"checkpoint in {cfg.checkpoint.load} has no RNG state (a converted, "
+                    f"weights-only checkpoint); random streams start from --seed")
 
 
-def load_checkpoint(backend, args, train_state):
-    """Resume from ``args.load`` if it holds a checkpoint (collective). Returns the iteration.
+def load_checkpoint(backend, cfg, train_state):
+    """Resume from ``--load`` if it holds a checkpoint (collective). Returns the iteration.
 
     A missing tracker starts from scratch with a warning (so ``--save`` and ``--load`` can
     name the same folder for automatic resume); a ``--load`` folder that does not exist was
@@ -217,29 +219,30 @@ def load_checkpoint(backend, args, train_state):
     ``--load`` = ``--save``). An incompatible or incomplete checkpoint raises
     :class:`CheckpointError` on every rank.
     """
-    if not args.load:
+    ckpt = cfg.checkpoint
+    if not ckpt.load:
         return 0
-    iteration = read_tracker(args.load)
+    iteration = read_tracker(ckpt.load)
     if iteration is None:
-        warn_rank_0(f"no checkpoint in {args.load} ({TRACKER_FILENAME} is missing); "
+        warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
                     f"starting from scratch")
         return 0
-    load_optim = not args.no_load_optim and not args.finetune
+    load_optim = not ckpt.no_load_optim and not ckpt.finetune
     state, error = None, None
     try:
-        state = _load_state(backend, args, iteration, load_optim)
+        state = _load_state(backend, cfg, iteration, load_optim)
     except CheckpointError as exc:
         error = exc
     raise_if_any_rank_failed(error, CheckpointError)
     if not load_optim:
         backend.state_io.after_weights_only_load()
-    if args.finetune:
-        print_rank_0(f"> loaded weights from {args.load} (iteration {iteration}) to fine-tune")
+    if ckpt.finetune:
+        print_rank_0(f"> loaded weights from {ckpt.load} (iteration {iteration}) to fine-tune")
         return 0
     if "lr_scheduler" in state:
         backend.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    _restore_rng(args, state)
+    _restore_rng(cfg, state)
     train_state.consumed_train_samples = state.get("consumed_train_samples", 0)
     train_state.consumed_valid_samples = state.get("consumed_valid_samples", 0)
-    print_rank_0(f"> loaded checkpoint from {args.load} at iteration {iteration}")
+    print_rank_0(f"> loaded checkpoint from {ckpt.load} at iteration {iteration}")
     return state["iteration"]

@@ -51,18 +51,18 @@ def _all_ranks_max(tensor):
     return tensor
 
 
-def check_pending(args, iteration, pending):
+def check_pending(cfg, iteration, pending):
     """Raise :class:`DivergenceError` if a step since the last check was not finite.
 
     Collective when torch.distributed is initialised (every rank calls it at the same point).
 
     Args:
-        args: run args (``compute_dtype``, ``save``, ``load``).
+        cfg: the run configuration (``compute_dtype``, ``save``, ``load``).
         iteration: the iteration of the last entry of ``pending``.
         pending: per-step dicts with ``lm loss`` (device tensor), ``grad norm`` (float or
             None) and ``skipped`` (bool), oldest first.
     """
-    if args.compute_dtype == torch.float16 or not pending:
+    if cfg.precision.dtype == torch.float16 or not pending:
         return
     codes = _all_ranks_max(_step_codes(pending, check_loss=True)).tolist()  # the one sync
     first = next((i for i, code in enumerate(codes) if code != _OK), None)
@@ -71,15 +71,15 @@ def check_pending(args, iteration, pending):
     step = iteration - len(pending) + first + 1
     if codes[first] >= _BAD_LOSS:
         # the weights after step - 1 produced it: the newest good ones are from step - 2
-        _fail(args, f"loss is not finite at iteration {step}", step - 2)
-    _fail(args, f"gradient norm is not finite at iteration {step}", step - 1)
+        _fail(cfg, f"loss is not finite at iteration {step}", step - 2)
+    _fail(cfg, f"gradient norm is not finite at iteration {step}", step - 1)
 
 
-def check_weights(args, iteration, model):
+def check_weights(cfg, iteration, model):
     """Before saving ``iteration``: every rank's weights are finite, or raise (collective).
 
     Args:
-        args: run args.
+        cfg: the run configuration.
         iteration: the iteration about to be saved.
         model: the model or engine whose weights are saved.
     """
@@ -89,7 +89,7 @@ def check_weights(args, iteration, model):
     finite = torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()
     bad = _all_ranks_max((~finite).int().reshape(1))
     if bad.item():
-        _fail(args, f"weights are not finite after iteration {iteration}", iteration - 1)
+        _fail(cfg, f"weights are not finite after iteration {iteration}", iteration - 1)
 
 
 def newest_checkpoint_up_to(root, limit):
@@ -101,13 +101,13 @@ def newest_checkpoint_up_to(root, limit):
     return max(good) if good else None
 
 
-def _fail(args, what, good_limit):
+def _fail(cfg, what, good_limit):
     """Point the tracker at the newest good checkpoint (rank 0) and raise on every rank."""
     from .checkpointing import TRACKER_FILENAME, read_tracker, write_tracker
 
-    dtype = str(args.compute_dtype).replace("torch.", "")
+    dtype = str(cfg.precision.dtype).replace("torch.", "")
     # the run's own saves first, else the checkpoint it started from
-    roots = [r for r in (args.save, args.load) if r]
+    roots = [r for r in (cfg.checkpoint.save, cfg.checkpoint.load) if r]
     root = next((r for r in roots if newest_checkpoint_up_to(r, good_limit) is not None),
                 roots[0] if roots else None)
     good = newest_checkpoint_up_to(root, good_limit)
@@ -118,7 +118,7 @@ def _fail(args, what, good_limit):
             "there is no --save folder"
         raise DivergenceError(f"{what} ({dtype}); {where}: start again from scratch and {fixes}")
     note = ""
-    current = read_tracker(root) if root == args.save else None
+    current = read_tracker(root) if root == cfg.checkpoint.save else None
     if current is not None and current > good:
         if not dist.is_initialized() or dist.get_rank() == 0:
             write_tracker(root, good)

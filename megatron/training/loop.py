@@ -77,21 +77,21 @@ def train_step(forward_step_func, data_iterator, backend):
     return _reduce_stats(per_micro_batch), updated, grad_norm
 
 
-def evaluate(forward_step_func, data_iterator, backend, args):
+def evaluate(forward_step_func, data_iterator, backend, cfg):
     """Average validation loss over ``--eval-iters`` global batches."""
     backend.eval()
     totals = []
     with torch.no_grad():
-        for _ in range(args.eval_iters):
+        for _ in range(cfg.logging.eval_iters):
             per_micro_batch = backend.eval_step(forward_step_func, data_iterator)
             totals.append(_reduce_stats(per_micro_batch)["lm loss"])
     backend.train()
     return float(torch.stack(totals).mean()) if totals else float("nan")
 
 
-def _flush_interval(args, state, pending, backend, timers, writer):
+def _flush_interval(cfg, state, pending, backend, timers, writer):
     """Check, record and log the steps since the last log line."""
-    check_pending(args, state.iteration, pending)
+    check_pending(cfg, state.iteration, pending)
     state.lr = backend.lr
     state.loss_scale = backend.loss_scale
     losses = [float(x) for x in torch.stack([p["lm loss"] for p in pending])] if pending else []
@@ -100,41 +100,47 @@ def _flush_interval(args, state, pending, backend, timers, writer):
     norms = [p["grad norm"] for p in pending if p.get("grad norm") is not None]
     if norms:  # device tensors (DDP) or floats (DeepSpeed engines): read once, here
         stats["grad norm"] = float(sum(norms)) / len(norms)
-    log_training_step(args, state, stats, timers("interval").elapsed(), writer)
+    log_training_step(cfg, state, stats, timers("interval").elapsed(), writer)
     state.steps_in_interval = state.skipped_in_interval = 0
 
 
-def train(forward_step_func, backend, train_iterator, valid_iterator, args, state):
+def _every(iteration, interval):
+    """Whether ``iteration`` is a multiple of an optional ``interval`` (None / 0: never)."""
+    return bool(interval) and iteration % interval == 0
+
+
+def train(forward_step_func, backend, train_iterator, valid_iterator, cfg, state):
     """Run steps until ``--train-iters``, logging, evaluating and saving on the way."""
     timers, writer = get_timers(), get_tensorboard_writer()
+    log, ckpt, iters = cfg.logging, cfg.checkpoint, cfg.batch.train_iters
     backend.train()
     pending = []  # per-step stats since the last log line, still on the device
     timers("interval").start()
-    while state.iteration < args.train_iters:
+    while state.iteration < iters:
         stats, updated, grad_norm = train_step(forward_step_func, train_iterator, backend)
         state.iteration += 1
-        state.consumed_train_samples += args.global_batch_size
+        state.consumed_train_samples += cfg.batch.global_batch_size
         state.steps_in_interval += 1
         if not updated:
             state.skipped_iters += 1
             state.skipped_in_interval += 1
         pending.append(dict(stats, **{"grad norm": grad_norm, "skipped": not updated}))
-        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
-            _flush_interval(args, state, pending, backend, timers, writer)
+        if _every(state.iteration, log.log_interval) or state.iteration == iters:
+            _flush_interval(cfg, state, pending, backend, timers, writer)
             pending = []
-        if state.do_valid and args.eval_iters and state.iteration % args.eval_interval == 0:
-            loss = evaluate(forward_step_func, valid_iterator, backend, args)
-            state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+        if state.do_valid and log.eval_iters and _every(state.iteration, log.eval_interval):
+            loss = evaluate(forward_step_func, valid_iterator, backend, cfg)
+            state.consumed_valid_samples += log.eval_iters * cfg.batch.global_batch_size
             state.eval_losses.append((state.iteration, loss))
-            log_evaluation(args, state.iteration, "validation", loss, writer)
-        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            check_pending(args, state.iteration, pending)
-            check_weights(args, state.iteration, backend.model)
-            save_checkpoint(state.iteration, backend, args, state)
-        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            log_evaluation(cfg, state.iteration, "validation", loss, writer)
+        if ckpt.save and _every(state.iteration, ckpt.save_interval):
+            check_pending(cfg, state.iteration, pending)
+            check_weights(cfg, state.iteration, backend.model)
+            save_checkpoint(state.iteration, backend, cfg, state)
+        if _every(state.iteration, ckpt.exit_interval):
             break
     if pending:
-        _flush_interval(args, state, pending, backend, timers, writer)
+        _flush_interval(cfg, state, pending, backend, timers, writer)
     timers("interval").stop()
     return state
 
@@ -188,25 +194,25 @@ def pretrain(train_valid_test_dataset_provider=None, model_provider=None,
     from ..families import get_family
 
     family = get_family(family)
-    args = initialize_megatron(extra_args_provider, args_defaults or {}, argv, family=family)
+    cfg = initialize_megatron(extra_args_provider, args_defaults or {}, argv, family=family)
     dataset_provider, model_provider, forward_step_func, batch_fn = _providers(
-        family, args, train_valid_test_dataset_provider, model_provider, forward_step_func)
-    flops = family.flops_per_step(args) if family is not None else None
+        family, cfg, train_valid_test_dataset_provider, model_provider, forward_step_func)
+    flops = family.flops_per_step(cfg) if family is not None else None
     state = TrainState(flops_per_step=flops or 0.0)
-    backend = build_backend(args, model_provider, batch_fn)
-    state.iteration = load_checkpoint(backend, args, state)
+    backend = build_backend(cfg, model_provider, batch_fn)
+    state.iteration = load_checkpoint(backend, cfg, state)
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        dataset_provider, args, state)
-    print_rank_0(f"> training from iteration {state.iteration} to {args.train_iters}")
+        dataset_provider, cfg, state)
+    print_rank_0(f"> training from iteration {state.iteration} to {cfg.batch.train_iters}")
     start = state.iteration
-    train(forward_step_func, backend, train_it, valid_it, args, state)
-    if args.save and state.iteration > start and not (
-            args.save_interval and state.iteration % args.save_interval == 0):
-        check_weights(args, state.iteration, backend.model)
-        save_checkpoint(state.iteration, backend, args, state)
-    if state.do_test and args.eval_iters:
-        loss = evaluate(forward_step_func, test_it, backend, args)
-        log_evaluation(args, state.iteration, "test", loss, get_tensorboard_writer())
+    train(forward_step_func, backend, train_it, valid_it, cfg, state)
+    ckpt = cfg.checkpoint
+    if ckpt.save and state.iteration > start and not _every(state.iteration, ckpt.save_interval):
+        check_weights(cfg, state.iteration, backend.model)
+        save_checkpoint(state.iteration, backend, cfg, state)
+    if state.do_test and cfg.logging.eval_iters:
+        loss = evaluate(forward_step_func, test_it, backend, cfg)
+        log_evaluation(cfg, state.iteration, "test", loss, get_tensorboard_writer())
     close_iterators((train_it, valid_it, test_it))
     if get_tensorboard_writer() is not None:
         get_tensorboard_writer().close()  # complete event / W&B run files before returning
