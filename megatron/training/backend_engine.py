@@ -109,8 +109,9 @@ class EngineBackend(TrainingBackend):
 
         attach_deepspeed_comm(cfg)
         optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg, for_engine=True)
-        pipe = {"batch_fn": batch_fn, "clip_grad_norm_fn": mpu.clip_grad_norm} if pipeline \
-            else {"mpu": mpu}
+        # the norm stays a device tensor: the loop reads it at log time only
+        pipe = {"batch_fn": batch_fn, "clip_grad_norm_fn": mpu.clip_grad_norm_tensor} \
+            if pipeline else {"mpu": mpu}
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=lr_scheduler,
             config=build_deepspeed_config(cfg, pipeline), dist_init_required=False, **pipe)
