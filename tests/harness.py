@@ -10,8 +10,9 @@
         results = run_distributed(_check, 4, 1.5)    # one entry per rank
 
 How it works:
-- Ranks are forked from a forkserver that has already imported torch, so a
-  rank starts in milliseconds instead of re-importing torch (8 ranks on 2 cores).
+- Ranks are forked from a forkserver that has already imported torch (and
+  torch._dynamo, which torch's optimizers import on first use: 1-2 s per rank
+  otherwise), so a rank starts in milliseconds (8 ranks on 2 cores).
 - The parent hosts the rendezvous TCPStore on a free port (port 0), so two
   tests never race for a port.
 - Each rank writes stdout/stderr to its own log file. When a rank raises, its
@@ -35,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "deepspeed", "tds", "megatron.training"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "numpy", "deepspeed", "tds",
+                              "megatron.training"])
 
 #: Seconds the other ranks get to report after the first rank failed.
 ERROR_GRACE_S = 5.0

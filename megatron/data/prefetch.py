@@ -62,6 +62,11 @@ class Prefetcher(Iterator):
         return item
 
     def close(self) -> None:
-        """Stop the thread (it exits within 0.1 s; no more items are read)."""
+        """Stop the thread (no more items are read)."""
         self._stop.set()
+        while True:  # free a put the thread may be blocked in
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
         self._thread.join(timeout=5)
