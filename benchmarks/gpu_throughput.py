@@ -196,11 +196,12 @@ def t5_batch_fn(batch, enc, dec, vocab):
 
 def gpt2_flops(batch, seq, layers, hidden, vocab):
     """Megatron's count for one step (the same for every case of a size)."""
+    from megatron.config import saved_run_config
     from megatron.families.gpt2 import flops_per_step
 
-    return flops_per_step(argparse.Namespace(global_batch_size=batch, seq_length=seq,
-                                             num_layers=layers, hidden_size=hidden,
-                                             padded_vocab_size=vocab))
+    return flops_per_step(saved_run_config(dict(global_batch_size=batch, seq_length=seq,
+                                                num_layers=layers, hidden_size=hidden,
+                                                padded_vocab_size=vocab)))
 
 
 def gpt2_cases(opts, name, layers, hidden, heads, batch):
@@ -247,17 +248,15 @@ def t5_cases(opts, name, layers, d_model, d_ff, heads, batch):
                           lambda c=compiled: plain_step(
                               hf_t5(vocab, layers, d_model, d_ff, heads, d_kv), hf_loss, opts,
                               opts.device, c)))
+    from megatron.config import saved_run_config
+    from megatron.families import get_family
     from megatron.families.t5 import flops_per_step
 
-    cfg = argparse.Namespace(
+    cfg = saved_run_config(dict(
         num_layers=layers, hidden_size=d_model, num_attention_heads=heads, kv_channels=d_kv,
-        ffn_hidden_size=d_ff, padded_vocab_size=vocab, relative_attention_num_buckets=32,
-        relative_attention_max_distance=128, t5_ff="relu", untie_embeddings=False,
-        hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-6,
-        checkpoint_activations=False, checkpoint_num_layers=1, masked_softmax_fusion=True,
-        compute_dtype=opts.dtype, seed=1234, enc_seq_length=enc, dec_seq_length=dec,
-        global_batch_size=batch)
-    cfg.get = lambda key, default=None: getattr(cfg, key, default)
+        ffn_hidden_size=d_ff, padded_vocab_size=vocab, hidden_dropout=0.0,
+        attention_dropout=0.0, compute_dtype=opts.dtype, enc_seq_length=enc,
+        dec_seq_length=dec, global_batch_size=batch), get_family("t5"))
     return cases, batch * (enc + dec), flops_per_step(cfg)
 
 
