@@ -426,3 +426,23 @@ def test_corrupt_index_entry_in_the_middle_fails_on_every_rank(gpt2_data, tmp_pa
     result = _run([*_tiny(gpt2_data), "--data-path", prefix], nproc=2)
     _assert_user_error(result, f"corpus.idx: sequence {middle} is corrupt", nproc=2)
     assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.idx"]  # no index cache
+
+
+@pytest.mark.parametrize("flags, offered", [({}, True), ({"deepspeed": True}, False),
+                                            ({"pipeline_model_parallel_size": 2}, False)])
+def test_divergence_message_offers_only_what_the_backend_accepts(tmp_path, flags, offered):
+    """--skip-nonfinite-steps is offered to DDP runs only: validation refuses it for DeepSpeed
+    and pipeline runs (issue 26)."""
+    import torch
+
+    from megatron.config import saved_run_config
+    from megatron.errors import DivergenceError
+    from megatron.training.divergence import check_pending
+
+    cfg = saved_run_config(dict(compute_dtype=torch.float32, save=str(tmp_path), load=None,
+                                **flags))
+    pending = [{"lm loss": torch.tensor(float("nan")), "grad norm": 1.0, "skipped": False}]
+    with pytest.raises(DivergenceError) as info:
+        check_pending(cfg, 1, pending)
+    assert ("--skip-nonfinite-steps" in str(info.value)) == offered, str(info.value)
+    assert "lower --lr" in str(info.value)

@@ -101,6 +101,18 @@ def newest_checkpoint_up_to(root, limit):
     return max(good) if good else None
 
 
+def _fixes(cfg):
+    """What the user can change, offering --skip-nonfinite-steps only where the run's backend
+    accepts it (the DDP path: megatron/config/validation.py refuses it for DeepSpeed and
+    pipeline runs, which skip fp16 overflows only)."""
+    from ..config.preflight import uses_deepspeed
+
+    fixes = "lower --lr, set --clip-grad, check the data"
+    if uses_deepspeed(cfg):
+        return fixes
+    return fixes + ", or pass --skip-nonfinite-steps to skip such steps"
+
+
 def _fail(cfg, what, good_limit):
     """Point the tracker at the newest good checkpoint (rank 0) and raise on every rank."""
     from .checkpointing import TRACKER_FILENAME, read_tracker, write_tracker
@@ -111,8 +123,7 @@ def _fail(cfg, what, good_limit):
     root = next((r for r in roots if newest_checkpoint_up_to(r, good_limit) is not None),
                 roots[0] if roots else None)
     good = newest_checkpoint_up_to(root, good_limit)
-    fixes = ("lower --lr, set --clip-grad, check the data, or pass --skip-nonfinite-steps to "
-             "skip such steps")
+    fixes = _fixes(cfg)
     if good is None:
         where = f"no checkpoint in {root} is known to be good" if root else \
             "there is no --save folder"
