@@ -198,19 +198,25 @@ def test_precision_capability_both_sides(flags, fp16, bf16, expected):
 
 @pytest.mark.precision
 def test_precision_switches_take_a_capability_away(monkeypatch):
+    """The switches act on this machine's device (here patched to report both) and never on
+    an emulated device a test passes, which states its own capabilities."""
+    import deepspeed.accelerator
+
     from megatron.config.preflight import deepspeed_precision_support
 
     device = EmulatedAccelerator(fp16=True, bf16=True)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: device)
     monkeypatch.delenv("MEGATRON_TDS_DS_FP16", raising=False)
     monkeypatch.delenv("MEGATRON_TDS_DS_BF16", raising=False)
-    assert deepspeed_precision_support(device) == {"fp16": True, "bf16": True}
+    assert deepspeed_precision_support() == {"fp16": True, "bf16": True}
     monkeypatch.setenv("MEGATRON_TDS_DS_FP16", "0")
-    assert deepspeed_precision_support(device) == {"fp16": False, "bf16": True}
+    assert deepspeed_precision_support() == {"fp16": False, "bf16": True}
+    assert deepspeed_precision_support(device) == {"fp16": True, "bf16": True}
     monkeypatch.setenv("MEGATRON_TDS_DS_BF16", "0")
-    assert deepspeed_precision_support(device) == {"fp16": False, "bf16": False}
+    assert deepspeed_precision_support() == {"fp16": False, "bf16": False}
     monkeypatch.setenv("MEGATRON_TDS_DS_FP16", "1")  # cannot add what the device lacks
     with pytest.raises(ValueError, match="MEGATRON_TDS_DS_FP16='1': only 0"):
-        deepspeed_precision_support(EmulatedAccelerator(fp16=False, bf16=True))
+        deepspeed_precision_support()
 
 
 @pytest.mark.precision

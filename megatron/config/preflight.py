@@ -79,18 +79,25 @@ PRECISION_SWITCHES = {"fp16": "MEGATRON_TDS_DS_FP16", "bf16": "MEGATRON_TDS_DS_B
 
 
 def deepspeed_precision_support(accelerator=None):
-    """``{"fp16": bool, "bf16": bool}``: what DeepSpeed's accelerator runs, after the switches.
+    """``{"fp16": bool, "bf16": bool}``: what DeepSpeed's accelerator runs.
+
+    The switches (:data:`PRECISION_SWITCHES`) act on this machine's device only: a stand-in
+    passed by a test describes another device, whose capabilities it states itself.
 
     Args:
-        accelerator: DeepSpeed's accelerator object (default: ``get_accelerator()``); tests
-            pass a stand-in to emulate a device with or without a capability.
+        accelerator: DeepSpeed's accelerator object (default: ``get_accelerator()``, with the
+            switches applied); tests pass a stand-in to emulate a device with or without a
+            capability.
     """
-    if accelerator is None:
+    this_device = accelerator is None
+    if this_device:
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
     support = {"fp16": bool(accelerator.is_fp16_supported()),
                "bf16": bool(accelerator.is_bf16_supported())}
+    if not this_device:
+        return support
     for name, variable in PRECISION_SWITCHES.items():
         value = os.environ.get(variable)
         if value is None or value == "":
@@ -119,13 +126,13 @@ def check_precision(args, problems, accelerator=None):
     wanted = "fp16" if args.fp16 else "bf16" if args.bf16 else None
     if wanted is None or not uses_deepspeed(args):
         return
+    support = deepspeed_precision_support(accelerator)
+    if support[wanted]:
+        return
     if accelerator is None:
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
-    support = deepspeed_precision_support(accelerator)
-    if support[wanted]:
-        return
     device = describe_device(accelerator)
     other = "--bf16" if wanted == "fp16" and support["bf16"] else None
     fix = f"use {other} or fp32 (no precision flag)" if other else "use fp32 (no precision flag)"
