@@ -4,6 +4,8 @@ No rank ever holds the full ``[*, vocab]`` logits: each keeps its slice, and the
 normaliser and the target logit are assembled with two small all-reduces over ``[*]``
 (Megatron-LM, Shoeybi et al. 2019, Sec. 3: the fused parallel cross entropy).
 """
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -57,7 +59,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None):
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Per-token cross entropy of vocabulary-split logits.
 
     Args:

@@ -4,6 +4,8 @@ Initialisation is layout-invariant: each layer draws its *full* (master) weight 
 CPU from the default generator, which holds the same state on every tensor-parallel
 rank, and keeps its own slice. The gathered weight is therefore the same for any tp.
 """
+from typing import Callable, Optional, Tuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,11 +27,15 @@ from .sequence_parallel import (
 )
 from .utils import VocabUtility, divide, get_device
 
+#: ``init_method(tensor)``: fills a full (master) weight in place.
+InitMethod = Callable[[torch.Tensor], object]
+
 _TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1,
                           "partition_stride": 1}
 
 
-def set_tensor_model_parallel_attributes(tensor, is_parallel, dim, stride):
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int,
+                                         stride: int) -> None:
     """Mark a parameter as split (or not) across tensor-parallel ranks along ``dim``."""
     tensor.tensor_model_parallel = is_parallel
     tensor.model_parallel = is_parallel  # Megatron v1 / DeepSpeed spelling
@@ -37,13 +43,14 @@ def set_tensor_model_parallel_attributes(tensor, is_parallel, dim, stride):
     tensor.partition_stride = stride
 
 
-def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor):
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
     for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
         if not hasattr(tensor, name):
             setattr(tensor, name, value)
 
 
-def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor):
+def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor,
+                                          source_tensor: torch.Tensor) -> None:
     """Copy the tensor-parallel marks (split, dim, stride) that ``source_tensor`` carries.
 
     Args:
@@ -55,7 +62,7 @@ def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor):
             setattr(destination_tensor, name, getattr(source_tensor, name))
 
 
-def param_is_not_tensor_parallel_duplicate(param):
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
     """True for a split parameter, and for a replicated one on tp rank 0 only."""
     return bool(getattr(param, "tensor_model_parallel", False)) or \
         ps.get_tensor_model_parallel_rank() == 0
@@ -108,8 +115,12 @@ class VocabParallelEmbedding(nn.Module):
         perform_initialization: False leaves the weight uninitialised (to be loaded).
     """
 
-    def __init__(self, num_embeddings, embedding_dim, init_method=init.xavier_normal_, *,
-                 params_dtype=None, device=None, group=None, perform_initialization=True):
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 init_method: InitMethod = init.xavier_normal_, *,
+                 params_dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None,
+                 group: Optional[dist.ProcessGroup] = None,
+                 perform_initialization: bool = True) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.group, tp_rank, self.tp_size = _tp_info(group)
@@ -123,7 +134,7 @@ class VocabParallelEmbedding(nn.Module):
             _init_partitioned(self.weight, (num_embeddings, embedding_dim), 0, init_method,
                               tp_rank, self.tp_size)
 
-    def forward(self, input_):  # [*] ids -> [*, h]
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:  # [*] ids -> [*, h]
         if self.tp_size == 1:
             return F.embedding(input_, self.weight)
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
@@ -157,10 +168,13 @@ class ColumnParallelLinear(nn.Module):
         ``(output, bias)``: ``bias`` is the bias parameter when ``skip_bias_add``, else None.
     """
 
-    def __init__(self, input_size, output_size, bias=True, gather_output=True,
-                 init_method=init.xavier_normal_, stride=1, keep_master_weight_for_test=False,
-                 skip_bias_add=False, *, params_dtype=None, device=None, group=None,
-                 perform_initialization=True, sequence_parallel=False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 gather_output: bool = True, init_method: InitMethod = init.xavier_normal_,
+                 stride: int = 1, keep_master_weight_for_test: bool = False,
+                 skip_bias_add: bool = False, *, params_dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None,
+                 group: Optional[dist.ProcessGroup] = None,
+                 perform_initialization: bool = True, sequence_parallel: bool = False) -> None:
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel needs gather_output=False "
@@ -186,7 +200,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, input_):  # [*, in] -> [*, out] or [*, out/tp]; SP: [s/tp, ...] -> [s, ...]
+    # [*, in] -> [*, out] or [*, out/tp]; SP: [s/tp, ...] -> [s, ...]
+    def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.sequence_parallel:
             input_parallel = gather_from_sequence_parallel_region(input_, True, self.group)
         else:
@@ -222,10 +237,13 @@ class RowParallelLinear(nn.Module):
         ``(output, bias)`` as ColumnParallelLinear.
     """
 
-    def __init__(self, input_size, output_size, bias=True, input_is_parallel=False,
-                 init_method=init.xavier_normal_, stride=1, keep_master_weight_for_test=False,
-                 skip_bias_add=False, *, params_dtype=None, device=None, group=None,
-                 perform_initialization=True, sequence_parallel=False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 input_is_parallel: bool = False, init_method: InitMethod = init.xavier_normal_,
+                 stride: int = 1, keep_master_weight_for_test: bool = False,
+                 skip_bias_add: bool = False, *, params_dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None,
+                 group: Optional[dist.ProcessGroup] = None,
+                 perform_initialization: bool = True, sequence_parallel: bool = False) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
@@ -252,7 +270,8 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, input_):  # [*, in] or [*, in/tp] -> [*, out]
+    # [*, in] or [*, in/tp] -> [*, out]
+    def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.input_is_parallel:
             input_parallel = input_
         else:

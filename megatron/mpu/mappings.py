@@ -12,6 +12,8 @@ These are the conjugate operators of the Megatron-LM paper (Shoeybi et al. 2019,
 Every function takes the group explicitly (``group=None`` means this rank's tensor-parallel
 group) and is the identity when the group has one rank.
 """
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -112,56 +114,57 @@ class _GatherFromModelParallelRegion(torch.autograd.Function):
         return _split_last_dim(grad_output, ctx.group), None
 
 
-def copy_to_tensor_model_parallel_region(input_, group=None):
+def _apply(function, input_, group):
+    """Run the autograd ``function`` over ``group`` (default: tensor-parallel); a no-op
+    when the group has one rank."""
+    group = _resolve(group)
+    if dist.get_world_size(group) == 1:
+        return input_
+    return function.apply(input_, group)
+
+
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor,
+                                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """``f``: identity forward, all-reduce backward.
 
     Args:
         input_: activation entering a column-parallel layer.
         group: process group (default: this rank's tensor-parallel group).
     """
-    group = _resolve(group)
-    if dist.get_world_size(group) == 1:
-        return input_
-    return _CopyToModelParallelRegion.apply(input_, group)
+    return _apply(_CopyToModelParallelRegion, input_, group)
 
 
-def reduce_from_tensor_model_parallel_region(input_, group=None):
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor,
+                                             group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """``g``: all-reduce forward, identity backward.
 
     Args:
         input_: partial sums leaving a row-parallel layer.
         group: process group (default: this rank's tensor-parallel group).
     """
-    group = _resolve(group)
-    if dist.get_world_size(group) == 1:
-        return input_
-    return _ReduceFromModelParallelRegion.apply(input_, group)
+    return _apply(_ReduceFromModelParallelRegion, input_, group)
 
 
-def scatter_to_tensor_model_parallel_region(input_, group=None):
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor,
+                                            group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Split the last dimension, keep this rank's part; all-gather backward.
 
     Args:
         input_: full activation; its last dimension must divide by the group size.
         group: process group (default: this rank's tensor-parallel group).
     """
-    group = _resolve(group)
-    if dist.get_world_size(group) == 1:
-        return input_
-    return _ScatterToModelParallelRegion.apply(input_, group)
+    return _apply(_ScatterToModelParallelRegion, input_, group)
 
 
-def gather_from_tensor_model_parallel_region(input_, group=None):
+def gather_from_tensor_model_parallel_region(input_: torch.Tensor,
+                                             group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """All-gather along the last dimension; split backward.
 
     Args:
         input_: this rank's part of the activation.
         group: process group (default: this rank's tensor-parallel group).
     """
-    group = _resolve(group)
-    if dist.get_world_size(group) == 1:
-        return input_
-    return _GatherFromModelParallelRegion.apply(input_, group)
+    return _apply(_GatherFromModelParallelRegion, input_, group)
 
 
 # Megatron v1 / CPM names.

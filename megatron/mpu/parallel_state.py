@@ -78,7 +78,7 @@ _STATE: Optional[ParallelState] = None
 _OVERRIDES = ParallelOverrides()
 
 
-def grid_rank(pp_rank, dp_rank, tp_rank, tp_size, dp_size):
+def grid_rank(pp_rank: int, dp_rank: int, tp_rank: int, tp_size: int, dp_size: int) -> int:
     """Global rank of grid coordinate (pp_rank, dp_rank, tp_rank)."""
     return (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
 
@@ -106,9 +106,11 @@ def _new_groups(rank, ranks_lists):
     return mine
 
 
-def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                              virtual_pipeline_model_parallel_size=None,
-                              pipeline_model_parallel_split_rank=None, **v26_names):
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              pipeline_model_parallel_split_rank: Optional[int] = None,
+                              **v26_names: int) -> ParallelState:
     """Split the world into tensor-, pipeline- and data-parallel groups.
 
     Accepts Megatron v2.6's 3-argument form ``(tp, pp, virtual_pp_size)`` and core's
@@ -195,17 +197,17 @@ def _check_optional_size(value, name, minimum):
     return int(value)
 
 
-def model_parallel_is_initialized():
+def model_parallel_is_initialized() -> bool:
     """Whether :func:`initialize_model_parallel` has run (and not been destroyed)."""
     return _STATE is not None
 
 
-def is_unitialized():
+def is_unitialized() -> bool:
     """Megatron v2.6's (misspelt) name: True while the groups are not built."""
     return _STATE is None
 
 
-def get_parallel_state():
+def get_parallel_state() -> ParallelState:
     """The current :class:`ParallelState`; raises if the groups are not built."""
     if _STATE is None:
         raise RuntimeError("model parallel groups are not initialized: call "
@@ -213,14 +215,14 @@ def get_parallel_state():
     return _STATE
 
 
-def destroy_model_parallel():
+def destroy_model_parallel() -> None:
     """Forget the groups (destroyed with the default process group) and every override."""
     global _STATE, _OVERRIDES
     _STATE = None
     _OVERRIDES = ParallelOverrides()
 
 
-def get_parallel_overrides():
+def get_parallel_overrides() -> ParallelOverrides:
     """The current :class:`ParallelOverrides` (all None unless a ``set_*`` was called)."""
     return _OVERRIDES
 
@@ -231,58 +233,58 @@ def _override_or_state(field):
 
 
 # ---------------------------------------------------------------- groups
-def get_tensor_model_parallel_group():
+def get_tensor_model_parallel_group() -> Optional[dist.ProcessGroup]:
     return get_parallel_state().tp_group
 
 
-def get_pipeline_model_parallel_group():
+def get_pipeline_model_parallel_group() -> Optional[dist.ProcessGroup]:
     return get_parallel_state().pp_group
 
 
-def get_data_parallel_group():
+def get_data_parallel_group() -> Optional[dist.ProcessGroup]:
     return get_parallel_state().dp_group
 
 
-def get_model_parallel_group():
+def get_model_parallel_group() -> Optional[dist.ProcessGroup]:
     """Tensor x pipeline group of this model replica (Megatron v2.6 meaning)."""
     return get_parallel_state().mp_group
 
 
-def get_embedding_group():
+def get_embedding_group() -> Optional[dist.ProcessGroup]:
     """First and last pipeline stage: they hold the tied word embedding (None on middle stages)."""
     return get_parallel_state().embedding_group
 
 
 # ---------------------------------------------------------------- sizes and ranks
-def get_tensor_model_parallel_world_size():
+def get_tensor_model_parallel_world_size() -> int:
     """Tensor-parallel size (the override from the setter when one is set)."""
     return _override_or_state("tp_size")
 
 
-def get_pipeline_model_parallel_world_size():
+def get_pipeline_model_parallel_world_size() -> int:
     """Pipeline-parallel size (the override from the setter when one is set)."""
     return _override_or_state("pp_size")
 
 
-def get_data_parallel_world_size():
+def get_data_parallel_world_size() -> int:
     return get_parallel_state().dp_size
 
 
-def get_tensor_model_parallel_rank():
+def get_tensor_model_parallel_rank() -> int:
     """Rank in the tensor-parallel group (the override from the setter when one is set)."""
     return _override_or_state("tp_rank")
 
 
-def get_pipeline_model_parallel_rank():
+def get_pipeline_model_parallel_rank() -> int:
     """Pipeline stage of this rank (the override from the setter when one is set)."""
     return _override_or_state("pp_rank")
 
 
-def get_data_parallel_rank():
+def get_data_parallel_rank() -> int:
     return get_parallel_state().dp_rank
 
 
-def is_pipeline_first_stage(ignore_virtual=False):
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
     """Whether this rank runs the first pipeline stage.
 
     Args:
@@ -295,7 +297,7 @@ def is_pipeline_first_stage(ignore_virtual=False):
     return get_pipeline_model_parallel_rank() == 0
 
 
-def is_pipeline_last_stage(ignore_virtual=False):
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     """Whether this rank runs the last pipeline stage (see :func:`is_pipeline_first_stage`)."""
     vpp = get_virtual_pipeline_model_parallel_world_size()
     if not ignore_virtual and vpp is not None \
@@ -304,31 +306,31 @@ def is_pipeline_last_stage(ignore_virtual=False):
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
-def get_tensor_model_parallel_src_rank():
+def get_tensor_model_parallel_src_rank() -> int:
     """Global rank of tp rank 0 in this rank's tensor-parallel group."""
     return get_parallel_state().tp_ranks[0]
 
 
-def get_data_parallel_src_rank():
+def get_data_parallel_src_rank() -> int:
     """Global rank of dp rank 0 in this rank's data-parallel group."""
     return get_parallel_state().dp_ranks[0]
 
 
-def get_pipeline_model_parallel_first_rank():
+def get_pipeline_model_parallel_first_rank() -> int:
     return get_parallel_state().pp_ranks[0]
 
 
-def get_pipeline_model_parallel_last_rank():
+def get_pipeline_model_parallel_last_rank() -> int:
     return get_parallel_state().pp_ranks[-1]
 
 
-def get_pipeline_model_parallel_next_rank():
+def get_pipeline_model_parallel_next_rank() -> int:
     """Global rank of the next stage (wraps around, as in Megatron)."""
     state = get_parallel_state()
     return state.pp_ranks[(state.pp_rank + 1) % state.pp_size]
 
 
-def get_pipeline_model_parallel_prev_rank():
+def get_pipeline_model_parallel_prev_rank() -> int:
     """Global rank of the previous stage (wraps around, as in Megatron)."""
     state = get_parallel_state()
     return state.pp_ranks[(state.pp_rank - 1) % state.pp_size]
@@ -338,18 +340,18 @@ def get_pipeline_model_parallel_prev_rank():
 # One meaning for the whole "model parallel" family: the tensor x pipeline group of this
 # model replica, as get_model_parallel_group() in Megatron v2.6 and DeepSpeed's grid.
 # Megatron v1/CPM meant tensor-parallel by these names: use megatron.mpu.v1 for that.
-def get_model_parallel_world_size():
+def get_model_parallel_world_size() -> int:
     """Ranks in this model replica (tensor x pipeline)."""
     return len(get_parallel_state().mp_ranks)
 
 
-def get_model_parallel_rank():
+def get_model_parallel_rank() -> int:
     """This rank's index in :func:`get_model_parallel_group` (pp_rank * tp + tp_rank)."""
     state = get_parallel_state()
     return state.mp_ranks.index(state.rank)
 
 
-def get_model_parallel_src_rank():
+def get_model_parallel_src_rank() -> int:
     """Global rank of the first rank of this model replica."""
     return get_parallel_state().mp_ranks[0]
 
@@ -368,7 +370,7 @@ def _set_override(**value):
     _OVERRIDES = replace(_OVERRIDES, **{name: None if v is None else int(v)})
 
 
-def set_tensor_model_parallel_world_size(world_size):
+def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
     """Override what :func:`get_tensor_model_parallel_world_size` reports (None clears).
 
     Used, as in v2.6, to build one tensor-parallel shard of a model in a single process
@@ -381,7 +383,7 @@ def set_tensor_model_parallel_world_size(world_size):
     _set_override(tp_size=world_size)
 
 
-def set_pipeline_model_parallel_world_size(world_size):
+def set_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
     """Override the reported pipeline size (None clears); see the tensor setter.
 
     Args:
@@ -390,7 +392,7 @@ def set_pipeline_model_parallel_world_size(world_size):
     _set_override(pp_size=world_size)
 
 
-def set_tensor_model_parallel_rank(rank):
+def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
     """Override the reported tensor-parallel rank (None clears); see the size setter.
 
     Args:
@@ -399,7 +401,7 @@ def set_tensor_model_parallel_rank(rank):
     _set_override(tp_rank=rank)
 
 
-def set_pipeline_model_parallel_rank(rank):
+def set_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
     """Override the reported pipeline rank (None clears): stage tests read it.
 
     Args:
@@ -408,17 +410,17 @@ def set_pipeline_model_parallel_rank(rank):
     _set_override(pp_rank=rank)
 
 
-def get_virtual_pipeline_model_parallel_world_size():
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
     """Model chunks per pipeline rank given to :func:`initialize_model_parallel`, or None."""
     return None if _STATE is None else _STATE.virtual_pp_size
 
 
-def get_virtual_pipeline_model_parallel_rank():
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
     """The model chunk being built or run (v2.6: set by the interleaved schedule), or None."""
     return _OVERRIDES.virtual_pp_rank
 
 
-def set_virtual_pipeline_model_parallel_rank(rank):
+def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
     """Set the current model chunk (v2.6 sets it before building/running each chunk).
 
     Args:
@@ -427,6 +429,6 @@ def set_virtual_pipeline_model_parallel_rank(rank):
     _set_override(virtual_pp_rank=rank)
 
 
-def get_pipeline_model_parallel_split_rank():
+def get_pipeline_model_parallel_split_rank() -> Optional[int]:
     """Stage where an encoder-decoder pipeline's decoder starts, or None (core's name)."""
     return get_parallel_state().pp_split_rank

@@ -1,10 +1,12 @@
 """Small helpers shared by the tensor-parallel code: divisibility, splitting, vocab ranges, device."""
 import os
+from typing import Tuple
 
 import torch
 
 
-def ensure_divisibility(numerator, denominator, what="value", by="divisor"):
+def ensure_divisibility(numerator: int, denominator: int, what: str = "value",
+                        by: str = "divisor") -> None:
     """Raise ``ValueError`` unless ``denominator`` divides ``numerator``.
 
     Args:
@@ -20,13 +22,14 @@ def ensure_divisibility(numerator, denominator, what="value", by="divisor"):
         )
 
 
-def divide(numerator, denominator, what="value", by="divisor"):
+def divide(numerator: int, denominator: int, what: str = "value", by: str = "divisor") -> int:
     """``numerator // denominator`` after checking that the division is exact."""
     ensure_divisibility(numerator, denominator, what, by)
     return numerator // denominator
 
 
-def split_tensor_along_last_dim(tensor, num_partitions, contiguous_split_chunks=False):
+def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
+                                contiguous_split_chunks: bool = False) -> Tuple[torch.Tensor, ...]:
     """Split ``tensor`` into ``num_partitions`` equal views along its last dimension.
 
     Args:
@@ -46,19 +49,21 @@ class VocabUtility:
     """Which contiguous slice ``[first, last)`` of the vocabulary a tensor-parallel rank owns."""
 
     @staticmethod
-    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size, rank, world_size):
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                                  world_size: int) -> Tuple[int, int]:
         first = rank * per_partition_vocab_size
         return first, first + per_partition_vocab_size
 
     @staticmethod
-    def vocab_range_from_global_vocab_size(global_vocab_size, rank, world_size):
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int,
+                                           world_size: int) -> Tuple[int, int]:
         per_partition = divide(global_vocab_size, world_size, "vocabulary size",
                                "tensor-model-parallel size")
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank,
                                                                       world_size)
 
 
-def get_device():
+def get_device() -> torch.device:
     """The device this process computes on: the current CUDA device, else the CPU.
 
     ``MEGATRON_DEVICE=cpu`` forces the CPU on a machine that has GPUs
