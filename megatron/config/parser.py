@@ -14,6 +14,7 @@ none hangs. The result is a frozen :class:`~megatron.config.run_config.RunConfig
 """
 import argparse
 import os
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ..errors import ConfigError, MegatronError
 from .flags import ADD_GROUPS
@@ -21,8 +22,12 @@ from .run_config import RunConfig
 from .validation import derive_and_validate, derive_vocab
 from .yaml_file import apply_config_file
 
+#: ``f(parser) -> parser``: adds the flags of a user's own model (Megatron's hook).
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
-def build_parser(extra_args_provider=None, family=None):
+
+def build_parser(extra_args_provider: Optional[ArgsProvider] = None,
+                 family: Optional[Any] = None) -> argparse.ArgumentParser:
     """The full parser: the built-in groups, the family's flags, then ``extra_args_provider``.
 
     Args:
@@ -55,8 +60,12 @@ def _parse(argv, extra_args_provider, defaults, family):
     return parser.parse_args(argv)
 
 
-def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=None,
-                     world_size=None, rank=None, check_files=True, accelerator=None):
+def build_run_config(argv: Optional[Sequence[str]] = None, family: Optional[Any] = None,
+                     extra_args_provider: Optional[ArgsProvider] = None,
+                     defaults: Optional[Dict[str, Any]] = None,
+                     world_size: Optional[int] = None, rank: Optional[int] = None,
+                     check_files: bool = True,
+                     accelerator: Optional[Any] = None) -> Tuple[RunConfig, Optional[Any]]:
     """Parse, merge the YAML config, validate, build the tokenizer and freeze.
 
     Args:
@@ -102,8 +111,11 @@ def build_run_config(argv=None, family=None, extra_args_provider=None, defaults=
     return _freeze(vars(ns), family), tokenizer
 
 
-def parse_args(argv=None, extra_args_provider=None, defaults=None, world_size=None,
-               rank=None, check_files=True, family=None, accelerator=None):
+def parse_args(argv: Optional[Sequence[str]] = None,
+               extra_args_provider: Optional[ArgsProvider] = None,
+               defaults: Optional[Dict[str, Any]] = None, world_size: Optional[int] = None,
+               rank: Optional[int] = None, check_files: bool = True,
+               family: Optional[Any] = None, accelerator: Optional[Any] = None) -> RunConfig:
     """Megatron's name: :func:`build_run_config` without the tokenizer.
 
     Returns:
@@ -119,7 +131,7 @@ def _freeze(values, family):
     return RunConfig(values, family.name, family.settings)
 
 
-def saved_run_config(saved, family=None):
+def saved_run_config(saved: Dict[str, Any], family: Optional[Any] = None) -> RunConfig:
     """A read-only view of a checkpoint's saved settings, missing ones at today's defaults.
 
     Checkpoints written by older versions lack newer flags; the parser's defaults fill
@@ -141,7 +153,7 @@ def saved_run_config(saved, family=None):
     return _freeze(values, family)
 
 
-def args_to_dict(args):
+def args_to_dict(args: Any) -> Dict[str, Any]:
     """Plain values (safe for ``torch.load(weights_only=True)``) of a RunConfig or namespace."""
     from .run_config import values_to_plain
 

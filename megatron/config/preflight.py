@@ -8,6 +8,7 @@ appends a message to ``problems`` instead of raising, so a user sees every probl
 """
 import os
 import socket
+from typing import Any, Dict, List, Optional
 
 
 def _nearest_existing(path):
@@ -21,7 +22,7 @@ def _nearest_existing(path):
     return path
 
 
-def check_save_dir(save, problems):
+def check_save_dir(save: Optional[str], problems: List[str]) -> None:
     """``--save`` must be (or be creatable as) a directory this process can write.
 
     Found here rather than at the first save, after hours of training. The check creates
@@ -48,7 +49,7 @@ def check_save_dir(save, problems):
                         f"folder you can write or fix its permissions")
 
 
-def check_load_dir(args, problems):
+def check_load_dir(args: Any, problems: List[str]) -> None:
     """``--load`` must exist, unless it is also ``--save`` (resume when there is something)
     or ``--load-if-exists`` says a missing folder means "start from scratch".
 
@@ -78,7 +79,7 @@ def check_load_dir(args, problems):
 PRECISION_SWITCHES = {"fp16": "MEGATRON_TDS_DS_FP16", "bf16": "MEGATRON_TDS_DS_BF16"}
 
 
-def deepspeed_precision_support(accelerator=None):
+def deepspeed_precision_support(accelerator: Optional[Any] = None) -> Dict[str, bool]:
     """``{"fp16": bool, "bf16": bool}``: what DeepSpeed's accelerator runs.
 
     The switches (:data:`PRECISION_SWITCHES`) act on this machine's device only: a stand-in
@@ -109,7 +110,7 @@ def deepspeed_precision_support(accelerator=None):
     return support
 
 
-def check_precision(args, problems, accelerator=None):
+def check_precision(args: Any, problems: List[str], accelerator: Optional[Any] = None) -> None:
     """``--fp16`` / ``--bf16`` on a device that cannot run them, found before DeepSpeed starts.
 
     DeepSpeed (and so the tds engines) refuses a dtype its accelerator does not support,
@@ -140,14 +141,14 @@ def check_precision(args, problems, accelerator=None):
                     f"or run on a device with {wanted} support")
 
 
-def uses_deepspeed(args):
+def uses_deepspeed(args: Any) -> bool:
     """True when the run goes through a DeepSpeed / tds engine (the backend factory's rule)."""
     from .run_config import uses_pipeline_engine
 
     return bool(args.deepspeed) or uses_pipeline_engine(args.pipeline_model_parallel_size)
 
 
-def describe_device(accelerator):
+def describe_device(accelerator: Any) -> str:
     """Words for the device DeepSpeed runs on, e.g. ``cpu accelerator: AMD EPYC 7B13``."""
     name = accelerator.device_name() if hasattr(accelerator, "device_name") else "?"
     model = ""

@@ -4,7 +4,9 @@ Every problem found is listed in a single :class:`ConfigError`, so a user fixes 
 at once. Nothing here communicates: it runs on every rank before torch.distributed starts,
 so every rank fails the same way and none waits on another.
 """
+import argparse
 import os
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -164,7 +166,7 @@ def _wandb(args, problems):
                         "pip install 'megatron-tds[wandb]' (or pip install wandb)")
 
 
-def parse_data_path(data_path):
+def parse_data_path(data_path: Sequence[str]) -> Tuple[Optional[List[float]], List[str]]:
     """``[prefix]`` or ``[w1, p1, w2, p2, ...]`` -> (weights or None, prefixes)."""
     if len(data_path) == 1:
         return None, list(data_path)
@@ -229,7 +231,7 @@ def _sequence_parallel(args, problems):
                             f"--sequence-parallel")
 
 
-def derive_vocab(args, vocab_size):
+def derive_vocab(args: argparse.Namespace, vocab_size: int) -> None:
     """The vocabulary's derived sizes, from the tokenizer's ``vocab_size``."""
     from ..tokenizer import vocab_size_with_padding
 
@@ -238,7 +240,9 @@ def derive_vocab(args, vocab_size):
         vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
-def derive_and_validate(args, family=None, check_files=True, accelerator=None):
+def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
+                        check_files: bool = True,
+                        accelerator: Optional[Any] = None) -> List[str]:
     """Check every flag (generic and the family's) and fill derived values.
 
     Args:

@@ -11,6 +11,7 @@ values, plus an optional MindFormers-style block::
       recompute: true         # --checkpoint-activations
 """
 import argparse
+from typing import Any, Dict
 
 from ..errors import ConfigError, not_text
 
@@ -82,7 +83,7 @@ def _int_value(key, value, path):
         raise ConfigError(f"{path}: {key!r} must be a whole number, got {value!r}") from None
 
 
-def load_config_file(path):
+def load_config_file(path: str) -> Dict[str, Any]:
     """Read ``path`` as a YAML mapping."""
     import yaml
 
@@ -104,7 +105,7 @@ def load_config_file(path):
     return data
 
 
-def config_defaults(parser, path):
+def config_defaults(parser: argparse.ArgumentParser, path: str) -> Dict[str, Any]:
     """The defaults (dest -> value) a YAML config file sets."""
     data = load_config_file(path)
     index = _option_index(parser)
@@ -133,6 +134,6 @@ def config_defaults(parser, path):
     return defaults
 
 
-def apply_config_file(parser, path):
+def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
     """Set ``parser``'s defaults from the YAML file at ``path``."""
     parser.set_defaults(**config_defaults(parser, path), config=path)
