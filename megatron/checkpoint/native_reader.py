@@ -9,6 +9,7 @@ sizes in the saved args. What differs between GPT-2 and T5 comes from the model'
 (:mod:`.gpt2_keys`, :mod:`.t5_keys`; :func:`.key_maps.key_map_for` picks it from the saved args).
 """
 from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -25,6 +26,9 @@ from .key_maps import key_map_for, key_map_named
 REPLICA_TOLERANCE = 1e-6
 
 #: What a weights-only conversion carries over besides the model (plain values only).
+#: ``{key: tensor}``: one rank's (or the whole model's) weights.
+StateDict = Dict[str, torch.Tensor]
+
 CARRIED_KEYS = ("consumed_train_samples", "consumed_valid_samples", "lr_scheduler")
 
 
@@ -46,14 +50,16 @@ class FullCheckpoint:
     extras: dict = field(default_factory=dict)
 
 
-def replicas_agree(a, b, what):
+def replicas_agree(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """Raise unless two copies of a replicated tensor are equal (up to REPLICA_TOLERANCE)."""
     if a.shape != b.shape or (a.float() - b.float()).abs().max().item() > REPLICA_TOLERANCE:
         raise CheckpointError(f"{what} differs between the ranks that hold it: the checkpoint "
                               f"mixes files from different runs, or tied copies drifted apart")
 
 
-def merge_tensor_parallel(shards, where, split_dim=gpt2_keys.tp_split_dim):
+def merge_tensor_parallel(shards: List[StateDict], where: str,
+                          split_dim: Callable[[str], Optional[int]] = gpt2_keys.tp_split_dim
+                          ) -> StateDict:
     """One stage's tp shards (rank order, full-model keys) -> full tensors.
 
     Args:
@@ -100,7 +106,7 @@ def _add_stage(keys, full, stage, pp_rank):
                                   f"{pp_rank})")
 
 
-def check_complete(keys, full, args, folder):
+def check_complete(keys: Any, full: StateDict, args: Dict[str, Any], folder: str) -> StateDict:
     expected = keys.expected_keys(args)
     missing = [k for k in expected if k not in full]
     unexpected = sorted(set(full) - set(expected))
@@ -123,7 +129,8 @@ def _check_family(args, family, path):
     return keys
 
 
-def merge_layout(keys, args, local_state, where):
+def merge_layout(keys: Any, args: Dict[str, Any],
+                 local_state: Callable[[int, int], StateDict], where: str) -> StateDict:
     """Per-rank state dicts of the (tp, pp) layout in ``args`` -> one whole-model dict.
 
     Tensor-parallel shards are concatenated, pipeline-stage keys renamed to the whole
@@ -147,7 +154,8 @@ def merge_layout(keys, args, local_state, where):
     return full
 
 
-def read_native(root, iteration=None, family=None):
+def read_native(root: str, iteration: Optional[int] = None,
+                family: Optional[str] = None) -> FullCheckpoint:
     """Read and merge a native checkpoint into a :class:`FullCheckpoint`.
 
     Args:

@@ -6,6 +6,10 @@ torch's optimizer state dict names parameters by position. A checkpoint records 
 what a target optimizer loads. :mod:`.layout_change` merges and re-slices the named moments
 with the weights' key tables in between.
 """
+from typing import Any, Dict, List, Tuple
+
+import torch
+
 from ..errors import CheckpointError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -14,7 +18,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 HYPER_PARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad")
 
 
-def param_names(module, optimizer):
+def param_names(module: torch.nn.Module, optimizer: Any) -> List[str]:
     """Names of the optimizer's parameters, in its state-dict order.
 
     Args:
@@ -31,7 +35,8 @@ def param_names(module, optimizer):
     return names
 
 
-def named_adam_state(state_dict, names):
+def named_adam_state(state_dict: Dict[str, Any],
+                     names: List[str]) -> Tuple[Dict[str, Dict[str, Any]], List[Dict[str, Any]]]:
     """``torch.optim.AdamW.state_dict()`` -> ``({name: {exp_avg, exp_avg_sq, step}}, groups)``.
 
     Args:
@@ -48,7 +53,8 @@ def named_adam_state(state_dict, names):
     return named, groups
 
 
-def adam_state_dict(named, groups, names, template_groups):
+def adam_state_dict(named: Dict[str, Dict[str, Any]], groups: List[Dict[str, Any]],
+                    names: List[str], template_groups: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Named state -> a state dict the target rank's optimizer loads.
 
     Args:

@@ -10,6 +10,7 @@ function bit for bit.
 """
 import argparse
 import os
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -18,7 +19,7 @@ from ..tokenizer import vocab_size_with_padding
 from .gpt2_keys import WORD_EMBEDDINGS
 
 
-def tokenizer_from_args(args):
+def tokenizer_from_args(args: Dict[str, Any]) -> Optional[Any]:
     """The tokenizer the saved args name, when its files still exist; else None.
 
     Args:
@@ -41,7 +42,7 @@ def tokenizer_from_args(args):
         return None
 
 
-def resolve_true_vocab_size(args, override=None):
+def resolve_true_vocab_size(args: Dict[str, Any], override: Optional[int] = None) -> Optional[int]:
     """The number of real (unpadded) vocabulary rows, or None when it cannot be known.
 
     Args:
@@ -58,7 +59,8 @@ def resolve_true_vocab_size(args, override=None):
     return tokenizer.vocab_size if tokenizer is not None else None
 
 
-def target_padded_size(args, tp, divisible_by, true_vocab):
+def target_padded_size(args: Dict[str, Any], tp: int, divisible_by: Optional[int],
+                       true_vocab: Optional[int]) -> int:
     """Padded vocabulary size for layout ``tp``, as a training run there would compute it.
 
     Args:
@@ -86,7 +88,8 @@ def target_padded_size(args, tp, divisible_by, true_vocab):
                           "--vocab-file/--merge-file)")
 
 
-def repad_vocab_rows(state, true_vocab, padded, vocab_keys=(WORD_EMBEDDINGS,)):
+def repad_vocab_rows(state: Dict[str, torch.Tensor], true_vocab: int, padded: int,
+                     vocab_keys: Sequence[str] = (WORD_EMBEDDINGS,)) -> Dict[str, torch.Tensor]:
     """``state`` with its vocabulary tensors re-padded to ``padded`` rows (a new dict).
 
     Args:

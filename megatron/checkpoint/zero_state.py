@@ -10,6 +10,8 @@ optimizer through each parameter's fragment mapping (``param._hp_mapping``), so 
 at another layout (:mod:`.layout_change`) re-slices ZeRO state like the DDP backend's. Both read DeepSpeed's own records; the supported DeepSpeed range is pinned in
 ``tds`` (docs/tds.md).
 """
+from typing import Any, Dict, List, Tuple
+
 import torch
 
 from ..errors import CheckpointError
@@ -18,7 +20,7 @@ from ..errors import CheckpointError
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def is_zero_state(state):
+def is_zero_state(state: Dict[str, Any]) -> bool:
     """Whether a saved optimizer state is DeepSpeed ZeRO-1/2's."""
     return "base_optimizer_state" in state and "single_partition_of_fp32_groups" in state
 
@@ -30,7 +32,8 @@ def _group_state(base, group):
     return base["state"][group]  # rigid: torch's state dict, one flat parameter per group
 
 
-def named_from_saved(shards, shapes, where):
+def named_from_saved(shards: List[Dict[str, Any]], shapes: Dict[str, torch.Size],
+                     where: str) -> Tuple[Dict[str, Dict[str, torch.Tensor]], Any]:
     """Every data-parallel rank's saved ZeRO state (rank order) -> named state.
 
     Args:
@@ -75,7 +78,8 @@ def _new_step(step, group, device):
     return torch.tensor(float(step), dtype=torch.float32, device=device if on_device else "cpu")
 
 
-def load_named(zero, module, named, step):
+def load_named(zero: Any, module: torch.nn.Module, named: Dict[str, Dict[str, torch.Tensor]],
+               step: Any) -> None:
     """Write a named state into the live ZeRO optimizer ``zero`` of ``module``.
 
     Args:
@@ -106,7 +110,7 @@ def load_named(zero, module, named, step):
     zero._hp_optimizer_states_linked = False  # DeepSpeed re-links fragments to the new state
 
 
-def load_engine_optimizer_file(path):
+def load_engine_optimizer_file(path: str) -> Dict[str, Any]:
     """weights_only load that also admits DeepSpeed's plain records in optimizer states.
 
     ZeRO and bf16 optimizer states pickle a few DeepSpeed objects: the loss scaler and

@@ -8,6 +8,7 @@ error messages, so a broken contract raises the same ValueError on every rank of
 torch's own generators are restored too, so the probe changes nothing.
 """
 import contextlib
+from typing import Any, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,7 +106,7 @@ class _UpstreamError(Exception):
     pass
 
 
-def discover_boundary(engine):
+def discover_boundary(engine: Any) -> Tuple[Any, Any]:
     """Run the probe (collective over the whole job). Returns (recv_meta, send_meta).
 
     Raises:

@@ -12,7 +12,7 @@ GPT-2: ``(hidden, attention_mask)`` -> ``['float', 'bool']``, ``[True, False]``,
 ``[True, False]``.
 """
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -29,7 +29,8 @@ class StageContract:
     partitioned: Tuple[bool, ...]
 
     @classmethod
-    def build(cls, types, grads, partitioned):
+    def build(cls, types: Sequence[str], grads: Sequence[bool],
+              partitioned: Optional[Sequence[bool]]) -> "StageContract":
         """Check the three lists against each other; raise ValueError naming the position.
 
         Args:
@@ -59,7 +60,7 @@ class StageContract:
     def __len__(self):
         return len(self.types)
 
-    def check_tensors(self, tensors, tp_size, where):
+    def check_tensors(self, tensors: Sequence[torch.Tensor], tp_size: int, where: str) -> None:
         """Check a real tuple against the contract (count, dtype kind, divisibility).
 
         Raises:
@@ -85,7 +86,7 @@ class StageContract:
                     f"the tensor-parallel size {tp_size}")
 
 
-def contract_of(module):
+def contract_of(module: torch.nn.Module) -> StageContract:
     """The contract a pipeline module declares (the ``_input_*`` attributes)."""
     missing = [name for name in ("_input_type", "_input_grad") if not hasattr(module, name)]
     if missing:

@@ -5,6 +5,8 @@ tensor-parallel rank to the same tp rank of the neighbour stage, which all-gathe
 pieces inside its tensor-parallel group: the inter-stage volume drops by the tp size and
 the (fast, intra-node) all-gather restores the full tensor.
 """
+from typing import Callable, Optional, Sequence, Tuple
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +21,7 @@ class StageLink:
         device: where received tensors are allocated.
     """
 
-    def __init__(self, tp_group, device):
+    def __init__(self, tp_group: Optional[dist.ProcessGroup], device: torch.device) -> None:
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group)
         self.tp_rank = dist.get_rank(tp_group)
@@ -31,14 +33,15 @@ class StageLink:
         chunk = flat.numel() // self.tp_size
         return flat.narrow(0, self.tp_rank * chunk, chunk)
 
-    def send(self, tensor, dst, partitioned):
+    def send(self, tensor: torch.Tensor, dst: int, partitioned: bool) -> None:
         """Send ``tensor`` (or this rank's part of it) to global rank ``dst``."""
         flat = tensor.detach().contiguous().view(-1)
         payload = self._my_part(flat) if partitioned and self.tp_size > 1 else flat
         dist.send(payload, dst)
         self.bytes_sent += payload.numel() * payload.element_size()
 
-    def recv(self, shape, dtype, src, partitioned):
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int,
+             partitioned: bool) -> torch.Tensor:
         """Receive a ``shape``/``dtype`` tensor from global rank ``src`` (gathering parts)."""
         full = torch.empty(shape, dtype=dtype, device=self.device)
         if not (partitioned and self.tp_size > 1):
@@ -49,7 +52,7 @@ class StageLink:
         _all_gather_single(full.view(-1), part, group=self.tp_group)
         return full
 
-    def send_op(self, tensor, dst, partitioned):
+    def send_op(self, tensor: torch.Tensor, dst: int, partitioned: bool) -> dist.P2POp:
         """The ``dist.P2POp`` sending ``tensor`` (or this rank's part) to ``dst``, for
         ``dist.batch_isend_irecv``; the payload must stay alive until the op completes."""
         flat = tensor.detach().contiguous().view(-1)
@@ -57,7 +60,8 @@ class StageLink:
         self.bytes_sent += payload.numel() * payload.element_size()
         return dist.P2POp(dist.isend, payload, dst)
 
-    def recv_op(self, shape, dtype, src, partitioned):
+    def recv_op(self, shape: Sequence[int], dtype: torch.dtype, src: int,
+                partitioned: bool) -> Tuple[dist.P2POp, Callable[[], torch.Tensor]]:
         """``(op, finish)``: the ``dist.P2POp`` receiving a ``shape``/``dtype`` tensor from
         ``src``, and a function to call once it completed that returns the full tensor
         (all-gathering the tensor-parallel parts, in the same order on every tp rank)."""
