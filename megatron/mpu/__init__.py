@@ -1,6 +1,6 @@
 """Tensor-model parallelism with Megatron-LM v2.6's public API (and a little of core's).
 
-See DESIGN.md, "The mpu contract", and docs/mpu.md. "Model parallel" here always means the
+See docs/mpu.md (the contract and every name). "Model parallel" here always means the
 tensor x pipeline replica (v2.6's get_model_parallel_group). Megatron v1/CPM code, where it
 meant tensor-parallel, imports ``from megatron.mpu import v1 as mpu``.
 Everything runs on CPU with gloo and on CUDA with NCCL.
