@@ -24,11 +24,6 @@ from .files import checkpoint_folder, layout_files, model_chunks
 from .safe_load import load_megatron_file
 
 
-def _version_and_args(state, path):
-    return (qkv.check_version(state.get("checkpoint_version", 0), path),
-            namespace_dict(state.get("args")))
-
-
 def _heads_per_rank(saved, hints, tp, versions, path):
     """Heads on each tp rank (needed to reorder version 0 / 1.0 QKV rows), or None."""
     heads = saved.get("num_attention_heads") or hints.get("num_attention_heads")
@@ -78,7 +73,7 @@ def read_megatron_lm(root, iteration=None, hints=None):
     versions = {}
     lms = {}
     for key, state in states.items():
-        versions[key], _ = _version_and_args(state, files[key])
+        versions[key] = qkv.check_version(state.get("checkpoint_version", 0), files[key])
         lms[key] = [names.language_model_part(names.flatten(chunk))
                     for chunk in model_chunks(state, files[key])]
     first = states[(0, 0)]
