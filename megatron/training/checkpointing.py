@@ -247,7 +247,9 @@ def load_checkpoint(backend, cfg, train_state):
     name the same folder for automatic resume); a ``--load`` folder that does not exist was
     already refused by validation unless the run asked for it (``--load-if-exists``, or
     ``--load`` = ``--save``). An incompatible or incomplete checkpoint raises
-    :class:`CheckpointError` on every rank.
+    :class:`CheckpointError` on every rank. A folder in one of the model family's foreign
+    formats (``foreign_checkpoints``: Megatron-LM's for GPT-2) is loaded weights-first
+    through it (:func:`_load_foreign`).
     """
     ckpt = cfg.checkpoint
     if not ckpt.load:
