@@ -1,11 +1,19 @@
-"""tools/preprocess_data.py writes what Megatron-LM's writes, byte for byte.
+"""tools/preprocess_data.py writes what Megatron-LM's writes, byte for byte, under both
+rules ``--match`` offers.
 
-The golden ``tests/data/preprocess/golden_text_document.{bin,idx}`` was produced by the
-reference rules below, implemented independently of the project: Hugging Face
-``tokenizers`` byte-level BPE (no special tokens, so ``<|endoftext|>`` inside a text is
-plain text, as in Megatron's GPT-2 tokenizer), documents that tokenize to nothing skipped
-(no EOD), EOD appended otherwise, and a hand-written MMIDIDX v1 writer. Regenerate with
-``python tests/test_data_preprocess_golden.py`` (only if the rules change).
+The goldens in ``tests/data/preprocess/`` were produced by the reference rules below,
+implemented independently of the project: Hugging Face ``tokenizers`` byte-level BPE (no
+special tokens, so ``<|endoftext|>`` inside a text is plain text, as in Megatron's GPT-2
+tokenizer), no EOD for a document that tokenizes to nothing, EOD appended otherwise, and a
+hand-written MMIDIDX v1 writer. They differ only on those empty documents:
+
+- ``golden_text_document``: Megatron-LM v2.6 (``--match megatron-v2.6``, the default): an
+  empty document is skipped, the document index has one entry per kept document;
+- ``golden_core_text_document``: Megatron-core (``--match megatron-core``):
+  ``IndexedDatasetBuilder.add_document`` appends a document-index entry for every document,
+  so an empty one repeats the previous entry.
+
+Regenerate with ``python tests/test_data_preprocess_golden.py`` (only if the rules change).
 """
 import json
 import os
@@ -19,11 +27,13 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "preproc
 CORPUS, VOCAB, MERGES = (os.path.join(DATA, f) for f in ("corpus.jsonl", "vocab.json",
                                                          "merges.txt"))
 GOLDEN = os.path.join(DATA, "golden_text_document")
+GOLDEN_CORE = os.path.join(DATA, "golden_core_text_document")
 EOD = "<|endoftext|>"
 
 
-def reference_documents(corpus, vocab, merges):
-    """Megatron's rules: token ids per kept document, EOD appended."""
+def reference_documents(corpus, vocab, merges, keep_empty=False):
+    """Megatron's rules: token ids per document, EOD appended; documents that tokenize to
+    nothing are dropped (v2.6), or kept as ``[]`` with ``keep_empty`` (Megatron-core)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE.from_file(vocab, merges))
@@ -34,16 +44,21 @@ def reference_documents(corpus, vocab, merges):
     with open(corpus, encoding="utf-8") as f:
         for line in f:
             ids = tok.encode(json.loads(line)["text"]).ids
-            if ids:  # Megatron skips documents with no tokens (and gives them no EOD)
+            if ids:  # Megatron gives documents with no tokens no EOD
                 docs.append(ids + [eod])
+            elif keep_empty:
+                docs.append([])
     return docs
 
 
 def write_reference_mmidx(docs, prefix):
-    """MMIDIDX v1: magic, version, dtype code (8 = uint16), counts, sizes, pointers, doc_idx."""
-    sizes = np.array([len(d) for d in docs], dtype=np.int32)
+    """MMIDIDX v1: magic, version, dtype code (8 = uint16), counts, sizes, pointers, doc_idx.
+
+    A non-empty document is one sequence; an empty one (``[]``, Megatron-core's rule) is a
+    document of no sequences: its doc_idx entry repeats the previous one."""
+    sizes = np.array([len(d) for d in docs if d], dtype=np.int32)
     pointers = np.concatenate([[0], np.cumsum(sizes[:-1].astype(np.int64) * 2)]).astype(np.int64)
-    doc_idx = np.arange(len(docs) + 1, dtype=np.int64)  # one item per document
+    doc_idx = np.array([0] + list(np.cumsum([1 if d else 0 for d in docs])), dtype=np.int64)
     with open(prefix + ".bin", "wb") as f:
         for d in docs:
             f.write(np.asarray(d, dtype=np.uint16).tobytes())
@@ -66,6 +81,13 @@ def test_committed_golden_follows_the_reference_rules(tmp_path):
     write_reference_mmidx(docs, str(tmp_path / "ref"))
     for ext in (".bin", ".idx"):
         assert _read(str(tmp_path / "ref") + ext) == _read(GOLDEN + ext), ext
+    core = reference_documents(CORPUS, VOCAB, MERGES, keep_empty=True)
+    assert len(core) == len(texts)
+    write_reference_mmidx(core, str(tmp_path / "core"))
+    for ext in (".bin", ".idx"):
+        assert _read(str(tmp_path / "core") + ext) == _read(GOLDEN_CORE + ext), ext
+    assert _read(GOLDEN_CORE + ".bin") == _read(GOLDEN + ".bin")  # only the index differs
+    assert _read(GOLDEN_CORE + ".idx") != _read(GOLDEN + ".idx")
 
 
 def _preprocess(tmp_path, *extra):
@@ -86,6 +108,20 @@ def test_tool_output_is_byte_identical_to_golden(tmp_path, workers):
         assert _read(out + ext) == _read(GOLDEN + ext), ext
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_match_megatron_core_is_byte_identical_to_its_golden(tmp_path, workers):
+    from megatron.data.indexed_dataset import MMapIndexedDataset
+
+    out = _preprocess(tmp_path, "--workers", workers, "--match", "megatron-core")
+    for ext in (".bin", ".idx"):
+        assert _read(out + ext) == _read(GOLDEN_CORE + ext), ext
+    core, v26 = MMapIndexedDataset(out), MMapIndexedDataset(GOLDEN)
+    with open(CORPUS) as f:
+        texts = [json.loads(line)["text"] for line in f]
+    assert len(core.doc_idx) == len(texts) + 1 and len(v26.doc_idx) == len(texts) - 1
+    assert len(core) == len(v26)  # the same sequences: both train the same
+
+
 def test_eod_in_text_flag_reads_the_marker_as_eod(tmp_path):
     from megatron.data.indexed_dataset import MMapIndexedDataset
 
@@ -100,4 +136,6 @@ def test_eod_in_text_flag_reads_the_marker_as_eod(tmp_path):
 
 if __name__ == "__main__":
     write_reference_mmidx(reference_documents(CORPUS, VOCAB, MERGES), GOLDEN)
-    print(f"wrote {GOLDEN}.{{bin,idx}}")
+    write_reference_mmidx(reference_documents(CORPUS, VOCAB, MERGES, keep_empty=True),
+                          GOLDEN_CORE)
+    print(f"wrote {GOLDEN}.{{bin,idx}} and {GOLDEN_CORE}.{{bin,idx}}")

@@ -6,7 +6,9 @@
 - ``checkpoint`` in both call shapes (with distributed saved activations) gives the
   gradients of a plain run;
 - a model file in v2.6 style and one in CPM style (ported by its import) train at tp=2
-  with the losses of tp=1.
+  with the losses of tp=1;
+- v2.0-v2.5's checkpointed-activations memory-buffer calls exist with v2's signature (no
+  arguments) and do nothing: checkpointing needs no buffer here.
 """
 import pytest
 import torch
@@ -48,6 +50,17 @@ get_cuda_rng_tracker model_parallel_cuda_manual_seed divide split_tensor_along_l
 def test_every_public_name_exists():
     assert [n for n in V26_NAMES if not callable(getattr(mpu, n, None))] == []
     assert [n for n in V1_NAMES if not callable(getattr(v1, n, None))] == []
+
+
+def test_v2_memory_buffer_calls_take_v2s_arguments_and_do_nothing():
+    import inspect
+
+    for name in ("init_checkpointed_activations_memory_buffer",
+                 "reset_checkpointed_activations_memory_buffer"):
+        fn = getattr(mpu, name)
+        assert list(inspect.signature(fn).parameters) == [], name  # v2's: no arguments
+        assert fn() is None and fn() is None, name  # callable any number of times
+        assert "buffer" in fn.__doc__
 
 
 def test_enums_have_megatron_values():
@@ -141,6 +154,7 @@ def _checkpoint_grads(seed):
     def block(x, scale):
         return mlp(x)[0] * scale
 
+    mpu.init_checkpointed_activations_memory_buffer()  # a v2 run's initialize calls it
     grads = []
     for call in (lambda x: block(x, 2.0), lambda x: mpu.checkpoint(block, x, 2.0),
                  lambda x: mpu.checkpoint(block, True, x, 2.0),
@@ -148,6 +162,7 @@ def _checkpoint_grads(seed):
         x = x0.clone().requires_grad_()
         mlp.zero_grad()
         call(x).square().sum().backward()
+        mpu.reset_checkpointed_activations_memory_buffer()  # v2's train step calls it
         grads.append((x.grad.clone(), mlp.weight.grad.clone()))
     return [all(torch.equal(a, b) for a, b in zip(grads[0], g)) for g in grads[1:]]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert GPT-2 checkpoints: Hugging Face <-> native, and reshard native across (tp, pp).
+"""Convert GPT-2 checkpoints: Hugging Face, Megatron-LM and native, any (tp, pp) layout.
 
     # HF save_pretrained directory -> native checkpoint at tp=2
     python tools/convert_checkpoint.py --input gpt2-hf --output ckpt-tp2 \\
@@ -9,10 +9,18 @@
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2
     # native -> HF
     python tools/convert_checkpoint.py --input ckpt-pp2 --output gpt2-out --output-format hf
+    # Megatron-LM checkpoint (versions 0-3, any layout) -> native; the released GPT-2 345M
+    # saves no args: give its heads and tokenizer
+    python tools/convert_checkpoint.py --input megatron_345m --output ckpt \
+        --input-format megatron --num-attention-heads 16 \
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+    # native -> a version-3 Megatron-LM checkpoint at tp=2, pp=2
+    python tools/convert_checkpoint.py --input ckpt --output megatron-out \
+        --output-format megatron --target-tp 2 --target-pp 2
 
-Native output holds weights only (plus the source's iteration, consumed samples and LR
-schedule): train from it with ``--finetune``, or resume with ``--no-load-optim``.
-See docs/conversion.md.
+Native and Megatron-LM output hold weights only (plus the source's iteration, consumed
+samples and LR schedule position): train from it with ``--finetune``, or resume with
+``--no-load-optim``. See docs/conversion.md.
 """
 import os
 import sys
@@ -20,7 +28,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint_conversion import ConversionRequest, run_conversion  # noqa: E402
-from megatron.checkpoint_conversion.convert import FORMATS  # noqa: E402
 from megatron.checkpoint_conversion.cli import (  # noqa: E402
     conversion_parser,
     convert_and_report,
@@ -30,10 +37,13 @@ from megatron.errors import entry_point  # noqa: E402
 
 
 def get_args(argv=None):
-    parser = conversion_parser(__doc__.split("\n\n")[0], FORMATS)
+    parser = conversion_parser(__doc__.split("\n\n")[0], ConversionRequest.format_names())
     parser.add_argument("--vocab-file", default=None,
                         help="GPT-2 vocab.json to record (HF input) or copy (HF output)")
     parser.add_argument("--merge-file", default=None, help="GPT-2 merges.txt, likewise")
+    parser.add_argument("--num-attention-heads", type=int, default=None,
+                        help="Megatron-LM input that saves no args (e.g. the released GPT-2 "
+                             "345M: 16): its number of attention heads")
     return parse_conversion_args(parser, argv)
 
 

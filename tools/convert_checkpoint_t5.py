@@ -19,7 +19,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint_conversion.t5_convert import (  # noqa: E402
-    FORMATS,
     T5ConversionRequest,
     run_t5_conversion,
 )
@@ -32,7 +31,8 @@ from megatron.errors import entry_point  # noqa: E402
 
 
 def get_args(argv=None):
-    parser = conversion_parser(__doc__.split("\n\n")[0], FORMATS)
+    parser = conversion_parser(__doc__.split("\n\n")[0],
+                               T5ConversionRequest.format_names())
     parser.add_argument("--tokenizer-model", default=None,
                         help="HF input: sentencepiece .model to record in the native args")
     return parse_conversion_args(parser, argv)

@@ -11,11 +11,21 @@ blank lines); see megatron/data/text_input.py. A malformed line is an error nami
 and line, unless ``--skip-bad-lines`` skips and counts it. Output files appear only when
 the whole input went through.
 
-The output is byte-identical to Megatron-LM's tools/preprocess_data.py (v2.6 and today's)
-for the same input and vocabulary: a document whose text tokenizes to nothing is skipped
-(no lone end-of-document token), and a literal ``<|endoftext|>`` inside a text is
-tokenized as text, not as the end-of-document id (``--eod-in-text`` restores that, HF's
-reading). See docs/data.md.
+The output is byte-identical to a Megatron-LM tools/preprocess_data.py for the same input
+and vocabulary; which one ``--match`` says, as they differ on a document whose text
+tokenizes to nothing:
+
+- ``--match megatron-v2.6`` (the default): Megatron-LM v2.6's, whose writer skips such a
+  document: it leaves no trace in the ``.idx``;
+- ``--match megatron-core``: today's Megatron-LM (Megatron-core's ``IndexedDatasetBuilder``
+  ``add_document``), which records it as a document of no sequences: its document index
+  repeats the previous entry.
+
+Both give an empty document no end-of-document token (not even with ``--append-eod``),
+write the same ``.bin`` and the same sequences, and tokenize a literal ``<|endoftext|>``
+inside a text as text, not as the end-of-document id (``--eod-in-text`` restores that, HF's
+reading). The default is v2.6's because this project's dataset code is v2.6's: its GPT
+datasets count documents as sequences, so both outputs train the same. See docs/data.md.
 """
 import argparse
 import itertools
@@ -35,6 +45,8 @@ from megatron.progress import progress as make_progress  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 CHUNK = 64  # documents per task sent to a worker: amortizes the inter-process traffic
+#: ``--match`` values: whose output the bytes equal (they differ on empty documents only).
+MATCH_V26, MATCH_CORE = "megatron-v2.6", "megatron-core"
 
 
 def get_args(argv=None):
@@ -61,6 +73,10 @@ def get_args(argv=None):
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True)
     group.add_argument("--dataset-impl", default="mmap", choices=["mmap"])
+    group.add_argument("--match", default=MATCH_V26, choices=[MATCH_V26, MATCH_CORE],
+                       help="whose bytes to reproduce: Megatron-LM v2.6 skips a document that "
+                            "tokenizes to nothing (default); Megatron-core records it in the "
+                            "document index as a document of no sequences")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     group.add_argument("--log-interval", type=int, default=10000,
@@ -163,7 +179,7 @@ class _Progress:
               f"{self.bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
 
 
-def _consume(results, path, builders, progress, skip_bad):
+def _consume(results, path, builders, progress, skip_bad, index_empty=False):
     for lineno, error, arrays, nbytes in results:
         if error is not None:
             if not skip_bad:
@@ -175,6 +191,8 @@ def _consume(results, path, builders, progress, skip_bad):
         for key, ids in arrays.items():
             if ids.size == 0:  # an empty document adds nothing to train on
                 progress.empty += 1
+                if index_empty:  # Megatron-core: a document of no sequences
+                    builders[key].end_document()
                 continue
             builders[key].add_item(ids)
             builders[key].end_document()
@@ -202,7 +220,8 @@ def run(args):
             mapper = map
         for path, fmt in zip(args.input, formats):
             for results in mapper(encode_chunk, _tasks(path, fmt, args, dtype)):
-                _consume(results, path, builders, progress, args.skip_bad_lines)
+                _consume(results, path, builders, progress, args.skip_bad_lines,
+                         index_empty=args.match == MATCH_CORE)
         if progress.docs == 0:
             raise DataError(f"no documents with text in {', '.join(args.input)}; check "
                             f"--json-keys {' '.join(args.json_keys)}")
@@ -217,8 +236,10 @@ def run(args):
             pool.terminate()
             pool.join()
     progress.report("done:")
-    print(f"wrote {', '.join(p + '.{bin,idx}' for p in prefixes.values())}; skipped "
-          f"{progress.skipped} bad and {progress.empty} empty documents", file=sys.stderr)
+    empty = "indexed" if args.match == MATCH_CORE else "skipped"
+    print(f"wrote {', '.join(p + '.{bin,idx}' for p in prefixes.values())} (bytes of "
+          f"{args.match}); skipped {progress.skipped} bad documents, {empty} "
+          f"{progress.empty} empty ones", file=sys.stderr)
     return prefixes
 
 

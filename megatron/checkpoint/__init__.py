@@ -10,7 +10,9 @@ Everything about what a checkpoint holds and where, used by training (save/resum
 - :mod:`.vocab_padding`: re-pad the vocabulary rows for another tp;
 - :mod:`.optimizer_names`, :mod:`.zero_state`: optimizer state by parameter name (torch's
   AdamW, DeepSpeed's ZeRO partitions);
-- :mod:`.layout_change`: a rank's part of a checkpoint saved at another layout.
+- :mod:`.layout_change`: a rank's part of a checkpoint saved at another layout;
+- :mod:`.megatron_lm`: Megatron-LM's own GPT checkpoints (versions 0-3) read whole, version 3
+  written.
 """
 from .format import (CHECKPOINT_FORMAT, TRACKER_FILENAME, check_compatible, checkpoint_name,
                      iteration_dir, read_tracker, resolve_iteration, uses_pipeline_engine,

@@ -189,6 +189,21 @@ def _check_vocab(saved, cfg, folder):
                               f"entries, this run's tokenizer {run_vocab}")
 
 
+def weights_for_run(full, cfg, where):
+    """This rank's model state dict of a whole model (a :class:`~.native_reader.FullCheckpoint`
+    read from any format) for the run's layout and padded vocabulary.
+
+    Raises:
+        CheckpointError: the model's sizes differ from the run's flags, or the vocabulary
+            must be re-padded and its real size is unknown.
+    """
+    check_compatible(full.args, cfg, where, ignore=LAYOUT_KEYS)
+    _check_vocab(full.args, cfg, where)
+    true_vocab = resolve_true_vocab_size(full.args, cfg.model.true_vocab_size)
+    keys = key_map_for(full.args)
+    return _this_rank(full.state, _target_args(full.args, cfg), keys, true_vocab)
+
+
 def read_at_new_layout(root, iteration, cfg, load_optim):
     """This rank's part of ``root`` at ``iteration`` for the run's layout (no collectives).
 

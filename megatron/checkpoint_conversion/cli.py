@@ -7,23 +7,25 @@ def conversion_parser(description, formats):
     """A parser with the flags every conversion tool takes (each adds its tokenizer flags)."""
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     parser.add_argument("--input", required=True,
-                        help="native --save directory or HF save_pretrained directory")
+                        help="native --save directory, HF save_pretrained directory, or "
+                             "(GPT-2) a Megatron-LM checkpoint directory")
     parser.add_argument("--output", required=True, help="directory to write (new or empty)")
     parser.add_argument("--input-format", choices=formats, default=None,
-                        help="default: hf if the input has config.json, else native")
+                        help="default: detected (hf: config.json; megatron: a Megatron-LM "
+                             "checkpoint; else native)")
     parser.add_argument("--output-format", choices=formats, default="native")
     parser.add_argument("--target-tensor-parallel-size", "--target-tp", dest="tp", type=int,
-                        default=None, help="native output: tensor-parallel size "
+                        default=None, help="native/megatron output: tensor-parallel size "
                                            "(default: the source's, 1 for HF input)")
     parser.add_argument("--target-pipeline-parallel-size", "--target-pp", dest="pp", type=int,
-                        default=None, help="native output: pipeline stages "
+                        default=None, help="native/megatron output: pipeline stages "
                                            "(default: the source's, 1 for HF input)")
     parser.add_argument("--make-vocab-size-divisible-by", dest="divisible_by", type=int,
                         default=None, help="native output: vocabulary padding multiple "
                                            "(x tp); default: the source's, 128 for HF input")
     parser.add_argument("--iteration", type=int, default=None,
-                        help="native input: the iteration to read (default: latest); "
-                             "HF input: the iteration to save as (default: 0)")
+                        help="native/megatron input: the iteration to read (default: "
+                             "latest); HF input: the iteration to save as (default: 0)")
     parser.add_argument("--true-vocab-size", dest="true_vocab", type=int, default=None,
                         help="real vocabulary rows, if the checkpoint's tokenizer files are "
                              "gone and the padded size must change")

@@ -1,21 +1,23 @@
-"""Whole conversions: HF or native (any layout) in, HF or native (any layout) out, for
-every model family.
+"""Whole conversions between any two formats of a model family, at any layout.
 
 Everything goes through a :class:`~megatron.checkpoint.FullCheckpoint` (whole-model keys,
-whole tensors), so each format needs one reader and one writer and any pair combines.
-Native checkpoints use the generic reader/writer of :mod:`megatron.checkpoint`; the Hugging
-Face side is the family's adapter (:mod:`.hf_gpt2`, :mod:`.t5_hf`: ``read_hf`` /
-``write_hf``), which each request class names, so nothing here branches on a model.
+whole tensors), so each format needs one reader and one writer and any pair combines. Each
+format is an adapter (:mod:`.formats`: native checkpoints through the generic
+reader/writer of :mod:`megatron.checkpoint`, Hugging Face directories through the family's
+adapter :mod:`.hf_gpt2` / :mod:`.t5_hf`, Megatron-LM checkpoints through
+:mod:`megatron.checkpoint.megatron_lm`), and each request class lists its family's
+formats, so nothing here branches on a model or a format.
 """
 import os
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Tuple
 
-from ..checkpoint.native_reader import read_native
-from ..checkpoint.native_writer import reshard, write_native
+from ..checkpoint.native_writer import reshard
 from ..errors import ConfigError
-from . import hf_gpt2, hf_io, t5_hf
+from . import hf_gpt2, t5_hf
+from .formats import MEGATRON_LM, NATIVE, CheckpointFormat, hf_format
 
+#: The formats every model family has (a request class may list more).
 FORMATS = ("native", "hf")
 
 
@@ -32,6 +34,8 @@ class BaseConversionRequest:
             iteration the native output is saved as (None: 0).
         true_vocab: real vocabulary rows, when the checkpoint's tokenizer files are gone.
         hf: (class attribute) the model family's HF adapter module.
+        formats: (class attribute) the family's checkpoint formats (:class:`~.formats.CheckpointFormat`), in
+            the order their ``detect`` is asked (the last says yes to anything).
     """
 
     input: str
@@ -45,11 +49,23 @@ class BaseConversionRequest:
     true_vocab: Optional[int] = None
 
     hf: ClassVar = None
+    formats: ClassVar[Tuple[CheckpointFormat, ...]] = ()
 
     @property
     def family(self):
         """The model family's name (``gpt2``, ``t5``), from its HF adapter."""
         return self.hf.FAMILY
+
+    @classmethod
+    def format_names(cls):
+        """The ``--input-format`` / ``--output-format`` choices."""
+        return tuple(sorted(f.name for f in cls.formats))
+
+    def format_named(self, name, which):
+        for fmt in self.formats:
+            if fmt.name == name:
+                return fmt
+        raise ConfigError(f"--{which}-format {name!r}: use one of {self.format_names()}")
 
 
 @dataclass
@@ -58,13 +74,17 @@ class ConversionRequest(BaseConversionRequest):
 
     Attributes:
         vocab_file, merge_file: GPT-2 tokenizer files recorded in the native output's args
-            (HF input) or copied into the HF output (default: the source's).
+            (HF or Megatron-LM input) or copied into the HF output (default: the source's).
+        num_attention_heads: heads of a Megatron-LM checkpoint that saves no args (the
+            released GPT-2 345M: 16).
     """
 
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
+    num_attention_heads: Optional[int] = None
 
     hf: ClassVar = hf_gpt2
+    formats: ClassVar = (hf_format(hf_gpt2), MEGATRON_LM, NATIVE)
 
 
 @dataclass
@@ -78,11 +98,17 @@ class T5ConversionRequest(BaseConversionRequest):
     tokenizer_model: Optional[str] = None
 
     hf: ClassVar = t5_hf
+    formats: ClassVar = (hf_format(t5_hf), NATIVE)
 
 
-def detect_format(path):
-    """``hf`` for a directory with config.json, else ``native``."""
-    return "hf" if hf_io.is_hf_dir(path) else "native"
+def detect_format(path, request_class=None):
+    """The name of the format ``path`` holds (``hf`` for a directory with config.json,
+    ``megatron`` for a Megatron-LM checkpoint, else ``native``), among the formats of
+    ``request_class`` (default: GPT-2's)."""
+    for fmt in (request_class or ConversionRequest).formats:
+        if fmt.detect(path):
+            return fmt.name
+    return NATIVE.name
 
 
 def read_hf(path, request):
@@ -96,30 +122,27 @@ def write_hf(ckpt, path, request):
 
 
 def run_conversion(request):
-    """Convert as ``request`` says (its class names the model family); returns the path
-    written.
+    """Convert as ``request`` says (its class names the model family and its formats);
+    returns the path written.
 
     Raises:
         CheckpointError / ConfigError: bad input, before anything is written.
     """
-    in_format = request.input_format or detect_format(request.input)
-    for name, value in (("input", in_format), ("output", request.output_format)):
-        if value not in FORMATS:
-            raise ConfigError(f"--{name}-format {value!r}: use one of {FORMATS}")
+    reader = request.format_named(request.input_format or
+                                  detect_format(request.input, type(request)), "input")
+    writer = request.format_named(request.output_format, "output")
     if os.path.abspath(request.input) == os.path.abspath(request.output):
         raise ConfigError("--input and --output are the same directory")
-    if in_format == "hf":
-        ckpt = read_hf(request.input, request)
-    else:
-        ckpt = read_native(request.input, request.iteration, request.family)
-    if request.output_format == "hf":
-        if request.tp not in (None, 1) or request.pp not in (None, 1):
-            raise ConfigError("--target-tensor/pipeline-parallel-size apply to native output")
-        write_hf(ckpt, request.output, request)
-        return request.output
+    if not writer.layout and (request.tp not in (None, 1) or request.pp not in (None, 1)):
+        raise ConfigError(f"--target-tensor/pipeline-parallel-size apply to "
+                          f"{' and '.join(f.name for f in request.formats if f.layout)} "
+                          f"output")
+    ckpt = reader.read(request.input, request)
+    source = f"{reader.name}:{os.path.abspath(request.input)}"
+    if not writer.layout:
+        return writer.write(ckpt, request.output, request, source)
     tp = request.tp or ckpt.args.get("tensor_model_parallel_size", 1)
     pp = request.pp or ckpt.args.get("pipeline_model_parallel_size", 1)
-    divisible_by = request.divisible_by or (128 if in_format == "hf" else None)
-    target = reshard(ckpt, tp, pp, divisible_by, request.true_vocab)
-    return write_native(target, request.output, tp, pp,
-                        source=f"{in_format}:{os.path.abspath(request.input)}")
+    target = reshard(ckpt, tp, pp, request.divisible_by or reader.pad_multiple,
+                     request.true_vocab)
+    return writer.write(target, request.output, request, source)

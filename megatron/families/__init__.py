@@ -17,7 +17,9 @@ model:
   checkpoint's saved settings (the only place a model config is built from flags);
 - ``build_datasets(cfg, tokenizer, num_samples)``, ``flops_per_step(cfg)``;
 - ``keys``: where each weight lives in a checkpoint (:mod:`megatron.checkpoint.gpt2_keys`);
-  ``hf``: the Hugging Face adapter (:mod:`megatron.checkpoint_conversion.hf_gpt2`).
+  ``hf``: the Hugging Face adapter (:mod:`megatron.checkpoint_conversion.hf_gpt2`);
+  ``foreign_checkpoints``: other projects' checkpoints ``--load`` reads
+  (:mod:`megatron.checkpoint.megatron_lm`).
 """
 from typing import Dict, Optional
 

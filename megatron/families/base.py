@@ -2,7 +2,7 @@
 (the package docstring, :mod:`megatron.families`, explains the interface)."""
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 
 def _no_problems(*_):
@@ -29,6 +29,10 @@ class ModelFamily:
     """The checkpoint key map (:mod:`megatron.checkpoint.gpt2_keys` / ``t5_keys``)."""
     hf: Optional[ModuleType] = None
     """The Hugging Face adapter (``read_hf`` / ``write_hf``, megatron.checkpoint_conversion)."""
+    foreign_checkpoints: Tuple[ModuleType, ...] = ()
+    """Other projects' checkpoint formats ``--load`` takes for this model (each with
+    ``NAME``, ``DESCRIPTION``, ``detect(root)`` and ``read_full(root, iteration, hints)``:
+    :mod:`megatron.checkpoint.megatron_lm` for GPT-2)."""
     flag_defaults: Dict[str, Any] = field(default_factory=dict)
     """Defaults the family sets for generic flags (a config file or a flag overrides them)."""
     label: str = ""

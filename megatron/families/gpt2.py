@@ -3,7 +3,7 @@ same layers), its batch and loss, datasets, FLOP count, checkpoint keys and HF a
 import torch
 
 from .. import mpu
-from ..checkpoint import gpt2_keys
+from ..checkpoint import gpt2_keys, megatron_lm
 from ..checkpoint_conversion import hf_gpt2
 from ..model.language_model import masked_lm_loss
 from ..model.utils import get_ltor_masks_and_position_ids
@@ -79,5 +79,5 @@ def _add_flags(parser):
 FAMILY = ModelFamily(
     name="gpt2", add_flags=_add_flags, model_config=model_config, build_model=build_model,
     build_datasets=build_datasets, flops_per_step=flops_per_step, make_batch_fn=make_batch_fn,
-    loss_fn=masked_lm_loss, keys=gpt2_keys, hf=hf_gpt2,
+    loss_fn=masked_lm_loss, keys=gpt2_keys, hf=hf_gpt2, foreign_checkpoints=(megatron_lm,),
     flag_defaults={"tokenizer_type": "GPT2BPETokenizer"})

@@ -72,8 +72,10 @@ from .random import (
     checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
+    init_checkpointed_activations_memory_buffer,
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,
+    reset_checkpointed_activations_memory_buffer,
 )
 from .split_1d import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 from .vocab_padding import mask_padded_vocab_logits_

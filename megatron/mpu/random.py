@@ -180,6 +180,23 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None) + grads
 
 
+def init_checkpointed_activations_memory_buffer():
+    """Megatron v2.0-v2.5's call that preallocated one buffer for the distributed
+    checkpointed activations; here a no-op, kept so v2 code that calls it runs unchanged.
+
+    Megatron v2 copied each checkpointed layer's ``1/tp`` slice of its input into a buffer
+    sized from ``micro_batch_size x max_position_embeddings x hidden / tp x checkpointed
+    layers`` (read from its global args) to avoid fragmenting GPU memory.
+    :func:`checkpoint` here keeps that slice in a tensor of its own, freed by autograd after
+    the backward, and needs no run-wide sizes, so there is no buffer to allocate.
+    """
+
+
+def reset_checkpointed_activations_memory_buffer():
+    """Megatron v2.0-v2.5's per-step reset of the checkpointed-activations buffer; a no-op
+    here (see :func:`init_checkpointed_activations_memory_buffer`: there is no buffer)."""
+
+
 def get_all_rng_states():
     """CPU, device and tracker generator states (to replay or undo random draws)."""
     return (torch.get_rng_state(),

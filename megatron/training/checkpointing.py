@@ -19,9 +19,10 @@ from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker:
     CHECKPOINT_FORMAT, TRACKER_FILENAME, check_compatible, checkpoint_name, iteration_dir,
     megatron_v2_name, optimizer_shard_name, publish_iteration, read_tracker,
     saved_optimizer_files, write_atomic, write_tracker)
-from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs
+from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs, weights_for_run
 from ..config import args_to_dict
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MegatronError
+from ..families import get_family
 from ..utils import print_rank_0, raise_if_any_rank_failed, warn_rank_0
 
 
@@ -197,6 +198,32 @@ def _engine_counters(state, cfg):
     return counters
 
 
+def _foreign_format(cfg):
+    """The run's model family's foreign checkpoint format the ``--load`` folder holds, or
+    None (a native checkpoint, or a family with none)."""
+    family = get_family(getattr(cfg, "family", None))
+    for fmt in getattr(family, "foreign_checkpoints", ()):
+        if fmt.detect(cfg.checkpoint.load):
+            return fmt
+    return None
+
+
+def _load_foreign(fmt, backend, cfg, load_optim):
+    """Load another project's checkpoint (e.g. Megatron-LM's): every rank reads the whole
+    model and keeps its slice for the run's layout. Weights, the iteration and the consumed
+    samples carry over (the LR schedule continues from the iteration); the optimizer and
+    random state start fresh."""
+    root = cfg.checkpoint.load
+    full = fmt.read_full(root, None, {"num_attention_heads": cfg.model.num_attention_heads,
+                                      "true_vocab_size": cfg.model.true_vocab_size})
+    backend.module().load_state_dict(weights_for_run(full, cfg, root))
+    if load_optim:
+        warn_rank_0(f"{root} is a {fmt.DESCRIPTION}: its optimizer state is not read; Adam "
+                    f"starts fresh (pass --no-load-optim or --finetune to say so)")
+    state = {"iteration": full.iteration, "foreign": fmt.DESCRIPTION, **full.extras}
+    return state
+
+
 def _restore_rng(cfg, state):
     if cfg.checkpoint.no_load_rng:
         return
@@ -204,6 +231,9 @@ def _restore_rng(cfg, state):
         rng_states = state["rng_state"]
         dp_rank = mpu.get_data_parallel_rank()
         set_rng_state(rng_states[dp_rank] if dp_rank < len(rng_states) else rng_states[0])
+    elif "foreign" in state:
+        warn_rank_0(f"checkpoint in {cfg.checkpoint.load} is a {state['foreign']}: random "
+                    f"streams start from --seed")
     elif "layout_change" not in state:
         # tools/convert_checkpoint.py writes weights only: dropout restarts from --seed
         warn_rank_0(f"checkpoint in {cfg.checkpoint.load} has no RNG state (a converted, "
@@ -217,21 +247,29 @@ def load_checkpoint(backend, cfg, train_state):
     name the same folder for automatic resume); a ``--load`` folder that does not exist was
     already refused by validation unless the run asked for it (``--load-if-exists``, or
     ``--load`` = ``--save``). An incompatible or incomplete checkpoint raises
-    :class:`CheckpointError` on every rank.
+    :class:`CheckpointError` on every rank. A folder in one of the model family's foreign
+    formats (``foreign_checkpoints``: Megatron-LM's for GPT-2) is loaded weights-first
+    through it (:func:`_load_foreign`).
     """
     ckpt = cfg.checkpoint
     if not ckpt.load:
         return 0
-    iteration = read_tracker(ckpt.load)
-    if iteration is None:
-        warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
-                    f"starting from scratch")
-        return 0
     load_optim = not ckpt.no_load_optim and not ckpt.finetune
+    foreign = _foreign_format(cfg)
+    if foreign is None:
+        iteration = read_tracker(ckpt.load)
+        if iteration is None:
+            warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
+                        f"starting from scratch")
+            return 0
     state, error = None, None
     try:
-        state = _load_state(backend, cfg, iteration, load_optim)
-    except CheckpointError as exc:
+        if foreign is not None:
+            state = _load_foreign(foreign, backend, cfg, load_optim)
+            iteration, load_optim = state["iteration"], False
+        else:
+            state = _load_state(backend, cfg, iteration, load_optim)
+    except MegatronError as exc:
         error = exc
     raise_if_any_rank_failed(error, CheckpointError)
     if not load_optim:

@@ -1,51 +1,41 @@
-"""Megatron-LM v1 / CPM-Pretrain's ``mpu`` API: ``from megatron.mpu import v1 as mpu``.
+"""v1's ``mpu.layers``: the tensor-parallel layers as Megatron v1 defined them.
 
-In v1 there is no pipeline parallelism and "model parallel" means *tensor* parallel: here
-``get_model_parallel_{group,rank,world_size,src_rank}`` and the ``*_model_parallel_region``
-mappings are the tensor-parallel ones (in ``megatron.mpu`` "model parallel" is the tensor x
-pipeline replica, as in v2.6). The linear layers return a tensor, as in v1, and
-``ParallelEmbedding`` (embedding split along the hidden dimension) is back. Numerics and
-initialisation are the v2 layers' (layout-invariant for a given seed). See docs/mpu.md.
+The linear layers are :mod:`megatron.mpu.layers`' with v1's forward, which returns ``Y``
+where v2's returns ``(Y, bias)``; ``ParallelEmbedding`` (the embedding split along the
+*hidden* dimension, gathered after the lookup) is v1's; ``VocabParallelEmbedding`` is the
+same in both. ``_initialize_affine_weight(weight, output_size, input_size,
+per_partition_size, partition_dim, init_method, stride=1, return_master_weight=False)``
+keeps v1's signature: it draws the full weight and copies this rank's part. Numerics and
+initialisation are the v2 layers' (the same for a given seed at any tensor-parallel size).
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn import init
 
-from . import layers as _layers
-from . import parallel_state as _ps
-from .cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
-from .data import broadcast_data  # noqa: F401
-from .grads import clip_grad_norm  # noqa: F401
-from .layers import VocabParallelEmbedding  # noqa: F401
-from .mappings import (  # noqa: F401
-    copy_to_tensor_model_parallel_region as copy_to_model_parallel_region,
-    gather_from_tensor_model_parallel_region as gather_from_model_parallel_region,
-    reduce_from_tensor_model_parallel_region as reduce_from_model_parallel_region,
-    scatter_to_tensor_model_parallel_region as scatter_to_model_parallel_region,
-)
-from .parallel_state import (  # noqa: F401
-    destroy_model_parallel,
-    get_data_parallel_group,
-    get_data_parallel_rank,
-    get_data_parallel_world_size,
-    get_tensor_model_parallel_group as get_model_parallel_group,
-    get_tensor_model_parallel_rank as get_model_parallel_rank,
-    get_tensor_model_parallel_src_rank as get_model_parallel_src_rank,
-    get_tensor_model_parallel_world_size as get_model_parallel_world_size,
-    model_parallel_is_initialized,
-)
-from .random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed  # noqa: F401
-from .utils import divide, split_tensor_along_last_dim  # noqa: F401
+from .. import layers as _layers
+from ..layers import VocabParallelEmbedding  # noqa: F401
+from ..mappings import gather_from_tensor_model_parallel_region
+from ..utils import divide
 
 
-def initialize_model_parallel(model_parallel_size_=1):
-    """v1's form: ``model_parallel_size_`` tensor-parallel ranks, no pipeline.
+def _initialize_affine_weight(weight, output_size, input_size, per_partition_size,
+                              partition_dim, init_method, stride=1,
+                              return_master_weight=False):
+    """Fill ``weight`` (this rank's part) from a full ``[output_size, input_size]`` weight
+    drawn with ``init_method``; split along ``partition_dim`` into ``per_partition_size``
+    rows or columns per rank (``stride`` interleaved chunks each).
 
-    Args:
-        model_parallel_size_: tensor-parallel size; it must divide the world size.
+    Returns:
+        The full weight when ``return_master_weight``, else None.
     """
-    return _ps.initialize_model_parallel(model_parallel_size_, 1)
+    _, tp_rank, tp_size = _layers._tp_info(None)
+    full = (output_size, input_size)
+    divide(full[partition_dim], per_partition_size, "partitioned dimension",
+           "per-partition size")
+    return _layers._init_partitioned(weight, full, partition_dim, init_method, tp_rank,
+                                     tp_size, stride=stride,
+                                     return_master=return_master_weight)
 
 
 class _OutputOnly:
@@ -114,5 +104,4 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, input_):  # [*] ids -> [*, h]
         output_parallel = F.embedding(input_, self.weight)  # [*, h/tp]
-        return gather_from_model_parallel_region(output_parallel, self.group)
-
+        return gather_from_tensor_model_parallel_region(output_parallel, self.group)
