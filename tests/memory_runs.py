@@ -1,0 +1,127 @@
+"""Rank bodies of tests/test_memory_model.py: build a tiny model at a layout, measure what
+one micro-batch saves for the backward (saved-tensor hooks) and what a rank holds after a
+real optimizer step, next to the memory model's prediction for the same configuration."""
+import torch
+import torch.distributed as dist
+
+from megatron import mpu
+
+VOCAB = 256  # padded rows (divisible by tp up to 4)
+
+
+def run_config(family, argv):
+    """A validated RunConfig of ``argv`` for this launch (no tokenizer files: the padded
+    vocabulary is set directly)."""
+    from megatron.config import build_run_config
+    from megatron.families import get_family
+
+    cfg, _ = build_run_config(argv, get_family(family), world_size=dist.get_world_size(),
+                              rank=dist.get_rank(), check_files=False)
+    return cfg.replace(padded_vocab_size=VOCAB, true_vocab_size=VOCAB - 3)
+
+
+def setup(cfg):
+    """mpu groups of ``cfg``'s layout (replacing the previous layout's), seeds, tds comm."""
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    torch.manual_seed(cfg.model.seed)
+    mpu.model_parallel_cuda_manual_seed(cfg.model.seed)
+    import tds
+
+    tds.init_distributed(dist_backend="gloo")
+
+
+def gpt2_batch(cfg, gen):
+    """Fresh random ``(inputs, labels)`` of one micro-batch, the same on every rank."""
+    from megatron.model.utils import get_ltor_masks_and_position_ids
+
+    b, s = cfg.batch.micro_batch_size, cfg.batch.seq_length
+    text = torch.randint(0, VOCAB - 3, (b, s + 1), generator=gen)
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    mask, loss_mask, pos = get_ltor_masks_and_position_ids(tokens, 0, False)
+    return (tokens, pos, mask), (labels, loss_mask)
+
+
+def t5_batch(cfg, gen):
+    """Fresh random T5 ``(inputs, labels)`` of one micro-batch (every position real)."""
+    from megatron.model.t5_model import t5_attention_masks
+
+    b, se, sd = cfg.batch.micro_batch_size, cfg.t5.enc_seq_length, cfg.t5.dec_seq_length
+    enc = torch.randint(2, VOCAB - 3, (b, se), generator=gen)
+    dec = torch.randint(2, VOCAB - 3, (b, sd), generator=gen)
+    labels = torch.randint(2, VOCAB - 3, (b, sd), generator=gen)
+    masks = t5_attention_masks(torch.ones(b, se, dtype=torch.bool),
+                               torch.ones(b, sd, dtype=torch.bool))
+    return (enc, dec, *masks), (labels, torch.ones(b, sd))
+
+
+def _stage_input(cfg, model, inputs, gen):
+    """What this pipeline stage receives for one micro-batch: the batch on the first
+    stage, fresh hidden states (and the batch's masks) elsewhere."""
+    if mpu.is_pipeline_first_stage():
+        return inputs
+    h, tp = cfg.model.hidden_size, cfg.parallel.tp
+    split = tp if cfg.parallel.sequence_parallel else 1
+    b = cfg.batch.micro_batch_size
+
+    def hidden(s):
+        return torch.randn(s // split, b, h, generator=gen).requires_grad_()
+
+    if cfg.family == "gpt2":
+        return hidden(cfg.batch.seq_length), inputs[2]
+    enc, dec = hidden(cfg.t5.enc_seq_length), hidden(cfg.t5.dec_seq_length)
+    return enc, inputs[2], dec, inputs[3], inputs[4]
+
+
+def saved_bytes(cfg, model, inputs, labels, loss_fn, pipeline, gen):
+    """Bytes one micro-batch's forward saves for the backward on this rank (every
+    storage once, parameters excluded), then the backward runs (the graph is real)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    dtype = cfg.precision.dtype
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if pipeline:
+            out = model(_stage_input(cfg, model, inputs, gen))
+            last = mpu.is_pipeline_last_stage()
+            out = loss_fn(out, labels) if last else out
+        else:
+            out = loss_fn(model(*inputs), labels)
+    first = out[0] if isinstance(out, tuple) else out
+    first.float().sum().backward()
+    return sum(seen.values())
+
+
+def measure_activations(family, layouts, seed):
+    """For each ``argv`` in ``layouts``: (measured, predicted) activation bytes of one
+    micro-batch on this rank, and the stage's in-flight count."""
+    from megatron.families import get_family
+    from megatron.memory import predict, spec_from_run_config
+
+    fam = get_family(family)
+    out = []
+    for argv in layouts:
+        cfg = run_config(family, argv)
+        setup(cfg)
+        gen = torch.Generator().manual_seed(seed)
+        inputs, labels = (gpt2_batch if family == "gpt2" else t5_batch)(cfg, gen)
+        pipeline = cfg.parallel.pp > 1
+        model = fam.build_model(cfg, pipeline)
+        model.train()
+        try:
+            measured = saved_bytes(cfg, model, inputs, labels, fam.loss_fn, pipeline, gen)
+        except Exception as exc:
+            raise RuntimeError(f"at {argv}") from exc
+        stage = predict(spec_from_run_config(cfg, device="cpu"))[mpu.get_pipeline_model_parallel_rank()]
+        out.append({"argv": " ".join(argv), "measured": measured,
+                    "predicted": stage.activations_per_micro_batch,
+                    "in_flight": stage.in_flight, "stage": stage.stage})
+    return out
