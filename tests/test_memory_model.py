@@ -65,3 +65,30 @@ def test_in_flight_counts_follow_the_schedules():
     # interleaving holds more (smaller) chunks: Megatron-LM's warm-up + 1 when p divides m
     counts = in_flight(p, 2 * p, 2)
     assert counts == [min(2 * (p - r - 1) + p + 1, 4 * p) for r in range(p)]
+
+
+def _t5_layouts(micro):
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--kv-channels", "16", "--ffn-hidden-size", "128", "--encoder-seq-length", "32",
+            "--dec-seq-length", "16", "--seq-length", "32", "--max-position-embeddings", "32",
+            "--batch-size", str(micro), "--gas", "4", "--train-iters", "1", "--lr", "1e-3",
+            "--attention-dropout", "0"]
+    return [base,
+            base + ["--model-parallel-size", "2"],
+            base + ["--model-parallel-size", "2", "--sequence-parallel"],
+            base + ["--pipe-parallel-size", "4"],  # embedding+enc, enc, dec, dec+head
+            base + ["--attention-backend", "unfused", "--attention-dropout", "0.1"],
+            base + ["--checkpoint-activations"]]
+
+
+def test_t5_activations_match_saved_tensors():
+    micro = random.choice([1, 2, 3])
+    seed = random.randrange(2**31)
+    results = run_distributed(measure_activations, 4, "t5", _t5_layouts(micro), seed,
+                              timeout=300)
+    for rank, per_layout in enumerate(results):
+        for r in per_layout:
+            measured = r["measured"] * r["in_flight"]
+            predicted = r["predicted"] * r["in_flight"]
+            assert r["measured"] > 0
+            assert abs(predicted - measured) <= TOL * measured, (rank, micro, r)

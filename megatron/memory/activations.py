@@ -122,7 +122,8 @@ class Activations:
     """Extra bytes while one recomputed group runs its forward again in the backward."""
 
 
-def _gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
+def gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
+    """Activation bytes of one micro-batch on one rank of ``layers``' GPT-2 stage."""
     b, tokens = spec.micro_batch, spec.seq * spec.micro_batch
     n = layers.encoder_layers
     if spec.recompute == "full" and n:
@@ -140,12 +141,3 @@ def _gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
     if layers.head:
         total += output_and_loss(spec, b, spec.seq)
     return Activations(total, peak)
-
-
-def stage_activations(spec: MemorySpec, layers: StageLayers) -> Activations:
-    """Activation bytes of one micro-batch on one rank of ``layers``' stage."""
-    if spec.family == "gpt2":
-        return _gpt2_stage(spec, layers)
-    from .t5_activations import t5_stage
-
-    return t5_stage(spec, layers)

@@ -2,11 +2,12 @@
 from dataclasses import asdict, dataclass
 from typing import List
 
-from .activations import stage_activations
+from .activations import gpt2_stage
 from .model_states import ModelStates, model_states
 from .schedule import in_flight
 from .spec import MemorySpec
 from .stages import stage_layers
+from .t5_activations import t5_stage
 
 GIB = 2 ** 30
 
@@ -62,7 +63,7 @@ def predict(spec: MemorySpec) -> List[StageMemory]:
     out = []
     for layers, count in zip(stage_layers(spec), counts):
         states = model_states(spec, layers)
-        act = stage_activations(spec, layers)
+        act = (gpt2_stage if spec.family == "gpt2" else t5_stage)(spec, layers)
         buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
         if spec.pp > 1 and not layers.head:
             buffers += count * _hidden_out(spec)

@@ -7,7 +7,7 @@ per row; every layer looks its relative bias up again (int64 bucket ids ``s x s`
 under SDPA, hands it with the mask to the kernel as one additive ``[b, a/t, s, s]`` mask
 in the compute dtype; the feed-forward applies dropout to its ``d_ff`` activation.
 """
-from .activations import (Shape, attention_core, dropout_bytes, norm_bytes, output_and_loss,
+from .activations import (Activations, Shape, attention_core, dropout_bytes, norm_bytes, output_and_loss,
                           recompute_input, _cp)
 from .spec import MemorySpec
 from .stages import StageLayers
@@ -16,9 +16,16 @@ from .stages import StageLayers
 def _attention(spec: MemorySpec, shape: Shape, bias: bool) -> int:
     """One T5 attention's core plus its bias lookup and additive mask."""
     e, t = spec.e, spec.tp
-    total = attention_core(spec, shape)
-    if bias:
-        total += shape.sq * shape.sk * 8  # bucket ids of this layer's lookup
+    proj = spec.heads * spec.kv_channels
+    # bucket ids: each pipeline layer looks its bias up again; T5Model once per stack
+    total = shape.sq * shape.sk * 8 if bias and spec.pp > 1 else 0
+    if spec.attention == "sdpa" and bias and spec.device == "cpu":
+        # A mask that needs a gradient (the bias) sends SDPA to PyTorch's math path on
+        # the CPU: scaled queries, transposed keys, the softmax and a context copy.
+        tokens = shape.sq * shape.b
+        return (total + (2 * tokens + shape.sk * shape.b) * proj * e // t
+                + spec.heads * shape.b * shape.sq * shape.sk * e // t)
+    total += attention_core(spec, shape)
     if spec.attention == "sdpa":
         heads = spec.heads // t if bias else 1  # without a bias the mask is per sample
         total += shape.b * heads * shape.sq * shape.sk * e
@@ -73,10 +80,8 @@ def t5_layer(spec: MemorySpec, decoder: bool) -> int:
     return total + _weights(spec, decoder)
 
 
-def t5_stage(spec: MemorySpec, layers: StageLayers):
+def t5_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
     """Activation bytes of one micro-batch on one rank of ``layers``' stage."""
-    from .activations import Activations
-
     b = spec.micro_batch
     enc_tokens, dec_tokens = spec.seq * b, spec.dec_seq * b
     n_enc, n_dec = layers.encoder_layers, layers.decoder_layers
@@ -84,11 +89,22 @@ def t5_stage(spec: MemorySpec, layers: StageLayers):
     if spec.recompute == "full" and (n_enc or n_dec):
         k = spec.recompute_num_layers
         total = -(-n_enc // k) * recompute_input(spec, enc_tokens)
-        total += -(-n_dec // k) * (recompute_input(spec, dec_tokens)
-                                   + recompute_input(spec, enc_tokens))
-        peak = k * max(t5_layer(spec, False) if n_enc else 0, t5_layer(spec, True) if n_dec else 0)
+        total += -(-n_dec // k) * recompute_input(spec, dec_tokens)
+        if n_dec:  # the encoder output every decoder group reads (one storage)
+            total += recompute_input(spec, enc_tokens)
+        # each stack's bias, computed outside the recomputed groups and saved by them
+        heads = spec.heads // spec.tp
+        total += heads * 4 * (spec.seq ** 2 * (n_enc > 0) + spec.dec_seq ** 2 * (n_dec > 0))
+        total += b * (spec.seq ** 2 * (n_enc > 0) + spec.dec_seq * (spec.dec_seq + spec.seq)
+                      * (n_dec > 0))  # the bool masks
+        peak = k * max(t5_layer(spec, False) if n_enc else 0,
+                       t5_layer(spec, True) if n_dec else 0)
     else:
         total = n_enc * t5_layer(spec, False) + n_dec * t5_layer(spec, True)
+        if spec.attention == "sdpa" and spec.device == "cpu":  # the math path keeps the mask
+            total += b * (spec.seq ** 2 * (n_enc > 0) + spec.dec_seq ** 2 * (n_dec > 0))
+    if spec.pp == 1:  # T5Model's one bias lookup per stack
+        total += 8 * (spec.seq ** 2 * (n_enc > 0) + spec.dec_seq ** 2 * (n_dec > 0))
     if layers.embedding:
         total += 2 * (enc_tokens + dec_tokens) * 8 // (1 if spec.tp > 1 else 2)  # ids
         total += (enc_tokens + dec_tokens) * (1 if spec.tp > 1 else 0)
