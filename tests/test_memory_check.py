@@ -1,0 +1,73 @@
+"""The start-up memory check (refusal with an emulated free-memory figure, the printed
+stages of a tiny run) and the layout planner (tools/plan_layout.py)."""
+import json
+import random
+
+import pytest
+
+from megatron.errors import WillNotFitError
+from megatron.memory import GIB, MemorySpec, predict
+from megatron.memory.check import check_memory
+from megatron.memory.planner import Hardware, plan
+
+
+def _spec(**changes):
+    base = dict(family="gpt2", num_layers=24, hidden=1024, heads=16, kv_channels=64,
+                ffn=4096, vocab=50304, seq=1024, micro_batch=16, num_micro_batches=8,
+                tp=1, pp=4, dp=2, dtype="bf16", backend="engine")
+    base.update(changes)
+    return MemorySpec(**base)
+
+
+def test_refusal_names_the_stage_the_figure_the_free_memory_and_two_fits():
+    spec = _spec(micro_batch=random.choice([8, 16]))
+    stages = predict(spec)
+    worst = max(stages, key=lambda s: s.peak)
+    free = int(worst.peak * random.uniform(0.3, 0.9))  # an emulated device
+    with pytest.raises(WillNotFitError) as info:
+        check_memory(spec, free)
+    message = str(info.value)
+    assert f"pipeline stage {worst.stage} " in message
+    assert f"{worst.peak / GIB:.2f} GiB" in message and f"{free / GIB:.2f} GiB free" in message
+    fixes = message.split("changes that would fit: ")[1].split(" (--no-memory-check")[0]
+    assert len(fixes.split("; ")) == 2, message
+    # each suggestion is a layout the planner predicts to fit in the free memory
+    fitting = plan(spec, Hardware(gpus=spec.world, gpu_memory=free),
+                   spec.micro_batch * spec.num_micro_batches * spec.dp, 1.0)
+    assert fitting and all(p.peak <= free for p in fitting)
+    lines = check_memory(spec, free, enforce=False)
+    assert lines[-1].startswith("WARNING: pipeline stage")
+    assert len(check_memory(spec, worst.peak + 1)) == spec.pp  # fits: no refusal
+
+
+def test_planner_ranks_layouts_that_fit(capsys):
+    import sys
+
+    sys.path.insert(0, "tools")
+    import plan_layout
+
+    gpus = random.choice([8, 16])
+    assert plan_layout.main(["--config", "configs/gpt2/gpt2_345m.yaml", "--gpus", str(gpus),
+                             "--gpu-memory", "16GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    layouts = out["layouts"]
+    assert layouts, out
+    times = [x["step_time_s"] for x in layouts]
+    assert times == sorted(times)
+    for x in layouts:
+        assert x["tp"] * x["pp"] * x["dp"] == gpus
+        assert max(x["stage_peak_bytes"]) == x["peak_bytes"] <= 16 * GIB
+        assert x["micro_batch"] * x["num_micro_batches"] * x["dp"] == out["global_batch"]
+
+
+@pytest.mark.slow
+def test_pretrain_prints_the_predicted_peak_per_stage(gpt2_data):
+    from gpt2_runs import gpt2_argv, run_script
+
+    argv = ["pretrain_gpt2.py", *gpt2_argv(gpt2_data, "--pipe-parallel-size", "2",
+                                           "--batch-size", "2", "--gas", "2",
+                                           "--train-iters", "1")]
+    result = run_script(argv, nproc=2)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for stage in (0, 1):
+        assert result.stdout.count(f"stage {stage}/2: predicted peak") == 1, result.stdout
