@@ -125,3 +125,77 @@ def measure_activations(family, layouts, seed):
                     "predicted": stage.activations_per_micro_batch,
                     "in_flight": stage.in_flight, "stage": stage.stage})
     return out
+
+
+def _storages(tensors, skip):
+    """``{data_ptr: nbytes}`` of the tensors' storages, those in ``skip`` left out."""
+    out = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip and storage.nbytes():
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
+
+
+def _reachable_tensors(obj, depth=8, seen=None):
+    """Tensors an optimizer holds: its state, its master copies and partitions, found
+    through its attributes, lists and dicts (DeepSpeed's optimizers keep them there)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth < 0:
+        return []
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif isinstance(obj, torch.optim.Optimizer) or type(obj).__module__.startswith(
+            ("deepspeed", "megatron", "tds")):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for item in items for t in _reachable_tensors(item, depth - 1, seen)]
+
+
+def measure_states(family, layouts, seed):
+    """For each ``argv`` in ``layouts``: the bytes this rank holds for parameters, for
+    gradients (every storage a gradient lands in during one real step) and for the
+    optimizer (everything else its optimizer reaches after the step), next to the memory
+    model's figures."""
+    from megatron.families import get_family
+    from megatron.memory import predict, spec_from_run_config
+    from megatron.training.backend_factory import build_backend
+
+    fam = get_family(family)
+    out = []
+    for argv in layouts:
+        cfg = run_config(family, argv)
+        setup(cfg)
+        gen = torch.Generator().manual_seed(seed)
+        make = gpt2_batch if family == "gpt2" else t5_batch
+        batches = iter([make(cfg, gen) for _ in range(cfg.batch.gas)])
+        backend = build_backend(cfg, lambda pipeline: fam.build_model(cfg, pipeline),
+                                batch_fn=lambda raw: raw)
+        module = backend.module()
+        grads = {}
+
+        def record(p):
+            grads.update(_storages([p.grad], ()))
+
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(record)
+        backend.train()
+        backend.train_step(fam.forward_step(lambda raw: raw), batches)
+        params = _storages(module.parameters(), ())
+        # a freed gradient's address may be reused: skip only the gradients still held
+        held = _storages([p.grad for p in module.parameters() if p.grad is not None], ())
+        optim = _storages(_reachable_tensors(backend.optimizer), set(params) | set(held))
+        stage = predict(spec_from_run_config(cfg, device="cpu"))[
+            mpu.get_pipeline_model_parallel_rank()]
+        out.append({"argv": " ".join(argv), "stage": stage.stage,
+                    "measured": [sum(params.values()), sum(grads.values()),
+                                 sum(optim.values())],
+                    "predicted": [stage.states.weight_bytes, stage.states.grad_bytes,
+                                  stage.states.optimizer_bytes]})
+    return out

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from harness import run_distributed
-from memory_runs import measure_activations
+from memory_runs import measure_activations, measure_states
 
 TOL = 0.05
 
@@ -92,3 +92,26 @@ def test_t5_activations_match_saved_tensors():
             predicted = r["predicted"] * r["in_flight"]
             assert r["measured"] > 0
             assert abs(predicted - measured) <= TOL * measured, (rank, micro, r)
+
+
+def test_gpt2_model_states_after_a_real_step():
+    """Weights, gradients (every storage a gradient lands in) and optimizer tensors (all
+    the optimizer reaches: moments, ZeRO's fp32 partition) on each rank after one step,
+    DDP against the pipeline engine and ZeRO-1, next to the model's figures."""
+    micro = random.choice([1, 2])
+    base = _gpt2_base(micro)[:-2] + ["--gas", "2"]
+    layouts = [base,
+               base + ["--model-parallel-size", "2"],
+               base + ["--pipe-parallel-size", "4"],
+               base + ["--model-parallel-size", "2", "--pipe-parallel-size", "2"],
+               base + ["--deepspeed", "--zero-stage", "1"],
+               base + ["--deepspeed", "--zero-stage", "1", "--model-parallel-size", "2"],
+               base + ["--pipe-parallel-size", "2", "--zero-stage", "1"]]
+    results = run_distributed(measure_states, 4, "gpt2", layouts, random.randrange(2**31),
+                              timeout=300)
+    for rank, per_layout in enumerate(results):
+        for r in per_layout:
+            for what, measured, predicted in zip(("weights", "grads", "optimizer"),
+                                                 r["measured"], r["predicted"]):
+                assert measured > 0
+                assert abs(predicted - measured) <= TOL * measured, (rank, what, r)

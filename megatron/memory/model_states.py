@@ -8,12 +8,15 @@ backend, precision        weights   grads   optimizer (AdamW: exp_avg, exp_avg_s
 ========================  ========  ======  =====================================
 DDP, any (autocast)       4         4       8
 engine fp32               4         4       8
-engine fp16               2         2       4 (fp32 master) + 8
-engine bf16               2         2 + 4   4 (fp32 master) + 8; DeepSpeed's bf16
-                                            optimizer accumulates fp32 gradients
-ZeRO-1 (engine)           w         w       (4 master + 8 + 4 fp32 gradient) / dp
-ZeRO-2 (engine)           w         w / dp  (4 master + 8 + 4 fp32 gradient) / dp
+engine fp16 / bf16        2         2       4 (fp32 master) + 8
+ZeRO-1 (engine)           w         w       (4 master + 8) / dp
+ZeRO-2 (engine)           w         w / dp  (4 master + 8) / dp
 ========================  ========  ======  =====================================
+
+(w: 4 in fp32, 2 in fp16 / bf16.) ZeRO's fp32 gradient partition (4 / dp) lives only
+during the optimizer step, when the activations are gone: it is not counted. The last
+pipeline stage's tied embedding copy carries GPT-2's position table, which gets no
+gradient there.
 """
 from dataclasses import dataclass
 
@@ -71,6 +74,14 @@ def stage_params(spec: MemorySpec, layers: StageLayers) -> int:
     return count + word * (layers.embedding + head)
 
 
+def _no_grad_params(spec: MemorySpec, layers: StageLayers) -> int:
+    """Parameters that never receive a gradient: the position table of GPT-2's tied
+    embedding copy on the last pipeline stage (only the word embedding is used there)."""
+    if spec.family == "gpt2" and layers.head and spec.pp > 1 and not layers.embedding:
+        return spec.max_positions * spec.hidden
+    return 0
+
+
 def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
     """Model-state bytes on each rank of ``layers``' stage (see the module table).
 
@@ -79,12 +90,12 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
         layers: the stage (from :func:`~megatron.memory.stages.stage_layers`).
     """
     n = stage_params(spec, layers)
+    g = n - _no_grad_params(spec, layers)
     if spec.backend == "ddp" or spec.dtype == "fp32" and not spec.zero_stage:
-        return ModelStates(n, 4 * n, 4 * n, 8 * n)
+        return ModelStates(n, 4 * n, 4 * g, 8 * n)
     w = 4 if spec.dtype == "fp32" else 2
     if spec.zero_stage == 0:
-        fp32_grads = 4 * n if spec.dtype == "bf16" else 0
-        return ModelStates(n, w * n, w * n + fp32_grads, 12 * n)
+        return ModelStates(n, w * n, w * g, 12 * n)
     partition = -(-n // spec.dp)  # ceil: DeepSpeed pads the flat buffer to dp parts
-    grads = w * n if spec.zero_stage == 1 else w * partition
-    return ModelStates(n, w * n, grads, 16 * partition)
+    grads = w * g if spec.zero_stage == 1 else w * -(-g // spec.dp)
+    return ModelStates(n, w * n, grads, 12 * partition)
