@@ -199,3 +199,16 @@ def measure_states(family, layouts, seed):
                     "predicted": [stage.states.weight_bytes, stage.states.grad_bytes,
                                   stage.states.optimizer_bytes]})
     return out
+
+
+def pretrain_stdout(argv):
+    """Rank body: run pretrain_gpt2.main(argv) and return what it printed."""
+    import contextlib
+    import io
+
+    import pretrain_gpt2
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        pretrain_gpt2.main(argv)
+    return text.getvalue()
