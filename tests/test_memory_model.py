@@ -16,6 +16,12 @@ from memory_runs import measure_activations, measure_states
 TOL = 0.05
 
 
+def _report(name, errors):
+    """Print the largest relative error (docs/memory.md quotes it: pytest -s)."""
+    worst = max(errors, key=abs)
+    print(f"{name}: {len(errors)} rank-layouts, largest relative error {worst:+.2%}")
+
+
 def _gpt2_base(micro):
     return ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--batch-size",
@@ -43,17 +49,19 @@ def test_gpt2_activations_match_saved_tensors():
     seed = random.randrange(2**31)
     results = run_distributed(measure_activations, 4, "gpt2", _gpt2_layouts(micro), seed,
                               timeout=300)
-    stages_seen = set()
+    stages_seen, errors = set(), []
     for rank, per_layout in enumerate(results):
         for r in per_layout:
             measured = r["measured"] * r["in_flight"]
             predicted = r["predicted"] * r["in_flight"]
             assert r["measured"] > 0
             assert abs(predicted - measured) <= TOL * measured, (rank, micro, r)
+            errors.append(predicted / measured - 1)
             if "--pipe-parallel-size 4" in r["argv"]:
                 stages_seen.add(r["stage"])
                 assert r["in_flight"] == min(4 - r["stage"], 4), r
     assert stages_seen == {0, 1, 2, 3}
+    _report(f"GPT-2 activations (micro-batch {micro})", errors)
 
 
 def test_in_flight_counts_follow_the_schedules():
@@ -86,12 +94,15 @@ def test_t5_activations_match_saved_tensors():
     seed = random.randrange(2**31)
     results = run_distributed(measure_activations, 4, "t5", _t5_layouts(micro), seed,
                               timeout=300)
+    errors = []
     for rank, per_layout in enumerate(results):
         for r in per_layout:
             measured = r["measured"] * r["in_flight"]
             predicted = r["predicted"] * r["in_flight"]
             assert r["measured"] > 0
             assert abs(predicted - measured) <= TOL * measured, (rank, micro, r)
+            errors.append(predicted / measured - 1)
+    _report(f"T5 activations (micro-batch {micro})", errors)
 
 
 def test_gpt2_model_states_after_a_real_step():
@@ -109,9 +120,12 @@ def test_gpt2_model_states_after_a_real_step():
                base + ["--pipe-parallel-size", "2", "--zero-stage", "1"]]
     results = run_distributed(measure_states, 4, "gpt2", layouts, random.randrange(2**31),
                               timeout=300)
+    errors = []
     for rank, per_layout in enumerate(results):
         for r in per_layout:
             for what, measured, predicted in zip(("weights", "grads", "optimizer"),
                                                  r["measured"], r["predicted"]):
                 assert measured > 0
                 assert abs(predicted - measured) <= TOL * measured, (rank, what, r)
+                errors.append(predicted / measured - 1)
+    _report("GPT-2 model states", errors)

@@ -49,6 +49,20 @@ def _args(argv):
     return p.parse_args(argv)
 
 
+class _PlannedGPU:
+    """The accelerator the plan is for (a GPU with fp16 and bf16), so the configuration's
+    precision is checked against it rather than against this machine."""
+
+    def device_name(self):
+        return "cuda"
+
+    def is_fp16_supported(self):
+        return True
+
+    def is_bf16_supported(self):
+        return True
+
+
 def _base(args):
     from megatron.config import build_run_config
     from megatron.families import get_family
@@ -56,7 +70,8 @@ def _base(args):
 
     family = get_family(args.family)
     argv = ["--config", args.config, "--lr", "1e-4", "--train-iters", "1"]
-    cfg, _ = build_run_config(argv, family, world_size=args.gpus, rank=0, check_files=False)
+    cfg, _ = build_run_config(argv, family, world_size=args.gpus, rank=0, check_files=False,
+                              accelerator=_PlannedGPU())
     divisible = cfg.model.make_vocab_size_divisible_by * 8  # padded for tp up to 8
     vocab = -(-args.vocab_size // divisible) * divisible
     cfg = cfg.replace(padded_vocab_size=vocab, true_vocab_size=args.vocab_size)
