@@ -79,7 +79,7 @@ def _base(args):
 
 
 def main(argv=None):
-    from megatron.memory.planner import Hardware, plan
+    from megatron.memory.planner import Hardware, evaluate, plan
     from megatron.memory.report import GIB
 
     args = _args(argv)
@@ -93,20 +93,28 @@ def main(argv=None):
     batch = args.global_batch or cfg.batch.global_batch_size
     flops = family.flops_per_step(cfg.replace(global_batch_size=batch))
     plans = plan(base, hw, batch, flops)
+    # the config's own layout, at its own global batch (micro-batch x gas x dp)
+    mine = evaluate(base, hw, family.flops_per_step(cfg)) if base.world == args.gpus else None
     if args.json:
         print(json.dumps({"config": args.config, "gpus": args.gpus, "nodes": nodes,
                           "gpu_memory_bytes": hw.gpu_memory, "global_batch": batch,
                           "dtype": base.dtype, "efficiency": hw.efficiency,
                           "peak_tflops": hw.peak_tflops,
+                          "config_layout": mine.to_dict() if mine else None,
                           "layouts": [p.to_dict() for p in plans]}, indent=1))
         return 0
     print(f"{args.config}: {len(plans)} layouts fit on {args.gpus} GPUs x "
           f"{hw.gpu_memory / GIB:.0f} GiB ({nodes} nodes), global batch {batch}, "
           f"{base.dtype}, {hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s")
-    for p in plans[:args.top]:
+    rows = [("config", mine)] if mine else []
+    if mine:
+        print(f"  config: the YAML's own layout at its global batch "
+              f"{cfg.batch.global_batch_size}; then the {min(args.top, len(plans))} fastest")
+    for label, p in rows + [("", p) for p in plans[:args.top]]:
         stages = " ".join(f"{s.peak / GIB:.1f}" for s in p.stages)
-        print(f"  {p.step_time:8.3f} s/step  {p.layout():70s} bubble {p.bubble:.2f}  "
-              f"comm {p.comm_bytes / GIB:.2f} GiB  peak/stage GiB: {stages}")
+        fits = "" if p.fits(hw.gpu_memory) else "  DOES NOT FIT"
+        print(f"  {label:6s} {p.step_time:8.3f} s/step  {p.layout():66s} bubble {p.bubble:.2f}  "
+              f"comm {p.comm_bytes / GIB:.2f} GiB  peak/stage GiB: {stages}{fits}")
     return 0
 
 

@@ -162,4 +162,6 @@ def plan(base: MemorySpec, hw: Hardware, global_batch: int, step_flops: float,
     """
     plans = [evaluate(s, hw, step_flops) for s in layouts(base, hw, global_batch)
              if keep is None or keep(s)]
-    return sorted((p for p in plans if p.fits(hw.gpu_memory)), key=lambda p: p.step_time)
+    # equal times (ZeRO-1 moves as many bytes as DDP): the smaller peak first
+    return sorted((p for p in plans if p.fits(hw.gpu_memory)),
+                  key=lambda p: (p.step_time, p.peak))

@@ -107,6 +107,24 @@ class MemorySpec:
             raise ConfigError("memory model: " + "; ".join(problems))
 
 
+def _zero_stage(cfg) -> int:
+    """--zero-stage, else the DeepSpeed JSON's ``zero_optimization.stage`` (the backend reads
+    the same two places, the flag winning)."""
+    if cfg.parallel.zero_stage is not None:
+        return cfg.parallel.zero_stage
+    path = cfg.parallel.deepspeed_config
+    if not path:
+        return 0
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return int(json.load(handle).get("zero_optimization", {}).get("stage", 0))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"memory model: cannot read the ZeRO stage from {path}: {exc}; "
+                          f"fix the file or give --zero-stage") from None
+
+
 def _backend(cfg) -> str:
     return "engine" if cfg.parallel.pp > 1 or cfg.parallel.deepspeed else "ddp"
 
@@ -143,7 +161,7 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         sequence_parallel=p.sequence_parallel,
         recompute="full" if m.checkpoint_activations else "none",
         recompute_num_layers=m.checkpoint_num_layers, dtype=dtype, backend=_backend(cfg),
-        zero_stage=p.zero_stage or 0, attention=resolve_attention_backend(k.attention_backend),
+        zero_stage=_zero_stage(cfg), attention=resolve_attention_backend(k.attention_backend),
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         bias=m.hidden_bias, max_positions=m.max_position_embeddings,
         device=device or ("cuda" if p.dist_backend == "nccl" else "cpu"), **extra)
