@@ -44,6 +44,7 @@ def _gpt2_layouts(micro):
             base + ["--bf16"]]
 
 
+@pytest.mark.slow  # ~10-15 s on 2 shared cores: 9 layouts x 4 ranks
 def test_gpt2_activations_match_saved_tensors():
     micro = random.choice([1, 2, 3])
     seed = random.randrange(2**31)
@@ -105,6 +106,7 @@ def test_t5_activations_match_saved_tensors():
     _report(f"T5 activations (micro-batch {micro})", errors)
 
 
+@pytest.mark.slow  # ~10 s: 7 backends built and stepped on 4 ranks
 def test_gpt2_model_states_after_a_real_step():
     """Weights, gradients (every storage a gradient lands in) and optimizer tensors (all
     the optimizer reaches: moments, ZeRO's fp32 partition) on each rank after one step,

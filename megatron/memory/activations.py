@@ -35,7 +35,12 @@ class Shape:
 
 
 def mask_bytes(spec: MemorySpec, dtype_bytes: int) -> int:
-    """Bytes per element of a dropout mask over a tensor of ``dtype_bytes``."""
+    """Bytes per element of a dropout mask over a tensor of ``dtype_bytes``.
+
+    Args:
+        spec: the run (its device).
+        dtype_bytes: bytes per element of the dropped tensor.
+    """
     return 1 if spec.device == "cuda" else dtype_bytes
 
 
@@ -45,17 +50,35 @@ def _cp(spec: MemorySpec) -> int:
 
 
 def norm_bytes(spec: MemorySpec, tokens: int, stats: int = 2) -> int:
-    """A norm over ``tokens`` rows: its input (residual dtype) and ``stats`` fp32 rows."""
+    """A norm over ``tokens`` rows: its input (residual dtype) and ``stats`` fp32 rows.
+
+    Args:
+        spec: the run.
+        tokens: rows (sequence x micro-batch, before any SP split).
+        stats: fp32 statistics per row (LayerNorm 2, RMSNorm 1).
+    """
     return tokens * (spec.hidden * spec.residual_bytes + 4 * stats) // _cp(spec)
 
 
 def dropout_bytes(spec: MemorySpec, elements: int, dtype_bytes: int, p: float) -> int:
-    """The mask of a dropout over ``elements`` (none when ``p`` is 0)."""
+    """The mask of a dropout over ``elements`` (none when ``p`` is 0).
+
+    Args:
+        spec: the run (its device).
+        elements: elements dropped on this rank.
+        dtype_bytes: bytes per element of the dropped tensor.
+        p: the dropout probability.
+    """
     return elements * mask_bytes(spec, dtype_bytes) if p > 0 else 0
 
 
 def attention_core(spec: MemorySpec, shape: Shape) -> int:
-    """Scores-to-context bytes of one attention (the dense layer's input included)."""
+    """Scores-to-context bytes of one attention (the dense layer's input included).
+
+    Args:
+        spec: the run (attention backend, dropout, dtype).
+        shape: query and key lengths and micro-batch.
+    """
     e, t, a = spec.e, spec.tp, spec.heads
     proj = a * spec.kv_channels
     context = shape.sq * shape.b * proj * e // t
@@ -69,7 +92,12 @@ def attention_core(spec: MemorySpec, shape: Shape) -> int:
 
 
 def gpt2_layer(spec: MemorySpec, b: int) -> int:
-    """Bytes one GPT-2 layer saves for one micro-batch of ``b`` samples (no recompute)."""
+    """Bytes one GPT-2 layer saves for one micro-batch of ``b`` samples (no recompute).
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+    """
     s, h, f, t, e = spec.seq, spec.hidden, spec.ffn, spec.tp, spec.e
     proj = spec.heads * spec.kv_channels
     tokens = s * b
@@ -86,12 +114,22 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
 
 
 def recompute_input(spec: MemorySpec, tokens: int) -> int:
-    """What a recomputed group of layers keeps: its input hidden state."""
+    """What a recomputed group of layers keeps: its input hidden state.
+
+    Args:
+        spec: the run.
+        tokens: sequence x micro-batch.
+    """
     return tokens * spec.hidden * spec.residual_bytes // _cp(spec)
 
 
 def gpt2_embedding(spec: MemorySpec, b: int) -> int:
-    """Word and position lookups (their int64 ids) and the embedding dropout's mask."""
+    """Word and position lookups (their int64 ids) and the embedding dropout's mask.
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+    """
     tokens = spec.seq * b
     ids = 2 * tokens * 8  # token ids (local ids under tp) and position ids
     if spec.tp > 1:
@@ -103,7 +141,13 @@ def gpt2_embedding(spec: MemorySpec, b: int) -> int:
 
 def output_and_loss(spec: MemorySpec, b: int, s: int) -> int:
     """The output layer's input and weight copy, the vocab-parallel cross entropy (fp32
-    softmax, target ids and range mask) and the loss-mask product."""
+    softmax, target ids and range mask) and the loss-mask product.
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+        s: the length the loss runs over (T5: the decoder's).
+    """
     tokens, v = s * b, spec.vocab // spec.tp
     total = tokens * spec.hidden * spec.e  # all-gathered under SP
     if spec.autocast:
@@ -123,7 +167,12 @@ class Activations:
 
 
 def gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
-    """Activation bytes of one micro-batch on one rank of ``layers``' GPT-2 stage."""
+    """Activation bytes of one micro-batch on one rank of ``layers``' GPT-2 stage.
+
+    Args:
+        spec: the run.
+        layers: the stage (:func:`~megatron.memory.stages.stage_layers`).
+    """
     b, tokens = spec.micro_batch, spec.seq * spec.micro_batch
     n = layers.encoder_layers
     if spec.recompute == "full" and n:

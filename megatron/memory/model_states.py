@@ -56,7 +56,12 @@ def _t5_layer_params(spec: MemorySpec, decoder: bool) -> int:
 
 
 def stage_params(spec: MemorySpec, layers: StageLayers) -> int:
-    """Parameter elements one tensor-parallel rank of ``layers``' stage holds."""
+    """Parameter elements one tensor-parallel rank of ``layers``' stage holds.
+
+    Args:
+        spec: the run.
+        layers: the stage.
+    """
     h, t = spec.hidden, spec.tp
     word = spec.vocab // t * h
     if spec.family == "gpt2":

@@ -120,7 +120,13 @@ def evaluate(spec: MemorySpec, hw: Hardware, step_flops: float) -> Plan:
 
 
 def layouts(base: MemorySpec, hw: Hardware, global_batch: int) -> Iterator[MemorySpec]:
-    """Every layout of ``base``'s model on ``hw.gpus`` GPUs at ``global_batch`` samples."""
+    """Every layout of ``base``'s model on ``hw.gpus`` GPUs at ``global_batch`` samples.
+
+    Args:
+        base: the configured run.
+        hw: the cluster (GPU count, GPUs per node).
+        global_batch: samples per step.
+    """
     stacks = 2 if base.family == "t5" else 1
     for tp in _divisors(hw.gpus):
         if tp > min(8, hw.per_node) or base.heads % tp or base.vocab % tp:

@@ -77,7 +77,12 @@ def predict(spec: MemorySpec) -> List[StageMemory]:
 
 
 def format_stage(stage: StageMemory, pp: int) -> str:
-    """One start-up line: ``stage 1/4: peak 12.3 GiB = states ... + activations ...``."""
+    """One start-up line: ``stage 1/4: predicted peak 12.3 GiB per rank = weights ...``.
+
+    Args:
+        stage: a stage's prediction.
+        pp: pipeline stages (for the ``stage/pp`` label).
+    """
     s = stage.states
     return (f"stage {stage.stage}/{pp}: predicted peak {stage.peak / GIB:.2f} GiB per rank = "
             f"weights {s.weight_bytes / GIB:.2f} + grads {s.grad_bytes / GIB:.2f} + "

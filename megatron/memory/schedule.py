@@ -8,7 +8,6 @@ layers).
 from functools import lru_cache
 from typing import List
 
-from tds.pipe import schedules
 
 
 @lru_cache(maxsize=256)
@@ -22,6 +21,8 @@ def in_flight(pp: int, num_micro_batches: int, vpp: int = 1) -> List[int]:
     """
     if pp == 1:
         return [1]  # forward and backward of one micro-batch at a time
+    from tds.pipe import schedules  # here: importing tds starts DeepSpeed
+
     if vpp == 1:
         actions = schedules.one_f_one_b(pp, num_micro_batches)
     else:
@@ -40,5 +41,11 @@ def in_flight(pp: int, num_micro_batches: int, vpp: int = 1) -> List[int]:
 
 
 def bubble_fraction(pp: int, num_micro_batches: int, vpp: int = 1) -> float:
-    """Idle share of a step: ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021)."""
+    """Idle share of a step: ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021).
+
+    Args:
+        pp: pipeline ranks.
+        num_micro_batches: micro-batches per step.
+        vpp: model chunks per rank.
+    """
     return (pp - 1) / (vpp * num_micro_batches + pp - 1)

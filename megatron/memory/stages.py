@@ -8,8 +8,6 @@ partition on the same spec list, so the model charges each stage exactly its lay
 from dataclasses import dataclass
 from typing import List
 
-from tds.pipe import partition_balanced
-
 from .spec import MemorySpec
 
 
@@ -42,8 +40,14 @@ def _specs(spec: MemorySpec) -> List[str]:
 
 
 def stage_layers(spec: MemorySpec) -> List[StageLayers]:
-    """Each pipeline stage's layers (one entry when pp == 1: the serial model)."""
+    """Each pipeline stage's layers (one entry when pp == 1: the serial model).
+
+    Args:
+        spec: the run (family, layers, pp).
+    """
     kinds = _specs(spec)
+    from tds.pipe import partition_balanced  # here: importing tds starts DeepSpeed
+
     if spec.pp == 1:
         parts = [0, len(kinds)]
     else:

@@ -61,7 +61,12 @@ def _weights(spec: MemorySpec, decoder: bool) -> int:
 
 
 def t5_layer(spec: MemorySpec, decoder: bool) -> int:
-    """Bytes one encoder (or decoder) layer saves for one micro-batch."""
+    """Bytes one encoder (or decoder) layer saves for one micro-batch.
+
+    Args:
+        spec: the run.
+        decoder: a decoder layer (self- and cross-attention) rather than an encoder layer.
+    """
     b, t, e = spec.micro_batch, spec.tp, spec.e
     proj = spec.heads * spec.kv_channels
     s = spec.dec_seq if decoder else spec.seq
@@ -81,7 +86,12 @@ def t5_layer(spec: MemorySpec, decoder: bool) -> int:
 
 
 def t5_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
-    """Activation bytes of one micro-batch on one rank of ``layers``' stage."""
+    """Activation bytes of one micro-batch on one rank of ``layers``' T5 stage.
+
+    Args:
+        spec: the run.
+        layers: the stage (:func:`~megatron.memory.stages.stage_layers`).
+    """
     b = spec.micro_batch
     enc_tokens, dec_tokens = spec.seq * b, spec.dec_seq * b
     n_enc, n_dec = layers.encoder_layers, layers.decoder_layers
