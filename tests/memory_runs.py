@@ -120,7 +120,8 @@ def measure_activations(family, layouts, seed):
             measured = saved_bytes(cfg, model, inputs, labels, fam.loss_fn, pipeline, gen)
         except Exception as exc:
             raise RuntimeError(f"at {argv}") from exc
-        stage = predict(spec_from_run_config(cfg, device="cpu"))[mpu.get_pipeline_model_parallel_rank()]
+        stages = predict(spec_from_run_config(cfg, device="cpu"))
+        stage = stages[mpu.get_pipeline_model_parallel_rank()]
         out.append({"argv": " ".join(argv), "measured": measured,
                     "predicted": stage.activations_per_micro_batch,
                     "in_flight": stage.in_flight, "stage": stage.stage})

@@ -41,7 +41,9 @@ def _gpt2_layouts(micro):
             base + ["--checkpoint-activations"],
             base + ["--checkpoint-activations", "--model-parallel-size", "2",
                     "--sequence-parallel"],
-            base + ["--bf16"]]
+            base + ["--bf16"],
+            base[:-2] + ["--model-parallel-size", "2"],  # SDPA's math path on the CPU
+            base[:-2] + ["--bf16"]]
 
 
 @pytest.mark.slow  # ~10-15 s on 2 shared cores: 9 layouts x 4 ranks
@@ -87,7 +89,8 @@ def _t5_layouts(micro):
             base + ["--model-parallel-size", "2", "--sequence-parallel"],
             base + ["--pipe-parallel-size", "4"],  # embedding+enc, enc, dec, dec+head
             base + ["--attention-backend", "unfused", "--attention-dropout", "0.1"],
-            base + ["--checkpoint-activations"]]
+            base + ["--checkpoint-activations"],
+            base[:-2] + ["--pipe-parallel-size", "2"]]  # attention dropout: math path
 
 
 def test_t5_activations_match_saved_tensors():

@@ -44,8 +44,12 @@ def mask_bytes(spec: MemorySpec, dtype_bytes: int) -> int:
     return 1 if spec.device == "cuda" else dtype_bytes
 
 
-def _cp(spec: MemorySpec) -> int:
-    """Divisor of the norm / dropout / residual terms: t under sequence parallelism."""
+def sp_divisor(spec: MemorySpec) -> int:
+    """Divisor of the norm / dropout / residual terms: t under sequence parallelism.
+
+    Args:
+        spec: the run.
+    """
     return spec.tp if spec.sequence_parallel else 1
 
 
@@ -57,7 +61,7 @@ def norm_bytes(spec: MemorySpec, tokens: int, stats: int = 2) -> int:
         tokens: rows (sequence x micro-batch, before any SP split).
         stats: fp32 statistics per row (LayerNorm 2, RMSNorm 1).
     """
-    return tokens * (spec.hidden * spec.residual_bytes + 4 * stats) // _cp(spec)
+    return tokens * (spec.hidden * spec.residual_bytes + 4 * stats) // sp_divisor(spec)
 
 
 def dropout_bytes(spec: MemorySpec, elements: int, dtype_bytes: int, p: float) -> int:
@@ -72,6 +76,16 @@ def dropout_bytes(spec: MemorySpec, elements: int, dtype_bytes: int, p: float) -
     return elements * mask_bytes(spec, dtype_bytes) if p > 0 else 0
 
 
+def cpu_math_path(spec: MemorySpec) -> bool:
+    """SDPA with attention dropout on the CPU: PyTorch runs its math path (no fused
+    kernel there takes dropout).
+
+    Args:
+        spec: the run.
+    """
+    return spec.attention == "sdpa" and spec.device == "cpu" and spec.attention_dropout > 0
+
+
 def attention_core(spec: MemorySpec, shape: Shape) -> int:
     """Scores-to-context bytes of one attention (the dense layer's input included).
 
@@ -81,10 +95,17 @@ def attention_core(spec: MemorySpec, shape: Shape) -> int:
     """
     e, t, a = spec.e, spec.tp, spec.heads
     proj = a * spec.kv_channels
+    scores = a * shape.b * shape.sq * shape.sk // t
+    if cpu_math_path(spec):
+        # PyTorch's CPU kernel has no dropout: its math path keeps scaled queries,
+        # transposed keys, softmax, mask and dropped probabilities; under autocast it runs
+        # in fp32 and keeps an fp32 copy of the values as well
+        e = 4 if spec.autocast else e
+        tokens = shape.b * (shape.sq + shape.sk * (2 if spec.autocast else 1))
+        return tokens * proj * e // t + 3 * scores * e + shape.sq * shape.b * proj * spec.e // t
     context = shape.sq * shape.b * proj * e // t
     if spec.attention == "sdpa":
         return context + a * shape.b * shape.sq * 4 // t  # output + fp32 log-sum-exp
-    scores = a * shape.b * shape.sq * shape.sk // t
     total = scores * e + a * shape.b * shape.sq // t  # softmax output, per-row flags
     if spec.attention_dropout > 0:
         total += scores * mask_bytes(spec, e) + scores * e  # mask, dropped probabilities
@@ -103,11 +124,13 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     tokens = s * b
     total = 2 * norm_bytes(spec, tokens)
     total += 2 * tokens * h * e  # QKV and fc1 inputs (all-gathered under SP)
-    total += 3 * tokens * proj * e // t  # q, k, v
+    if not (cpu_math_path(spec) and spec.autocast):  # there only its fp32 copies are kept
+        total += 3 * tokens * proj * e // t  # q, k, v
     total += attention_core(spec, Shape(s, s, b))
     total += 2 * tokens * f * e // t  # GeLU input and output (fc2's input)
     drop_dtype = spec.residual_bytes if spec.bias else e  # the bias add promotes it
-    total += 2 * dropout_bytes(spec, tokens * h // _cp(spec), drop_dtype, spec.hidden_dropout)
+    residual = tokens * h // sp_divisor(spec)
+    total += 2 * dropout_bytes(spec, residual, drop_dtype, spec.hidden_dropout)
     if spec.autocast:
         total += (3 * h * proj + proj * h + 2 * h * f) // t * e
     return total
@@ -120,7 +143,7 @@ def recompute_input(spec: MemorySpec, tokens: int) -> int:
         spec: the run.
         tokens: sequence x micro-batch.
     """
-    return tokens * spec.hidden * spec.residual_bytes // _cp(spec)
+    return tokens * spec.hidden * spec.residual_bytes // sp_divisor(spec)
 
 
 def gpt2_embedding(spec: MemorySpec, b: int) -> int:
@@ -134,7 +157,7 @@ def gpt2_embedding(spec: MemorySpec, b: int) -> int:
     ids = 2 * tokens * 8  # token ids (local ids under tp) and position ids
     if spec.tp > 1:
         ids += tokens  # VocabParallelEmbedding's out-of-range mask
-    drop = dropout_bytes(spec, tokens * spec.hidden // _cp(spec), spec.residual_bytes,
+    drop = dropout_bytes(spec, tokens * spec.hidden // sp_divisor(spec), spec.residual_bytes,
                          spec.hidden_dropout)
     return ids + drop
 

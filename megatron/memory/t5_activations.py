@@ -7,8 +7,8 @@ per row; every layer looks its relative bias up again (int64 bucket ids ``s x s`
 under SDPA, hands it with the mask to the kernel as one additive ``[b, a/t, s, s]`` mask
 in the compute dtype; the feed-forward applies dropout to its ``d_ff`` activation.
 """
-from .activations import (Activations, Shape, attention_core, dropout_bytes, norm_bytes, output_and_loss,
-                          recompute_input, _cp)
+from .activations import (Activations, Shape, attention_core, cpu_math_path, dropout_bytes,
+                          norm_bytes, output_and_loss, recompute_input, sp_divisor)
 from .spec import MemorySpec
 from .stages import StageLayers
 
@@ -23,10 +23,11 @@ def _attention(spec: MemorySpec, shape: Shape, bias: bool) -> int:
         # A mask that needs a gradient (the bias) sends SDPA to PyTorch's math path on
         # the CPU: scaled queries, transposed keys, the softmax and a context copy.
         tokens = shape.sq * shape.b
-        return (total + (2 * tokens + shape.sk * shape.b) * proj * e // t
-                + spec.heads * shape.b * shape.sq * shape.sk * e // t)
+        scores = spec.heads * shape.b * shape.sq * shape.sk * e // t
+        kept = 3 if spec.attention_dropout > 0 else 1  # softmax (+ mask, dropped)
+        return total + (2 * tokens + shape.sk * shape.b) * proj * e // t + kept * scores
     total += attention_core(spec, shape)
-    if spec.attention == "sdpa":
+    if spec.attention == "sdpa" and not cpu_math_path(spec):  # the math path adds it
         heads = spec.heads // t if bias else 1  # without a bias the mask is per sample
         total += shape.b * heads * shape.sq * shape.sk * e
     return total
@@ -47,7 +48,7 @@ def _mlp(spec: MemorySpec, tokens: int) -> int:
 
 
 def _residual_dropouts(spec: MemorySpec, tokens: int, count: int) -> int:
-    return count * dropout_bytes(spec, tokens * spec.hidden // _cp(spec), spec.e,
+    return count * dropout_bytes(spec, tokens * spec.hidden // sp_divisor(spec), spec.e,
                                  spec.hidden_dropout)
 
 
@@ -77,7 +78,9 @@ def t5_layer(spec: MemorySpec, decoder: bool) -> int:
     total += _attention(spec, Shape(s, s, b), bias=True)
     if decoder:
         enc_tokens = spec.seq * b
-        total += tokens * spec.hidden * e + tokens * proj * e // t  # query input, output
+        total += tokens * spec.hidden * e  # query input
+        if not cpu_math_path(spec):  # the math path keeps a scaled copy instead
+            total += tokens * proj * e // t
         total += enc_tokens * spec.hidden * e + 2 * enc_tokens * proj * e // t  # keys/values
         total += _attention(spec, Shape(s, spec.seq, b), bias=False)
     total += _mlp(spec, tokens)
