@@ -159,6 +159,42 @@ def _reachable_tensors(obj, depth=8, seen=None):
     return [t for item in items for t in _reachable_tensors(item, depth - 1, seen)]
 
 
+def _watch_engine(backend, module):
+    """Count what each of the pipeline engine's forward passes saves for the backward (its
+    own micro-batch's storages, parameters excluded) and the largest sum alive at once
+    between a micro-batch's forward and its backward: the engine's real schedule."""
+    from deepspeed.runtime.pipe import schedule
+
+    engine = backend.model
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    state = {"alive": [], "peak": 0}
+    forward = engine._INSTRUCTION_MAP[schedule.ForwardPass]
+    backward = engine._INSTRUCTION_MAP[schedule.BackwardPass]
+
+    def counted_forward(self, buffer_id):
+        seen = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward(self, buffer_id)
+        state["alive"].append(sum(seen.values()))
+        state["peak"] = max(state["peak"], sum(state["alive"]))
+
+    def counted_backward(self, buffer_id):
+        backward(self, buffer_id)
+        state["alive"].pop(0)  # 1F1B: backwards run in forward order
+
+    # an instance attribute shadows the engine class's map for this engine only
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.ForwardPass: counted_forward,
+                               schedule.BackwardPass: counted_backward}
+    return state
+
+
 def measure_states(family, layouts, seed):
     """For each ``argv`` in ``layouts``: the bytes this rank holds for parameters, for
     gradients (every storage a gradient lands in during one real step) and for the
@@ -186,6 +222,7 @@ def measure_states(family, layouts, seed):
 
         for p in module.parameters():
             p.register_post_accumulate_grad_hook(record)
+        alive = _watch_engine(backend, module) if cfg.parallel.pp > 1 else None
         backend.train()
         backend.train_step(fam.forward_step(lambda raw: raw), batches)
         params = _storages(module.parameters(), ())
@@ -194,7 +231,12 @@ def measure_states(family, layouts, seed):
         optim = _storages(_reachable_tensors(backend.optimizer), set(params) | set(held))
         stage = predict(spec_from_run_config(cfg, device="cpu"))[
             mpu.get_pipeline_model_parallel_rank()]
+        if alive is not None:  # the real engine's in-flight activations, at their peak
+            out.append({"argv": " ".join(argv), "stage": stage.stage,
+                        "measured": [alive["peak"]], "predicted": [stage.activations],
+                        "what": ["in-flight activations"]})
         out.append({"argv": " ".join(argv), "stage": stage.stage,
+                    "what": ["weights", "grads", "optimizer"],
                     "measured": [sum(params.values()), sum(grads.values()),
                                  sum(optim.values())],
                     "predicted": [stage.states.weight_bytes, stage.states.grad_bytes,

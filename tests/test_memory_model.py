@@ -109,28 +109,37 @@ def test_t5_activations_match_saved_tensors():
     _report(f"T5 activations (micro-batch {micro})", errors)
 
 
-@pytest.mark.slow  # ~10 s: 7 backends built and stepped on 4 ranks
-def test_gpt2_model_states_after_a_real_step():
+@pytest.mark.slow  # ~10 s: 9 backends built and stepped on 4 ranks
+def test_gpt2_model_states_and_engine_activations_after_a_real_step():
     """Weights, gradients (every storage a gradient lands in) and optimizer tensors (all
-    the optimizer reaches: moments, ZeRO's fp32 partition) on each rank after one step,
-    DDP against the pipeline engine and ZeRO-1, next to the model's figures."""
+    the optimizer reaches: moments, ZeRO's fp32 partition) on each rank after one real step,
+    DDP against the pipeline engine and ZeRO-1; on pipeline stages also the most activation
+    bytes alive at once in the real engine (saved by its forward passes, freed by its
+    backward passes: the schedule's in-flight count included, with and without
+    recompute), each next to the model's figure."""
     micro = random.choice([1, 2])
     base = _gpt2_base(micro)[:-2] + ["--gas", "2"]
+    pipe4, pipe2 = ["--pipe-parallel-size", "4", "--gas", "4"], \
+        ["--model-parallel-size", "2", "--pipe-parallel-size", "2", "--gas", "4"]
     layouts = [base,
                base + ["--model-parallel-size", "2"],
-               base + ["--pipe-parallel-size", "4"],
-               base + ["--model-parallel-size", "2", "--pipe-parallel-size", "2"],
+               base + pipe4,
+               base + pipe2,
+               base + pipe4 + ["--checkpoint-activations"],
+               base + pipe2 + ["--checkpoint-activations", "--sequence-parallel"],
                base + ["--deepspeed", "--zero-stage", "1"],
                base + ["--deepspeed", "--zero-stage", "1", "--model-parallel-size", "2"],
                base + ["--pipe-parallel-size", "2", "--zero-stage", "1"]]
     results = run_distributed(measure_states, 4, "gpt2", layouts, random.randrange(2**31),
                               timeout=300)
-    errors = []
+    errors = {"model states": [], "engine in-flight activations": []}
     for rank, per_layout in enumerate(results):
         for r in per_layout:
-            for what, measured, predicted in zip(("weights", "grads", "optimizer"),
-                                                 r["measured"], r["predicted"]):
+            for what, measured, predicted in zip(r["what"], r["measured"], r["predicted"]):
                 assert measured > 0
                 assert abs(predicted - measured) <= TOL * measured, (rank, what, r)
-                errors.append(predicted / measured - 1)
-    _report("GPT-2 model states", errors)
+                kind = "engine in-flight activations" if what == "in-flight activations" \
+                    else "model states"
+                errors[kind].append(predicted / measured - 1)
+    for kind, values in errors.items():
+        _report(f"GPT-2 {kind} (micro-batch {micro})", values)
