@@ -2,6 +2,7 @@
 stages of a tiny run) and the layout planner (tools/plan_layout.py)."""
 import json
 import random
+import re
 
 import pytest
 
@@ -58,6 +59,23 @@ def test_planner_ranks_layouts_that_fit(capsys):
         assert x["tp"] * x["pp"] * x["dp"] == gpus
         assert max(x["stage_peak_bytes"]) == x["peak_bytes"] <= 16 * GIB
         assert x["micro_batch"] * x["num_micro_batches"] * x["dp"] == out["global_batch"]
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--gpu-memory", "80 parsecs"], "--gpu-memory '80 parsecs'"),
+    (["--nodes", "3"], "--nodes 3 must be >= 1 and divide --gpus 8"),
+    (["--efficiency", "1.5"], "--efficiency is a share of the peak"),
+])
+def test_planner_flags_are_checked(flags, said):
+    import sys
+
+    from megatron.errors import ConfigError
+
+    sys.path.insert(0, "tools")
+    import plan_layout
+
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        plan_layout.main(["--config", "configs/gpt2/gpt2_345m.yaml", "--gpus", "8", *flags])
 
 
 def test_pretrain_prints_the_predicted_peak_per_stage(gpt2_data):

@@ -78,15 +78,34 @@ def _base(args):
     return cfg, family, spec_from_run_config(cfg, device="cuda")
 
 
+def _check(args):
+    """Every bad planner flag in one error, before the config is read."""
+    problems = []
+    if args.gpus < 1:
+        problems.append(f"--gpus must be >= 1, got {args.gpus}")
+    if args.nodes is not None and (args.nodes < 1 or args.gpus % args.nodes):
+        problems.append(f"--nodes {args.nodes} must be >= 1 and divide --gpus {args.gpus}")
+    if not 0 < args.efficiency <= 1:
+        problems.append(f"--efficiency is a share of the peak in (0, 1], got {args.efficiency}")
+    for flag in ("peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        if getattr(args, flag) <= 0:
+            problems.append(f"--{flag.replace('_', '-')} must be > 0")
+    if args.global_batch is not None and args.global_batch < 1:
+        problems.append(f"--global-batch must be >= 1, got {args.global_batch}")
+    if parse_bytes(args.gpu_memory) <= 0:
+        problems.append(f"--gpu-memory must be > 0, got {args.gpu_memory}")
+    if problems:
+        raise ConfigError("plan_layout: " + "; ".join(problems))
+
+
 def main(argv=None):
     from megatron.memory.planner import Hardware, evaluate, plan
     from megatron.memory.report import GIB
 
     args = _args(argv)
+    _check(args)
     cfg, family, base = _base(args)
     nodes = args.nodes or max(1, args.gpus // 8)
-    if args.gpus % nodes:
-        raise ConfigError(f"--gpus {args.gpus} does not divide over --nodes {nodes}")
     hw = Hardware(gpus=args.gpus, gpu_memory=parse_bytes(args.gpu_memory), nodes=nodes,
                   peak_tflops=args.peak_tflops, efficiency=args.efficiency,
                   intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps)
