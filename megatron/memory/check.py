@@ -3,7 +3,7 @@ a run predicted not to fit, before the model is allocated."""
 from dataclasses import fields
 from typing import List, Optional
 
-from ..errors import WillNotFitError
+from ..errors import ConfigError, WillNotFitError
 from .planner import Hardware, plan
 from .report import GIB, format_stage, predict
 from .spec import MemorySpec
@@ -86,7 +86,11 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
     if cfg.family not in ("gpt2", "t5"):
         return
     device = mpu.get_device()
-    spec = spec_from_run_config(cfg, device=device.type)
+    try:
+        spec = spec_from_run_config(cfg, device=device.type)
+    except ConfigError as exc:  # a run the model does not describe still trains
+        print_rank_0(f"> memory model: no prediction ({exc})")
+        return
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     lines = check_memory(spec, free, enforce=cfg.get("memory_check", True),
                          step_flops=step_flops or 1.0)

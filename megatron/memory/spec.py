@@ -153,6 +153,7 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
                      num_buckets=t5.relative_attention_num_buckets)
     from ..model.attention import resolve_attention_backend
 
+    backend = _backend(cfg)
     spec = MemorySpec(
         family=cfg.family or "gpt2", num_layers=m.num_layers, hidden=m.hidden_size,
         heads=m.num_attention_heads, kv_channels=m.kv_channels, ffn=m.ffn_hidden_size,
@@ -160,8 +161,9 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp,
         sequence_parallel=p.sequence_parallel,
         recompute="full" if m.checkpoint_activations else "none",
-        recompute_num_layers=m.checkpoint_num_layers, dtype=dtype, backend=_backend(cfg),
-        zero_stage=_zero_stage(cfg), attention=resolve_attention_backend(k.attention_backend),
+        recompute_num_layers=m.checkpoint_num_layers, dtype=dtype, backend=backend,
+        zero_stage=_zero_stage(cfg) if backend == "engine" else 0,  # DDP ignores the flag
+        attention=resolve_attention_backend(k.attention_backend),
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         bias=m.hidden_bias, max_positions=m.max_position_embeddings,
         device=device or ("cuda" if p.dist_backend == "nccl" else "cpu"), **extra)
