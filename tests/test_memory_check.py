@@ -89,3 +89,30 @@ def test_pretrain_prints_the_predicted_peak_per_stage(gpt2_data):
     for stage in (0, 1):  # rank 0 prints one line per stage, the other rank none
         assert first.count(f"stage {stage}/2: predicted peak") == 1, first
     assert "predicted peak" not in second
+
+
+def test_startup_check_prints_or_steps_aside(capsys):
+    """On the CPU the start-up hook prints one line per stage; a run the model does not
+    describe (ZeRO-3) gets a note and trains; --zero-stage under DDP (which ignores it) is
+    not counted."""
+    from megatron.config import build_run_config
+    from megatron.families import get_family
+    from megatron.memory import predict, spec_from_run_config
+    from megatron.memory.check import startup_memory_check
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--batch-size", "2", "--lr", "1e-3", "--train-iters", "1"]
+
+    def cfg(*extra, world=4):
+        made, _ = build_run_config([*base, *extra], get_family("gpt2"), world_size=world,
+                                   rank=0, check_files=False)
+        return made.replace(padded_vocab_size=512, true_vocab_size=500)
+
+    startup_memory_check(cfg("--pipe-parallel-size", "2"))
+    out = capsys.readouterr().out
+    assert out.count("predicted peak") == 2 and "stage 1/2" in out, out
+    startup_memory_check(cfg("--deepspeed", "--zero-stage", "3"))
+    assert "no prediction" in capsys.readouterr().out
+    ddp = spec_from_run_config(cfg("--zero-stage", "1"), device="cpu")
+    assert ddp.backend == "ddp" and ddp.zero_stage == 0
+    assert predict(ddp)[0].states.optimizer_bytes == 8 * predict(ddp)[0].states.params
