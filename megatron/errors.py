@@ -26,6 +26,10 @@ class CheckpointError(MegatronError):
     """A checkpoint that is missing, incomplete or made for another model."""
 
 
+class WillNotFitError(MegatronError):
+    """A run the memory model predicts will not fit in the device's free memory."""
+
+
 class DivergenceError(MegatronError):
     """fp32/bf16 training produced a non-finite loss, gradient norm or weight."""
 

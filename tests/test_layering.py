@@ -26,7 +26,8 @@ LAYERS = [
     ("conversion", ["megatron.checkpoint_conversion"]),
     ("families", ["megatron.families"]),
     ("run", ["megatron.initialize", "megatron.inference", "megatron.text_generation",
-             "megatron.t5_generation", "megatron.planning"]),
+             "megatron.t5_generation", "megatron.planning",
+             "megatron.memory"]),
     ("training", ["megatron.training"]),
 ]
 

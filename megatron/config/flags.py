@@ -151,6 +151,9 @@ def add_logging_args(parser):
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="per-device peak for MFU (default: looked up from the GPU name)")
     g.add_argument("--config", default=None, help="YAML file of defaults (see configs/)")
+    g.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="warn instead of refusing a GPU run the memory model predicts will "
+                        "not fit (docs/memory.md)")
 
 
 def add_kernel_args(parser):

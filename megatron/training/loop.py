@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .. import mpu
 from ..global_vars import get_tensorboard_writer, get_timers, get_tokenizer
 from ..initialize import initialize_megatron
+from ..memory.check import startup_memory_check
 from ..utils import print_rank_0
 from .backend_factory import build_backend
 from .checkpointing import load_checkpoint, save_checkpoint
@@ -199,6 +200,7 @@ def pretrain(train_valid_test_dataset_provider=None, model_provider=None,
         family, cfg, train_valid_test_dataset_provider, model_provider, forward_step_func)
     flops = family.flops_per_step(cfg) if family is not None else None
     state = TrainState(flops_per_step=flops or 0.0)
+    startup_memory_check(cfg, flops)  # before the model is allocated
     backend = build_backend(cfg, model_provider, batch_fn)
     state.iteration = load_checkpoint(backend, cfg, state)
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(

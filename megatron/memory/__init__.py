@@ -1,0 +1,18 @@
+"""Know before you launch: memory per pipeline stage from the run configuration alone.
+
+    spec = spec_from_run_config(cfg)          # sizes, layout, precision (no process group)
+    for stage in predict(spec):               # model states + in-flight activations + buffers
+        print(format_stage(stage, spec.pp))
+
+One concept per module: :mod:`.spec` (what the model reads), :mod:`.stages` (which layers a
+pipeline stage holds), :mod:`.model_states` (parameters, gradients, optimizer),
+:mod:`.activations` / :mod:`.t5_activations` (bytes saved for the backward),
+:mod:`.schedule` (in-flight micro-batches, bubble), :mod:`.report` (the per-stage sum),
+:mod:`.planner` (every layout that fits, ranked) and :mod:`.check` (the start-up check).
+docs/memory.md gives the formulas and their measured error.
+"""
+from .report import GIB, StageMemory, format_stage, predict
+from .spec import MemorySpec, spec_from_run_config
+
+__all__ = ["GIB", "MemorySpec", "StageMemory", "format_stage", "predict",
+           "spec_from_run_config"]

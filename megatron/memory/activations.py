@@ -1,0 +1,215 @@
+"""Activation bytes one micro-batch leaves saved for the backward, per stage and rank.
+
+Korthikanti et al. 2022 (arXiv:2205.05198) count ``s b h (34 + 5 a s / h)`` bytes per GPT
+layer in 16-bit with 1-byte dropout masks, ``/ t`` for the tensor-parallel parts, the
+norm and dropout parts also ``/ t`` under sequence parallelism, and ``2 s b h`` (the
+layer input) under full recompute. This module counts the same way, tensor by tensor, for
+what this project's layers save (megatron/model/transformer.py, attention.py,
+t5_layers.py):
+
+- the residual stream is fp32 under the DDP backend's autocast (the fp32 biases promote
+  it), the weights' dtype under the engine; norms save their input and fp32 statistics;
+- each linear layer saves its input in the compute dtype; under sequence parallelism that
+  input is the all-gathered ``[s, b, h]`` (this code does not re-gather it in the
+  backward), so only norms and dropouts shrink by ``t``;
+- autocast saves the compute-dtype copy of every weight a linear layer reads, once per
+  micro-batch (the cast cache lives for one autocast region);
+- SDPA (the default) keeps the query/key/value projection, its output and the fp32
+  log-sum-exp: no ``s x s`` term; the unfused path keeps the softmax output, its
+  per-row flags, the dropout mask and the dropped probabilities;
+- a dropout mask is 1 byte on CUDA, the dropped tensor's dtype on the CPU.
+"""
+from dataclasses import dataclass
+
+from .spec import MemorySpec
+from .stages import StageLayers
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention's sizes for one micro-batch on one tensor-parallel rank."""
+
+    sq: int
+    sk: int
+    b: int
+
+
+def mask_bytes(spec: MemorySpec, dtype_bytes: int) -> int:
+    """Bytes per element of a dropout mask over a tensor of ``dtype_bytes``.
+
+    Args:
+        spec: the run (its device).
+        dtype_bytes: bytes per element of the dropped tensor.
+    """
+    return 1 if spec.device == "cuda" else dtype_bytes
+
+
+def sp_divisor(spec: MemorySpec) -> int:
+    """Divisor of the norm / dropout / residual terms: t under sequence parallelism.
+
+    Args:
+        spec: the run.
+    """
+    return spec.tp if spec.sequence_parallel else 1
+
+
+def norm_bytes(spec: MemorySpec, tokens: int, stats: int = 2) -> int:
+    """A norm over ``tokens`` rows: its input (residual dtype) and ``stats`` fp32 rows.
+
+    Args:
+        spec: the run.
+        tokens: rows (sequence x micro-batch, before any SP split).
+        stats: fp32 statistics per row (LayerNorm 2, RMSNorm 1).
+    """
+    return tokens * (spec.hidden * spec.residual_bytes + 4 * stats) // sp_divisor(spec)
+
+
+def dropout_bytes(spec: MemorySpec, elements: int, dtype_bytes: int, p: float) -> int:
+    """The mask of a dropout over ``elements`` (none when ``p`` is 0).
+
+    Args:
+        spec: the run (its device).
+        elements: elements dropped on this rank.
+        dtype_bytes: bytes per element of the dropped tensor.
+        p: the dropout probability.
+    """
+    return elements * mask_bytes(spec, dtype_bytes) if p > 0 else 0
+
+
+def cpu_math_path(spec: MemorySpec) -> bool:
+    """SDPA with attention dropout on the CPU: PyTorch runs its math path (no fused
+    kernel there takes dropout).
+
+    Args:
+        spec: the run.
+    """
+    return spec.attention == "sdpa" and spec.device == "cpu" and spec.attention_dropout > 0
+
+
+def attention_core(spec: MemorySpec, shape: Shape) -> int:
+    """Scores-to-context bytes of one attention (the dense layer's input included).
+
+    Args:
+        spec: the run (attention backend, dropout, dtype).
+        shape: query and key lengths and micro-batch.
+    """
+    e, t, a = spec.e, spec.tp, spec.heads
+    proj = a * spec.kv_channels
+    scores = a * shape.b * shape.sq * shape.sk // t
+    if cpu_math_path(spec):
+        # PyTorch's CPU kernel has no dropout: its math path keeps scaled queries,
+        # transposed keys, softmax, mask and dropped probabilities; under autocast it runs
+        # in fp32 and keeps an fp32 copy of the values as well
+        e = 4 if spec.autocast else e
+        tokens = shape.b * (shape.sq + shape.sk * (2 if spec.autocast else 1))
+        return tokens * proj * e // t + 3 * scores * e + shape.sq * shape.b * proj * spec.e // t
+    context = shape.sq * shape.b * proj * e // t
+    if spec.attention == "sdpa":
+        return context + a * shape.b * shape.sq * 4 // t  # output + fp32 log-sum-exp
+    total = scores * e + a * shape.b * shape.sq // t  # softmax output, per-row flags
+    if spec.attention_dropout > 0:
+        total += scores * mask_bytes(spec, e) + scores * e  # mask, dropped probabilities
+    return total + context  # the context is re-laid out for the dense layer (a copy)
+
+
+def gpt2_layer(spec: MemorySpec, b: int) -> int:
+    """Bytes one GPT-2 layer saves for one micro-batch of ``b`` samples (no recompute).
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+    """
+    s, h, f, t, e = spec.seq, spec.hidden, spec.ffn, spec.tp, spec.e
+    proj = spec.heads * spec.kv_channels
+    tokens = s * b
+    total = 2 * norm_bytes(spec, tokens)
+    total += 2 * tokens * h * e  # QKV and fc1 inputs (all-gathered under SP)
+    if not (cpu_math_path(spec) and spec.autocast):  # there only its fp32 copies are kept
+        total += 3 * tokens * proj * e // t  # q, k, v
+    total += attention_core(spec, Shape(s, s, b))
+    total += 2 * tokens * f * e // t  # GeLU input and output (fc2's input)
+    drop_dtype = spec.residual_bytes if spec.bias else e  # the bias add promotes it
+    residual = tokens * h // sp_divisor(spec)
+    total += 2 * dropout_bytes(spec, residual, drop_dtype, spec.hidden_dropout)
+    if spec.autocast:
+        total += (3 * h * proj + proj * h + 2 * h * f) // t * e
+    return total
+
+
+def recompute_input(spec: MemorySpec, tokens: int) -> int:
+    """What a recomputed group of layers keeps: its input hidden state.
+
+    Args:
+        spec: the run.
+        tokens: sequence x micro-batch.
+    """
+    return tokens * spec.hidden * spec.residual_bytes // sp_divisor(spec)
+
+
+def gpt2_embedding(spec: MemorySpec, b: int) -> int:
+    """Word and position lookups (their int64 ids) and the embedding dropout's mask.
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+    """
+    tokens = spec.seq * b
+    ids = 2 * tokens * 8  # token ids (local ids under tp) and position ids
+    if spec.tp > 1:
+        ids += tokens  # VocabParallelEmbedding's out-of-range mask
+    drop = dropout_bytes(spec, tokens * spec.hidden // sp_divisor(spec), spec.residual_bytes,
+                         spec.hidden_dropout)
+    return ids + drop
+
+
+def output_and_loss(spec: MemorySpec, b: int, s: int) -> int:
+    """The output layer's input and weight copy, the vocab-parallel cross entropy (fp32
+    softmax, target ids and range mask) and the loss-mask product.
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+        s: the length the loss runs over (T5: the decoder's).
+    """
+    tokens, v = s * b, spec.vocab // spec.tp
+    total = tokens * spec.hidden * spec.e  # all-gathered under SP
+    if spec.autocast:
+        total += v * spec.hidden * spec.e
+    total += tokens * v * 4 + tokens * (8 + 1)  # softmax, local targets, outside mask
+    return total + 2 * tokens * 4  # per-token losses and the loss mask
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes one micro-batch keeps on a stage until its backward."""
+
+    saved: int
+    """Saved for the backward (what ``saved_tensors_hooks`` sees)."""
+    recompute_peak: int
+    """Extra bytes while one recomputed group runs its forward again in the backward."""
+
+
+def gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
+    """Activation bytes of one micro-batch on one rank of ``layers``' GPT-2 stage.
+
+    Args:
+        spec: the run.
+        layers: the stage (:func:`~megatron.memory.stages.stage_layers`).
+    """
+    b, tokens = spec.micro_batch, spec.seq * spec.micro_batch
+    n = layers.encoder_layers
+    if spec.recompute == "full" and n:
+        k = spec.recompute_num_layers
+        groups = -(-n // k)
+        body = groups * recompute_input(spec, tokens) + spec.seq * spec.seq  # + bool mask
+        peak = min(k, n) * gpt2_layer(spec, b)
+    else:
+        body, peak = n * gpt2_layer(spec, b), 0
+    total = body
+    if layers.embedding:
+        total += gpt2_embedding(spec, b)
+    if layers.final_norm:
+        total += norm_bytes(spec, tokens)
+    if layers.head:
+        total += output_and_loss(spec, b, spec.seq)
+    return Activations(total, peak)

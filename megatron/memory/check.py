@@ -1,0 +1,101 @@
+"""The start-up check: print the predicted peak per stage; on a GPU, refuse (or warn about)
+a run predicted not to fit, before the model is allocated."""
+from dataclasses import fields
+from typing import List, Optional
+
+from ..errors import ConfigError, WillNotFitError
+from .planner import Hardware, plan
+from .report import GIB, format_stage, predict
+from .spec import MemorySpec
+
+#: Knobs a suggested change may turn (each counts one change).
+KNOBS = ("tp", "pp", "micro_batch", "recompute", "zero_stage", "sequence_parallel")
+
+
+def _changes(old: MemorySpec, new: MemorySpec) -> List[str]:
+    names = {f.name for f in fields(MemorySpec)}
+    return [f"{k} {getattr(old, k)} -> {getattr(new, k)}" for k in KNOBS
+            if k in names and getattr(old, k) != getattr(new, k)]
+
+
+def cheapest_changes(spec: MemorySpec, free_bytes: int, step_flops: float = 1.0,
+                     count: int = 2) -> List[str]:
+    """Up to ``count`` layouts on the same GPUs that fit in ``free_bytes``: fewest changed
+    knobs first, then the fastest (the planner's step time).
+
+    Args:
+        spec: the run that does not fit.
+        free_bytes: memory per GPU to fit in.
+        step_flops: the step's model FLOPs (ranks layouts of equal change count).
+        count: how many to return.
+    """
+    hw = Hardware(gpus=spec.world, gpu_memory=free_bytes)
+    batch = spec.micro_batch * spec.num_micro_batches * spec.dp
+    fits = plan(spec, hw, batch, step_flops)
+    ranked = sorted(fits, key=lambda p: (len(_changes(spec, p.spec)), p.step_time))
+    return [f"{', '.join(_changes(spec, p.spec))} (peak {p.peak / GIB:.2f} GiB)"
+            for p in ranked if _changes(spec, p.spec)][:count]
+
+
+def check_memory(spec: MemorySpec, free_bytes: Optional[int], enforce: bool = True,
+                 step_flops: float = 1.0) -> List[str]:
+    """Lines to print at start-up; raise when the heaviest stage exceeds ``free_bytes``.
+
+    Args:
+        spec: the run.
+        free_bytes: this device's free memory (``torch.cuda.mem_get_info()[0]``), or None
+            on a CPU (nothing is refused).
+        enforce: raise (True) or return a warning line (False, ``--no-memory-check``).
+        step_flops: the step's model FLOPs, to rank the suggested changes.
+
+    Raises:
+        WillNotFitError: a stage's predicted peak exceeds ``free_bytes`` and ``enforce``.
+    """
+    stages = predict(spec)
+    lines = [format_stage(s, spec.pp) for s in stages]
+    if free_bytes is None:
+        return lines
+    worst = max(stages, key=lambda s: s.peak)
+    if worst.peak <= free_bytes:
+        return lines
+    fixes = cheapest_changes(spec, free_bytes, step_flops)
+    message = (f"pipeline stage {worst.stage} is predicted to need {worst.peak / GIB:.2f} GiB "
+               f"per GPU but the device has {free_bytes / GIB:.2f} GiB free; changes that "
+               f"would fit: {'; '.join(fixes) or 'none found on this many GPUs'} "
+               f"(--no-memory-check runs it anyway; docs/memory.md)")
+    if enforce:
+        raise WillNotFitError(message)
+    return lines + ["WARNING: " + message]
+
+
+def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
+    """pretrain()'s hook: print the predicted peak per stage on rank 0; on a GPU, raise
+    :class:`WillNotFitError` on every rank for a run predicted not to fit (a warning
+    under ``--no-memory-check``). Models outside the families are not described.
+
+    Args:
+        cfg: the run configuration.
+        step_flops: the step's model FLOPs (ranks the suggested changes).
+    """
+    import torch
+
+    from .. import mpu
+    from ..utils import print_rank_0
+    from .spec import spec_from_run_config
+
+    if cfg.family not in ("gpt2", "t5"):
+        return
+    device = mpu.get_device()
+    try:
+        spec = spec_from_run_config(cfg, device=device.type)
+    except ConfigError as exc:  # a run the model does not describe still trains
+        print_rank_0(f"> memory model: no prediction ({exc})")
+        return
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    lines = check_memory(spec, free, enforce=cfg.get("memory_check", True),
+                         step_flops=step_flops or 1.0)
+    print_rank_0("> memory model (docs/memory.md):\n  " + "\n  ".join(
+        line for line in lines if not line.startswith("WARNING")))
+    for line in lines:
+        if line.startswith("WARNING"):
+            print(line, flush=True)  # every rank, as the refusal would be

@@ -1,0 +1,171 @@
+"""What the memory model reads: the sizes, the layout and the precision of a run.
+
+:class:`MemorySpec` is a plain frozen record, built from a run configuration by
+:func:`spec_from_run_config` (the start-up check) or varied with ``dataclasses.replace``
+(the layout planner), so the model never needs a process group, a tokenizer or a device.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import ConfigError
+
+#: Bytes per element of each precision's activations and low-precision weights.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """One run's sizes, layout and precision, as the memory model sees them.
+
+    ``backend`` is ``ddp`` (torch DDP, autocast over fp32 weights) or ``engine`` (DeepSpeed /
+    tds's pipeline engine: fp16 / bf16 weights with fp32 masters, ZeRO); pp > 1 or
+    ``--deepspeed`` train through the engine (megatron/training/backend_factory.py).
+    ``device`` is ``cuda`` or ``cpu``: dropout keeps a 1-byte mask on CUDA but a mask in the
+    activation's dtype on the CPU.
+    """
+
+    family: str
+    num_layers: int
+    """Layers (per stack for T5)."""
+    hidden: int
+    heads: int
+    kv_channels: int
+    ffn: int
+    vocab: int
+    """Padded vocabulary rows."""
+    seq: int
+    """Sequence length (T5: the encoder's)."""
+    micro_batch: int
+    num_micro_batches: int
+    """Micro-batches per step per data-parallel rank (gradient accumulation)."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    """``none`` or ``full`` (--checkpoint-activations: each group of layers keeps its input)."""
+    recompute_num_layers: int = 1
+    dtype: str = "fp32"
+    backend: str = "ddp"
+    zero_stage: int = 0
+    attention: str = "sdpa"
+    """``sdpa`` or ``unfused`` (megatron/model/attention.py)."""
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    bias: bool = True
+    max_positions: int = 1024
+    device: str = "cuda"
+    dec_seq: int = 0
+    """T5's decoder length."""
+    ff_type: str = "relu"
+    """T5's feed-forward (``relu`` or ``gated-gelu``)."""
+    tie_embeddings: bool = True
+    num_buckets: int = 32
+
+    @property
+    def e(self) -> int:
+        """Bytes per element of the activations (the compute dtype)."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def autocast(self) -> bool:
+        """The DDP backend runs a half dtype by autocast over fp32 weights."""
+        return self.backend == "ddp" and self.dtype != "fp32"
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream: fp32 under autocast (the fp32 biases
+        promote it), the weights' dtype under the engine."""
+        return 4 if self.backend == "ddp" else self.e
+
+    def check(self) -> None:
+        """Raise :class:`~megatron.errors.ConfigError` for a spec the model cannot describe."""
+        problems = []
+        if self.family not in ("gpt2", "t5"):
+            problems.append(f"family {self.family!r}: the memory model knows gpt2 and t5")
+        if self.dtype not in DTYPE_BYTES:
+            problems.append(f"dtype {self.dtype!r}: choose one of {sorted(DTYPE_BYTES)}")
+        if self.recompute not in ("none", "full"):
+            problems.append(f"recompute {self.recompute!r}: choose none or full")
+        if self.attention not in ("sdpa", "unfused"):
+            problems.append(f"attention {self.attention!r}: choose sdpa or unfused")
+        if self.zero_stage not in (0, 1, 2):
+            problems.append(f"ZeRO stage {self.zero_stage}: the model covers 0, 1 and 2")
+        if self.zero_stage and self.backend != "engine":
+            problems.append("ZeRO needs the DeepSpeed engine (--deepspeed or pp > 1)")
+        if min(self.tp, self.pp, self.dp, self.vpp, self.micro_batch) < 1:
+            problems.append("tp, pp, dp, vpp and the micro-batch size must be >= 1")
+        if self.heads % self.tp:
+            problems.append(f"{self.heads} heads do not split over tp={self.tp}")
+        if problems:
+            raise ConfigError("memory model: " + "; ".join(problems))
+
+
+def _zero_stage(cfg) -> int:
+    """--zero-stage, else the DeepSpeed JSON's ``zero_optimization.stage`` (the backend reads
+    the same two places, the flag winning)."""
+    if cfg.parallel.zero_stage is not None:
+        return cfg.parallel.zero_stage
+    path = cfg.parallel.deepspeed_config
+    if not path:
+        return 0
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return int(json.load(handle).get("zero_optimization", {}).get("stage", 0))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"memory model: cannot read the ZeRO stage from {path}: {exc}; "
+                          f"fix the file or give --zero-stage") from None
+
+
+def _backend(cfg) -> str:
+    return "engine" if cfg.parallel.pp > 1 or cfg.parallel.deepspeed else "ddp"
+
+
+def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int] = None
+                         ) -> MemorySpec:
+    """The :class:`MemorySpec` of a validated run configuration.
+
+    Args:
+        cfg: a :class:`~megatron.config.RunConfig`.
+        device: ``cuda`` or ``cpu`` (default: ``cuda`` when the run's backend is NCCL).
+        vocab: padded vocabulary rows when the configuration has none (built without its
+            tokenizer, as the planner does).
+    """
+    m, p, k = cfg.model, cfg.parallel, cfg.kernels
+    rows = m.padded_vocab_size or vocab
+    if rows is None:
+        raise ConfigError("memory model: the vocabulary size is unknown; give the tokenizer "
+                          "files or the planner's --vocab-size")
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.precision.name]
+    extra = {"seq": cfg.batch.seq_length}
+    if cfg.family == "t5":
+        t5 = cfg.t5
+        extra = dict(seq=t5.enc_seq_length, dec_seq=t5.dec_seq_length, ff_type=t5.t5_ff,
+                     tie_embeddings=not t5.untie_embeddings,
+                     num_buckets=t5.relative_attention_num_buckets)
+    from ..model.attention import resolve_attention_backend
+
+    backend = _backend(cfg)
+    spec = MemorySpec(
+        family=cfg.family or "gpt2", num_layers=m.num_layers, hidden=m.hidden_size,
+        heads=m.num_attention_heads, kv_channels=m.kv_channels, ffn=m.ffn_hidden_size,
+        vocab=rows, micro_batch=cfg.batch.micro_batch_size,
+        num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp,
+        sequence_parallel=p.sequence_parallel,
+        recompute="full" if m.checkpoint_activations else "none",
+        recompute_num_layers=m.checkpoint_num_layers, dtype=dtype, backend=backend,
+        zero_stage=_zero_stage(cfg) if backend == "engine" else 0,  # DDP ignores the flag
+        attention=resolve_attention_backend(k.attention_backend),
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        bias=m.hidden_bias, max_positions=m.max_position_embeddings,
+        device=device or ("cuda" if p.dist_backend == "nccl" else "cpu"), **extra)
+    spec.check()
+    return spec

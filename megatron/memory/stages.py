@@ -1,0 +1,63 @@
+"""Which layers each pipeline stage holds, as the pipeline modules partition them.
+
+GPT2ModelPipe and T5ModelPipe partition their layer specs with DeepSpeed's balanced
+partition over the transformer layers (``partition_method='type:...'``: every transformer
+layer weighs 1, the embedding, final norms and output layer 0); this module replays that
+partition on the same spec list, so the model charges each stage exactly its layers.
+"""
+from dataclasses import dataclass
+from typing import List
+
+from .spec import MemorySpec
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """The parts of the model one pipeline stage runs."""
+
+    stage: int
+    embedding: bool
+    """The (tied) word embedding lookup (first stage)."""
+    encoder_layers: int
+    """Transformer layers (GPT-2's, or T5's encoder layers)."""
+    decoder_layers: int
+    """T5's decoder layers."""
+    encoder_norm: bool
+    """T5's encoder final norm (GPT-2: unused)."""
+    final_norm: bool
+    """GPT-2's final LayerNorm / T5's decoder final norm."""
+    head: bool
+    """Output layer, logits and loss (last stage)."""
+
+
+def _specs(spec: MemorySpec) -> List[str]:
+    """The kinds of the pipeline module's layer specs, in order (t5_pipeline_specs /
+    gpt2_pipeline_specs)."""
+    L = spec.num_layers
+    if spec.family == "gpt2":
+        return ["embed"] + ["enc"] * L + ["final_norm", "head"]
+    return ["embed"] + ["enc"] * L + ["enc_norm"] + ["dec"] * L + ["final_norm", "head"]
+
+
+def stage_layers(spec: MemorySpec) -> List[StageLayers]:
+    """Each pipeline stage's layers (one entry when pp == 1: the serial model).
+
+    Args:
+        spec: the run (family, layers, pp).
+    """
+    kinds = _specs(spec)
+    from tds.pipe import partition_balanced  # here: importing tds starts DeepSpeed
+
+    if spec.pp == 1:
+        parts = [0, len(kinds)]
+    else:
+        parts = partition_balanced([1 if k in ("enc", "dec") else 0 for k in kinds], spec.pp)
+    out = []
+    for stage in range(spec.pp):
+        mine = kinds[parts[stage]:parts[stage + 1]]
+        out.append(StageLayers(stage=stage, embedding="embed" in mine,
+                               encoder_layers=mine.count("enc"),
+                               decoder_layers=mine.count("dec"),
+                               encoder_norm="enc_norm" in mine,
+                               final_norm="final_norm" in mine, head="head" in mine))
+    return out
