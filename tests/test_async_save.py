@@ -43,6 +43,25 @@ def _files(root):
                   for d, _, names in os.walk(root) for f in names)
 
 
+def test_snapshot_is_a_copy_and_refills_the_previous_one():
+    from megatron.training.async_save import snapshot
+
+    state = {"model": {"w": torch.randn(4, 3), "b": torch.randn(3)}, "step": 5,
+             "rng": [torch.randint(0, 9, (6,)), (1.5, "x")]}
+    first = snapshot(state, pin=False)
+    _assert_same(first, state, "snapshot")
+    state["model"]["w"].add_(1.0)  # training goes on: the snapshot must not see it
+    assert not torch.equal(first["model"]["w"], state["model"]["w"])
+    kept = first["model"]["w"]
+    second = snapshot(state, pin=False, reuse=first)
+    _assert_same(second, state, "refilled")
+    assert second["model"]["w"] is kept  # the same host buffer, filled again
+    state["model"]["b"] = torch.randn(5)  # a new shape gets a new buffer
+    third = snapshot(state, pin=False, reuse=second)
+    assert third["model"]["b"].shape == (5,) and torch.equal(third["model"]["b"],
+                                                             state["model"]["b"])
+
+
 @pytest.mark.slow
 def test_async_save_gives_the_losses_and_files_of_sync_save(gpt2_data, tmp_path):
     sync_dir, async_dir = str(tmp_path / "sync"), str(tmp_path / "async")

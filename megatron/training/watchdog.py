@@ -9,12 +9,19 @@ the ranks it has not heard from (each watchdog publishes a heartbeat to the job'
 store; a stopped rank's heartbeat goes stale), and ends the process with status
 :data:`WATCHDOG_EXIT`, so torchrun's agent sees a failed worker and restarts the job.
 
+A silent rank on this host is frozen whole (its own watchdog thread cannot beat: SIGSTOP, a
+debugger): it cannot act on the agent's SIGTERM, which torchrun follows with SIGKILL only 30 s
+later. The watchdog ends such a rank (SIGKILL, after naming it) so that the job ends within
+the timeout; a frozen rank on another host is ended by its own node's agent.
+
 Ending the process is ``os._exit``: the training thread is stuck inside a collective or a
 kernel and cannot be interrupted by an exception; it is the watchdog's last resort, taken
 only after the report is printed and flushed.
 """
 import faulthandler
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -83,24 +90,29 @@ class Watchdog:
         if self._store is None:
             return
         try:  # seconds since the epoch: comparable across the hosts of a job (NTP)
-            self._store.set(f"{_HEARTBEAT_PREFIX}{self.rank}", f"{time.time():.3f}")
+            self._store.set(f"{_HEARTBEAT_PREFIX}{self.rank}",
+                            f"{time.time():.3f} {os.getpid()} {socket.gethostname()}")
         except Exception:
             self._store = None  # the store is gone (the job is ending): stop publishing
 
-    def silent_ranks(self, older_than: float) -> List[int]:
-        """Ranks whose heartbeat is older than ``older_than`` seconds (or never came).
+    def silent_ranks(self, older_than: float) -> List[tuple]:
+        """``(rank, pid, host)`` of the ranks whose heartbeat is older than ``older_than``
+        seconds (pid and host None when it never came).
 
         Read on a helper thread with a bound, so a store on a stuck host cannot hold the
         report back."""
-        found: List[int] = []
+        found: List[tuple] = []
 
         def read():
             now = time.time()
             for r in range(self.world):
                 key = f"{_HEARTBEAT_PREFIX}{r}"
-                if not self._store.check([key]) or \
-                        now - float(self._store.get(key).decode()) > older_than:
-                    found.append(r)
+                if not self._store.check([key]):
+                    found.append((r, None, None))
+                    continue
+                beat, pid, host = self._store.get(key).decode().split(" ", 2)
+                if now - float(beat) > older_than:
+                    found.append((r, int(pid), host))
 
         if self._store is None:
             return []
@@ -111,18 +123,33 @@ class Watchdog:
 
     def _fire(self, phase, waited, limit):
         prefix = f"[rank {self.rank}] "
-        silent = [r for r in self.silent_ranks(older_than=max(3.0, limit / 2))
-                  if r != self.rank]
-        who = (f"; rank(s) {silent} stopped answering (no heartbeat for over "
+        silent = [s for s in self.silent_ranks(older_than=max(3.0, limit / 2))
+                  if s[0] != self.rank]
+        who = (f"; rank(s) {[s[0] for s in silent]} stopped answering (no heartbeat for over "
                f"{max(3.0, limit / 2):.0f} s): the stuck rank is there" if silent else "")
         print(f"{prefix}error: watchdog: no progress in phase '{phase}' (iteration "
               f"{self.iteration}) for {waited:.0f} s, over its limit of {limit:.0f} s{who}; "
               f"this rank's stacks follow, then it exits with status {WATCHDOG_EXIT}",
               file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        self._end_frozen_local(silent)
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(WATCHDOG_EXIT)  # see the module docstring: the training thread is stuck
+
+
+    def _end_frozen_local(self, silent):
+        """SIGKILL the silent ranks of this host (see the module docstring)."""
+        host = socket.gethostname()
+        for rank, pid, where in silent:
+            if pid is None or where != host or pid == os.getpid():
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+                print(f"[rank {self.rank}] watchdog: ended frozen rank {rank} (pid {pid}) on "
+                      f"this host", file=sys.stderr, flush=True)
+            except OSError:
+                pass
 
 
 def start_watchdog(faults) -> Optional[Watchdog]:
