@@ -166,7 +166,7 @@ def main():
                        ("step_during_write_s", "step during a write (s)"),
                        ("wall_s", "run wall time (s)")):
         a, s = asyn[key], sync[key]
-        if s is None or a is None:
+        if s is None or a is None or s == 0:
             print(f"{label:24}{'-' if s is None else f'{s:.3f}':>10}"
                   f"{'-' if a is None else f'{a:.3f}':>10}{'-':>12}")
         else:

@@ -119,7 +119,7 @@ def test_handler_agrees_on_one_signal_in_a_single_process():
     before = signal.getsignal(signal.SIGUSR1)
     handler = PreemptionHandler(check_interval=2).install()
     try:
-        assert not handler.should_stop(1) and not handler.should_stop(2)
+        assert not handler.should_stop(1) and not handler.should_stop(2)  # arms it
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.01)  # Python runs the handler between bytecodes of the main thread
         assert not handler.should_stop(3)  # not a check step
@@ -129,3 +129,19 @@ def test_handler_agrees_on_one_signal_in_a_single_process():
     finally:
         handler.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_signal_during_start_up_acts_as_without_the_handler(tmp_path):
+    """Before the first step ends there is nothing to save: SIGTERM ends the process."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from megatron.training.preemption import PreemptionHandler\n"
+            "handler = PreemptionHandler().install()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(5)\n"
+            "print('not reached')\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    assert result.returncode == -signal.SIGTERM and "not reached" not in result.stdout

@@ -6,6 +6,11 @@ of the ranks at any moment, so the handler only records it; at a step boundary e
 contributes its record to one all-reduce on a host (gloo) group, and all of them agree to
 stop at the same iteration, save and return from ``pretrain()`` (the entry script exits 0).
 
+Before the first step has ended (start-up: building, loading, the first step), a stop signal
+acts as it would without the handler (the process ends): there is nothing new to save, and a
+process that defers the signal there could not be stopped at all while it starts, e.g. by
+torchrun's agent restarting the job on more nodes.
+
 The check costs one all-reduce of one int64 in host memory every ``--exit-signal-check-interval``
 steps (default 1, as Megatron-LM's ``--exit-signal-handler``); it reads no device value, so it
 adds no host-device sync to the step (docs/fault_tolerance.md has the measured cost).
@@ -38,6 +43,7 @@ class PreemptionHandler:
     def __init__(self, check_interval: int = 1):
         self.check_interval = check_interval
         self.received = 0  # the signal number this rank got (0: none)
+        self.armed = False  # set once the first step has ended
         self.stopped_by: Optional[tuple] = None  # (signal name, rank) once agreed
         self._previous = {}
         self._group = new_host_group()
@@ -56,6 +62,10 @@ class PreemptionHandler:
         self._previous = {}
 
     def _on_signal(self, signum, frame):
+        if not self.armed:  # start-up: the signal's own action (see the module docstring)
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            os.kill(os.getpid(), signum)
+            return
         # Only a record: the save happens at the next step boundary, on every rank at once.
         self.received = self.received or signum
 
@@ -65,6 +75,7 @@ class PreemptionHandler:
         Args:
             iteration: steps completed (all ranks pass the same, so they check together).
         """
+        self.armed = True
         if self.check_interval < 1 or iteration % self.check_interval:
             return False
         rank = dist.get_rank() if dist.is_initialized() else 0
