@@ -63,12 +63,17 @@ def test_snapshot_is_a_copy_and_refills_the_previous_one():
 
 
 @pytest.mark.slow
-def test_async_save_gives_the_losses_and_files_of_sync_save(gpt2_data, tmp_path):
+@pytest.mark.parametrize("layout", [(), ("--pipe-parallel-size", "2", "--gas", "2")],
+                         ids=["ddp_dp2", "pipeline_engine_pp2"])
+def test_async_save_gives_the_losses_and_files_of_sync_save(gpt2_data, tmp_path, layout):
+    """dp 2 (DDP: one main file per save) and pp 2 (tds's engine: a main file and an
+    optimizer file per stage)."""
     sync_dir, async_dir = str(tmp_path / "sync"), str(tmp_path / "async")
-    sync = run_distributed(train_gpt2, 2, _argv(gpt2_data, "--save", sync_dir), env=NO_NATIVE)
-    asyn = run_distributed(train_gpt2, 2, _argv(gpt2_data, "--save", async_dir, "--async-save"),
+    sync = run_distributed(train_gpt2, 2, _argv(gpt2_data, *layout, "--save", sync_dir),
                            env=NO_NATIVE)
-    assert sync[0][0] == asyn[0][0] and len(sync[0][0]) == 4  # per-step losses, exactly
+    asyn = run_distributed(train_gpt2, 2, _argv(gpt2_data, *layout, "--save", async_dir,
+                                                "--async-save"), env=NO_NATIVE)
+    assert sync[-1][0] == asyn[-1][0] and len(sync[-1][0]) == 4  # per-step losses, exactly
     assert _files(sync_dir) == _files(async_dir)
     assert "iter_0000002/mp_rank_00_000/model_optim_rng.pt" in _files(async_dir)
     with open(os.path.join(async_dir, TRACKER)) as handle:
@@ -78,7 +83,7 @@ def test_async_save_gives_the_losses_and_files_of_sync_save(gpt2_data, tmp_path)
             continue
         a = torch.load(os.path.join(sync_dir, name), weights_only=True)
         b = torch.load(os.path.join(async_dir, name), weights_only=True)
-        args_a, args_b = a.pop("args"), b.pop("args")
+        args_a, args_b = a.pop("args", {}), b.pop("args", {})
         assert {k: v for k, v in args_a.items() if k not in _RUN_KEYS} == \
             {k: v for k, v in args_b.items() if k not in _RUN_KEYS}
         _assert_same(a, b, name)
