@@ -11,7 +11,7 @@ import torch
 
 from gpt2_runs import REPO, gpt2_argv, run_script, train_gpt2
 from harness import run_distributed
-from test_faults import _KILL_AT_SAVE, NO_NATIVE, TRACKER, uninterrupted  # noqa: F401
+from test_faults import _KILL_AT_SAVE, NO_NATIVE, TRACKER
 
 #: Settings that differ between the two runs by construction (the folder, the flag itself).
 _RUN_KEYS = ("save", "async_save")
@@ -118,12 +118,13 @@ pretrain_gpt2.main(argv)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["model_file", "before_tracker", "while_training"])
-def test_kill_during_background_write_then_resume(gpt2_data, tmp_path, uninterrupted, moment):
+def test_kill_during_background_write_then_resume(gpt2_data, tmp_path, moment):
     """The moments: half-way through writing the model file; files complete, folder in
-    place, tracker not yet rewritten; the training thread already a step further."""
-    ckpt = str(tmp_path / "ckpt")
+    place, tracker not yet rewritten; the training thread already a step further. The
+    resumed run's steps 3 and 4 must repeat the killed run's (it logged them before dying)."""
+    ckpt, iters = str(tmp_path / "ckpt"), 6 if moment == "while_training" else 4
     argv = _argv(gpt2_data, "--hidden-dropout", "0", "--attention-dropout", "0", "--save",
-                 ckpt, "--async-save", iters=6 if moment == "while_training" else 4)
+                 ckpt, "--async-save", iters=iters)
     code = [_KILL_WHILE_TRAINING] if moment == "while_training" else [_KILL_AT_SAVE, moment]
     killed = subprocess.run([sys.executable, "-c", *code, *argv], cwd=REPO,
                             capture_output=True, text=True, timeout=240,
@@ -132,14 +133,17 @@ def test_kill_during_background_write_then_resume(gpt2_data, tmp_path, uninterru
     assert killed.returncode == -9, killed.stderr[-3000:]
     with open(os.path.join(ckpt, TRACKER)) as handle:
         assert handle.read() == "2"  # never the interrupted save
-    resumed = run_script(["pretrain_gpt2.py", *gpt2_argv(
-        gpt2_data, "--batch-size", "2", "--train-iters", "4", "--log-interval", "1",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--load", ckpt, "--save", ckpt,
-        "--async-save")], env=NO_NATIVE)
+    before = re.findall(r"lm loss: (\S+)", killed.stdout)
+    assert len(before) >= 4, killed.stdout[-3000:]
+    published = sorted(d for d in os.listdir(ckpt) if d.startswith("iter_"))
+    # the folder of iteration 4 is in place only when the kill came after its publication
+    assert published == (["iter_0000002", "iter_0000004"] if moment == "before_tracker"
+                         else ["iter_0000002"])
+    resumed = run_script(["pretrain_gpt2.py", *argv, "--load", ckpt], env=NO_NATIVE)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert re.findall(r"lm loss: (\S+)", resumed.stdout) == uninterrupted[2:]
+    assert re.findall(r"lm loss: (\S+)", resumed.stdout)[:2] == before[2:4]
     with open(os.path.join(ckpt, TRACKER)) as handle:
-        assert handle.read() == "4"
+        assert handle.read() == str(iters)
     assert "iter_0000004/mp_rank_00_000/model_optim_rng.pt" in _files(ckpt)
 
 

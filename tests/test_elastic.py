@@ -58,8 +58,9 @@ def test_lost_node_restarts_at_half_the_data_parallel_size(gpt2_data, tmp_path):
     agents = []
     try:
         for i in (0, 1):  # node 0's agent hosts the rendezvous store (node 1 is the one lost)
-            # 20 s for both agents to join the first round on 2 busy cores
-            conf = f"last_call_timeout=20,is_host={int(i == 0)}"
+            # 10 s for both agents (started together) to join the first round on 2 busy
+            # cores; it is also how long the survivor waits for node 1 after the kill
+            conf = f"last_call_timeout=10,is_host={int(i == 0)}"
             agents.append(subprocess.Popen(["bash", "examples/run_gpt2.sh"], cwd=REPO,
                                            env=dict(env, RDZV_CONF=conf),
                                            stdout=logs[i], stderr=subprocess.STDOUT))

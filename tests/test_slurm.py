@@ -101,7 +101,7 @@ def test_usr1_saves_exits_0_and_the_job_requeues_itself_and_finishes(slurm, gpt2
     """Slurm's warning signal (here sent at once with scancel --signal=USR1, which like
     --signal=USR1@120 reaches the job step's processes, not the batch shell): the run saves
     and exits 0, the script requeues the job, the requeued job resumes and finishes."""
-    iters = 200
+    iters = 60  # ~0.1 s a step: the signal lands mid-run, the resumed run is short
     env = launch_env(gpt2_data, tmp_path, GPUS_PER_NODE="2", mp_size="1", pp_size="1",
                      TRAIN_ITERS=str(iters), **slurm)
     env = {k: v for k, v in env.items() if k not in DERIVED}
