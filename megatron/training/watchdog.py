@@ -56,24 +56,31 @@ class Watchdog:
 
     def __init__(self, timeouts: Dict[str, float], rank: int = 0, world: int = 1):
         self.timeouts, self.rank, self.world = dict(timeouts), rank, world
-        self.phase, self.iteration = "startup", 0
-        self._since = time.monotonic()
+        # (phase, its start, iteration): one attribute, replaced whole, so the watching
+        # thread never pairs a new phase with the previous phase's start
+        self._state = ("startup", time.monotonic(), 0)
         self._stop = threading.Event()
         self._store = _default_store() if world > 1 else None
         self._thread = threading.Thread(target=self._watch, name="megatron-watchdog",
                                         daemon=True)
 
     def start(self) -> "Watchdog":
+        """Start watching (the ``startup`` phase's clock runs from construction)."""
         self._thread.start()
         return self
 
     def enter(self, phase: str, iteration: Optional[int] = None) -> None:
-        """The training thread starts ``phase`` (its clock starts now)."""
-        self.phase, self._since = phase, time.monotonic()
-        if iteration is not None:
-            self.iteration = iteration
+        """The training thread starts ``phase`` (its clock starts now).
+
+        Args:
+            phase: ``startup``, ``step``, ``save`` or ``evaluation`` (a key of the timeouts).
+            iteration: steps completed (for the report; default: unchanged).
+        """
+        self._state = (phase, time.monotonic(),
+                       self._state[2] if iteration is None else iteration)
 
     def stop(self) -> None:
+        """Stop watching (the end of the run, or an error on the training thread)."""
         self._stop.set()
         self._thread.join(timeout=5)
 
@@ -81,10 +88,10 @@ class Watchdog:
         poll = max(0.05, min(1.0, min(self.timeouts.values()) / 10))
         while not self._stop.wait(poll):
             self._heartbeat()
-            phase, since = self.phase, self._since
+            phase, since, iteration = self._state
             limit = self.timeouts.get(phase)
             if limit is not None and time.monotonic() - since > limit:
-                self._fire(phase, time.monotonic() - since, limit)
+                self._fire(phase, iteration, time.monotonic() - since, limit)
 
     def _heartbeat(self):
         if self._store is None:
@@ -121,14 +128,14 @@ class Watchdog:
         reader.join(timeout=5)
         return found if not reader.is_alive() else []
 
-    def _fire(self, phase, waited, limit):
+    def _fire(self, phase, iteration, waited, limit):
         prefix = f"[rank {self.rank}] "
         silent = [s for s in self.silent_ranks(older_than=max(3.0, limit / 2))
                   if s[0] != self.rank]
         who = (f"; rank(s) {[s[0] for s in silent]} stopped answering (no heartbeat for over "
                f"{max(3.0, limit / 2):.0f} s): the stuck rank is there" if silent else "")
         print(f"{prefix}error: watchdog: no progress in phase '{phase}' (iteration "
-              f"{self.iteration}) for {waited:.0f} s, over its limit of {limit:.0f} s{who}; "
+              f"{iteration}) for {waited:.0f} s, over its limit of {limit:.0f} s{who}; "
               f"this rank's stacks follow, then it exits with status {WATCHDOG_EXIT}",
               file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
