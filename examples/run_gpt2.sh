@@ -19,6 +19,11 @@ MASTER_PORT=${MASTER_PORT:-6000}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 LAUNCHER=${LAUNCHER:-torchrun}        # torchrun | deepspeed
+# ---- surviving failures (docs/fault_tolerance.md) ---------------------------------------
+MIN_NODES=${MIN_NODES:-1}             # fewest nodes a restarted job goes on with
+MAX_RESTARTS=${MAX_RESTARTS:-3}       # restarts of the job after a failed worker or node
+STEP_TIMEOUT=${STEP_TIMEOUT:-}        # seconds: a rank with no finished step is ended
+ASYNC_SAVE=${ASYNC_SAVE:-0}           # 1: checkpoints written on a background thread
 HOSTFILE=${HOSTFILE:-$script_dir/hostfile}
 
 # ---- parallelism: world = GPUS_PER_NODE x NNODES = mp_size x pp_size x dp ------------
@@ -31,7 +36,7 @@ NHIDDEN=${NHIDDEN:-1024}
 NHEADS=${NHEADS:-16}
 SEQLEN=${SEQLEN:-1024}
 
-# ---- batch: global batch = BATCHSIZE x GAS x dp -----------------------------------------
+# ---- batch: global batch = BATCHSIZE x GAS x dp (at NNODES; kept on fewer nodes) ------
 BATCHSIZE=${BATCHSIZE:-4}             # micro-batch per process
 GAS=${GAS:-8}                         # gradient accumulation (= micro-batches per pipeline step)
 TRAIN_ITERS=${TRAIN_ITERS:-100000}
@@ -54,17 +59,19 @@ COMPILE=${COMPILE:-0}                 # 1: torch.compile each transformer layer
 source "$script_dir/launch_common.sh"
 megatron_precision_and_deepspeed_args
 megatron_speed_args
+megatron_batch_args
+megatron_fault_args
 
 gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
   --seq-length $SEQLEN --max-position-embeddings $SEQLEN \
-  --batch-size $BATCHSIZE --gas $GAS --train-iters $TRAIN_ITERS \
+  $batch_args --train-iters $TRAIN_ITERS \
   --lr $LR --min-lr 1.0e-5 --lr-decay-style cosine --warmup 0.01 --weight-decay 0.01 \
   --clip-grad 1.0 --hidden-bias $speed_args \
   --data-path $DATA_PATH --data-impl mmap --split 949,50,1 \
   --tokenizer-type GPT2BPETokenizer --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE \
   --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --save-interval 1000 \
   --log-interval 10 --eval-interval 1000 --eval-iters 10 \
-  $precision_args $ds_args $EXTRA_ARGS"
+  $precision_args $ds_args $fault_args $EXTRA_ARGS"
 
 megatron_launch "$repo/pretrain_gpt2.py" "$gpt_args"

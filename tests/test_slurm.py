@@ -4,7 +4,9 @@ trains to the same losses as a single-node run of the same script (GPT-2: 2 x 2 
 2 x 1 vs 2)."""
 import glob
 import os
+import re
 import subprocess
+import time
 
 import pytest
 
@@ -83,3 +85,66 @@ def test_t5_sbatch_two_nodes_match_one_node(slurm, t5_data, tmp_path):
     texts = _sbatch("examples/slurm/t5.sbatch", env, tmp_path / "job")
     assert "2 nodes x 1 processes" in texts[0], texts[0]
     assert len(one) == 3 and log_losses(texts) == one
+
+
+def _job_state(job, env):
+    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True,
+                         text=True, timeout=30).stdout
+    state = re.search(r"JobState=(\w+)", out)
+    restarts = re.search(r"Restarts=(\d+)", out)
+    return (state.group(1) if state else None), int(restarts.group(1)) if restarts else 0
+
+
+@pytest.mark.slow
+def test_usr1_saves_exits_0_and_the_job_requeues_itself_and_finishes(slurm, gpt2_data,
+                                                                      tmp_path):
+    """Slurm's warning signal (here sent at once with scancel --signal=USR1, which like
+    --signal=USR1@120 reaches the job step's processes, not the batch shell): the run saves
+    and exits 0, the script requeues the job, the requeued job resumes and finishes."""
+    iters = 60  # ~0.1 s a step: the signal lands mid-run, the resumed run is short
+    env = launch_env(gpt2_data, tmp_path, GPUS_PER_NODE="2", mp_size="1", pp_size="1",
+                     TRAIN_ITERS=str(iters), **slurm)
+    env = {k: v for k, v in env.items() if k not in DERIVED}
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    env.update(RUN_DIR=str(job_dir))
+    submit = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1",
+         "--cpus-per-task=1", "--gpus-per-node=0", "--time=15", "--open-mode=append",
+         f"--output={job_dir}/job.out", "examples/slurm/gpt2.sbatch"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    log = job_dir / "logs" / f"{job}-node0.log"
+    deadline = time.monotonic() + 300
+    try:
+        while not (log.exists() and re.search(r"iteration\s+3/", log.read_text())):
+            assert time.monotonic() < deadline, (job_dir / "job.out").read_text()[-3000:]
+            time.sleep(0.2)
+        subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
+        state, restarts, released = None, 0, False
+        while state != "COMPLETED":
+            state, restarts = _job_state(job, env)
+            assert state not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), state
+            if state == "PENDING" and restarts and not released:
+                # Slurm holds a requeued job back (its begin time is set ~2 min ahead): a
+                # scheduling policy, not part of what is tested; let it start now
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                               env=env, timeout=30)
+                released = True
+            assert time.monotonic() < deadline, (state, log.read_text()[-3000:])
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job], env=env, timeout=30)
+    text, out = log.read_text(), (job_dir / "job.out").read_text()
+    assert restarts == 1, (restarts, out[-3000:])
+    stop = re.search(r"> preempted: SIGUSR1 received by rank \d; stopped at iteration (\d+)",
+                     text)
+    assert stop, text[-3000:]
+    at = int(stop.group(1))
+    assert 3 <= at < iters
+    assert f"stopped on a signal (iteration {at} signal SIGUSR1" in out, out[-3000:]
+    assert re.search(rf"> loaded checkpoint from \S+ at iteration {at}\b", text), text[-3000:]
+    ckpt = job_dir / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(iters)
+    assert not (ckpt / "preempted.txt").exists()

@@ -25,6 +25,8 @@ slurm_launch() {
   # differ by a multiple of 20000).
   export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
   export GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+  # The rendezvous is per job: a requeued job (same id) starts a fresh one.
+  export RDZV_ID=${RDZV_ID:-slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}}
   export LAUNCHER=torchrun  # srun already starts one launcher per node
 
   # The job's folders: checkpoints keyed by job name, so a resubmitted job resumes; logs and
@@ -37,8 +39,21 @@ slurm_launch() {
 
   echo "slurm job $SLURM_JOB_ID: $NNODES nodes x $GPUS_PER_NODE processes, master" \
        "$MASTER_ADDR:$MASTER_PORT, checkpoints $CHECKPOINT_PATH, logs $log_dir"
-  # --kill-on-bad-exit: one failing node ends the job instead of leaving the others waiting
-  # in a collective until the timeout.
-  srun --ntasks="$NNODES" --kill-on-bad-exit=1 --output="$log_dir/%j-node%t.log" \
+  # --kill-on-bad-exit=1 (when every node is needed, MIN_NODES = NNODES): one failing node
+  # ends the job instead of leaving the others waiting in a collective until the timeout.
+  # With MIN_NODES < NNODES the torchrun agents of the remaining nodes go on without it.
+  local kill_on_bad_exit=1
+  [ "${MIN_NODES:-1}" -lt "$NNODES" ] && kill_on_bad_exit=0
+  rm -f "$CHECKPOINT_PATH/preempted.txt"
+  srun --ntasks="$NNODES" --kill-on-bad-exit=$kill_on_bad_exit \
+    --output="$log_dir/%j-node%t.log" \
     bash -c 'NODE_RANK=$SLURM_PROCID exec bash "$0"' "$run_script"
+  # A run stopped by SIGUSR1/SIGTERM saved, left this marker and exited 0: requeue the job
+  # (same job id and name), which resumes from the checkpoint (--load = --save).
+  if [ -f "$CHECKPOINT_PATH/preempted.txt" ]; then
+    echo "stopped on a signal ($(cat "$CHECKPOINT_PATH/preempted.txt")): requeueing job" \
+         "$SLURM_JOB_ID"
+    rm -f "$CHECKPOINT_PATH/preempted.txt"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
 }

@@ -136,6 +136,28 @@ def add_checkpoint_args(parser):
                    help="load weights only and start at iteration 0")
 
 
+def add_fault_tolerance_args(parser):
+    g = parser.add_argument_group("fault tolerance (docs/fault_tolerance.md)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM or SIGUSR1 (Slurm's --signal=USR1@120) to any rank, every "
+                        "rank saves at the next step boundary and the run exits 0")
+    g.add_argument("--exit-signal-check-interval", type=int, default=1,
+                   help="steps between the ranks' agreements on a received signal (one "
+                        "host-side all-reduce of one integer each time)")
+    g.add_argument("--async-save", action="store_true",
+                   help="snapshot each checkpoint to host memory and write it on a background "
+                        "thread while training goes on")
+    g.add_argument("--step-timeout", type=float, default=None,
+                   help="seconds without a finished step before a watchdog prints the stuck "
+                        "rank's stack and ends it (non-zero); off by default")
+    g.add_argument("--startup-timeout", type=float, default=None,
+                   help="seconds from start-up to the end of the first step (default: 10 x "
+                        "--step-timeout, at least 300)")
+    g.add_argument("--save-timeout", type=float, default=None,
+                   help="seconds a checkpoint save may take (default: 10 x --step-timeout, at "
+                        "least 300)")
+
+
 def add_logging_args(parser):
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
@@ -173,4 +195,5 @@ def add_speed_args(parser):
 
 
 ADD_GROUPS = (add_model_args, add_parallel_args, add_training_args, add_data_args,
-              add_checkpoint_args, add_logging_args, add_kernel_args, add_speed_args)
+              add_checkpoint_args, add_fault_tolerance_args, add_logging_args, add_kernel_args,
+              add_speed_args)

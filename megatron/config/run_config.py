@@ -256,10 +256,34 @@ class CheckpointConfig(Section):
     exit_interval: Optional[int]
 
 
+@dataclass(frozen=True)
+class FaultConfig(Section):
+    """Surviving the cluster: signal stops, background saves, hang detection (``cfg.faults``;
+    docs/fault_tolerance.md)."""
+
+    exit_signal_handler: bool
+    """SIGTERM / SIGUSR1 on any rank: save at the next step boundary and exit 0."""
+    exit_signal_check_interval: int
+    """Steps between the ranks' agreements on a received signal."""
+    async_save: bool
+    """Checkpoints are snapshotted to host memory and written by a background thread."""
+    step_timeout: Optional[float]
+    """Seconds a step may take before the watchdog ends the process (None: no watchdog)."""
+    startup_timeout: Optional[float]
+    """Seconds from start-up to the first step's end (derived from step_timeout)."""
+    save_timeout: Optional[float]
+    """Seconds a save may take (derived from step_timeout)."""
+
+    DEFAULTS: ClassVar[Dict[str, Any]] = {
+        "exit_signal_handler": False, "exit_signal_check_interval": 1, "async_save": False,
+        "step_timeout": None, "startup_timeout": None, "save_timeout": None}
+
+
 #: ``cfg.<name>`` -> its section class.
 SECTIONS = {"parallel": ParallelDims, "precision": PrecisionConfig, "optim": OptimizerConfig,
             "batch": BatchConfig, "model": ModelDims, "data": DataConfig,
-            "kernels": KernelConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig}
+            "kernels": KernelConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig,
+            "faults": FaultConfig}
 
 
 class RunConfig:

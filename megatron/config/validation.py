@@ -138,6 +138,32 @@ def _intervals(args, problems):
         problems.append(f"--save-interval must be >= 1, got {args.save_interval}")
 
 
+def _faults(args, problems):
+    """Signal stops, background saves and the watchdog (docs/fault_tolerance.md)."""
+    if args.exit_signal_check_interval < 1:
+        problems.append(f"--exit-signal-check-interval must be >= 1, got "
+                        f"{args.exit_signal_check_interval}")
+    if args.exit_signal_handler and not args.save:
+        problems.append("--exit-signal-handler needs --save (a stop on a signal saves there, "
+                        "and the requeued run resumes from it with --load = --save)")
+    if args.async_save and not args.save:
+        problems.append("--async-save needs --save (the folder the background writer fills)")
+    for flag in ("step_timeout", "startup_timeout", "save_timeout"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            problems.append(f"--{flag.replace('_', '-')} must be > 0 seconds, got {value}")
+    if args.step_timeout is None:
+        if args.startup_timeout is not None or args.save_timeout is not None:
+            problems.append("--startup-timeout / --save-timeout need --step-timeout (the "
+                            "watchdog is off without it)")
+        return
+    # Start-up (model build, data index, resume) and a save of a large model take far
+    # longer than a step: by default they get ten steps' worth, and at least five minutes.
+    floor = max(10 * args.step_timeout, 300.0)
+    args.startup_timeout = args.startup_timeout or floor
+    args.save_timeout = args.save_timeout or floor
+
+
 def _split(args, problems):
     parts = args.split.replace("/", ",").split(",")
     try:
@@ -271,7 +297,7 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
     problems = []
     from .speed_flags import validate_speed
 
-    for check in (_parallel, _model, _batch, _optim, _data, _intervals, _split, _wandb,
+    for check in (_parallel, _model, _batch, _optim, _data, _intervals, _faults, _split, _wandb,
                   _sequence_parallel, validate_speed):
         check(args, problems)
     if family is not None:

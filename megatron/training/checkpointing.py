@@ -85,7 +85,27 @@ def _main_state(iteration, backend, cfg, train_state, rng_states):
     return state
 
 
-def save_checkpoint(iteration, backend, cfg, train_state):
+def _write_file(path, state):
+    """One complete file (atomically: a killed writer leaves no half file)."""
+    write_atomic(path, lambda tmp: torch.save(state, tmp))
+
+
+def _publish(root, tmp_root, iteration):
+    """Rank 0, once every rank's files are complete: folder into place, then the tracker."""
+    publish_iteration(root, tmp_root, iteration)
+    print(f"> saved checkpoint at iteration {iteration} to {root}", flush=True)
+
+
+def new_async_writer():
+    """Collective: the background writer of ``--async-save`` (:mod:`.async_save`)."""
+    from .async_save import AsyncCheckpointWriter
+
+    # through the module's names, so a test's patch of publish_iteration reaches the writer
+    return AsyncCheckpointWriter(lambda path, state: _write_file(path, state),
+                                 lambda *a: _publish(*a))
+
+
+def save_checkpoint(iteration, backend, cfg, train_state, writer=None):
     """Write a complete checkpoint for ``iteration`` (collective: every rank calls it).
 
     Data-parallel rank 0 of each (tp, pp) writes the model, schedule, RNG and progress. A
@@ -97,7 +117,12 @@ def save_checkpoint(iteration, backend, cfg, train_state):
         backend: the :class:`~megatron.training.backend.TrainingBackend`.
         cfg: the run configuration (saved, and checked when loading).
         train_state: object with ``consumed_train_samples`` / ``consumed_valid_samples``.
+        writer: an :class:`~.async_save.AsyncCheckpointWriter` (``--async-save``): the
+            files are snapshotted and written in the background (the previous background
+            write is waited for first); None writes them before returning.
     """
+    if writer is not None:
+        writer.wait()  # one write at a time; raises if the previous one failed
     root = cfg.checkpoint.save
     tmp_root = os.path.join(root, ".tmp")
     rng_states = _gather_rng_states()
@@ -107,15 +132,19 @@ def save_checkpoint(iteration, backend, cfg, train_state):
     dist.barrier()
     tp, pp, dp = (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
                   mpu.get_data_parallel_rank())
-    path = checkpoint_name(tmp_root, iteration, tp, pp)
+    files = []
     if dp == 0:
         state = _main_state(iteration, backend, cfg, train_state, rng_states)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(path, lambda tmp: torch.save(state, tmp))
+        files.append((checkpoint_name(tmp_root, iteration, tp, pp), state))
     if backend.state_io.sharded and not cfg.checkpoint.no_save_optim:
-        shard = optimizer_shard_name(tmp_root, iteration, tp, pp, dp)
-        os.makedirs(os.path.dirname(shard), exist_ok=True)
-        write_atomic(shard, lambda tmp: torch.save(backend.state_io.state_dict(), tmp))
+        files.append((optimizer_shard_name(tmp_root, iteration, tp, pp, dp),
+                      backend.state_io.state_dict()))
+    if writer is not None:
+        writer.submit(root, tmp_root, iteration, files)
+        return
+    for path, state in files:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _write_file(path, state)
     dist.barrier()
     if dist.get_rank() == 0:
         publish_iteration(root, tmp_root, iteration)

@@ -25,9 +25,10 @@ from ..initialize import initialize_megatron
 from ..memory.check import startup_memory_check
 from ..utils import print_rank_0
 from .backend_factory import build_backend
-from .checkpointing import load_checkpoint, save_checkpoint
+from .checkpointing import load_checkpoint
 from .data_iterators import build_train_valid_test_data_iterators, close_iterators
 from .divergence import check_pending, check_weights
+from .fault_tolerance import RunGuard
 from .training_log import log_evaluation, log_training_step
 
 
@@ -110,8 +111,10 @@ def _every(iteration, interval):
     return bool(interval) and iteration % interval == 0
 
 
-def train(forward_step_func, backend, train_iterator, valid_iterator, cfg, state):
-    """Run steps until ``--train-iters``, logging, evaluating and saving on the way."""
+def train(forward_step_func, backend, train_iterator, valid_iterator, cfg, state, guard=None):
+    """Run steps until ``--train-iters``, logging, evaluating and saving on the way (and
+    stopping early when ``guard``, a :class:`~.fault_tolerance.RunGuard`, says so)."""
+    guard = guard or RunGuard.inactive(cfg)
     timers, writer = get_timers(), get_tensorboard_writer()
     log, ckpt, iters = cfg.logging, cfg.checkpoint, cfg.batch.train_iters
     backend.train()
@@ -129,16 +132,19 @@ def train(forward_step_func, backend, train_iterator, valid_iterator, cfg, state
         if _every(state.iteration, log.log_interval) or state.iteration == iters:
             _flush_interval(cfg, state, pending, backend, timers, writer)
             pending = []
-        if state.do_valid and log.eval_iters and _every(state.iteration, log.eval_interval):
-            loss = evaluate(forward_step_func, valid_iterator, backend, cfg)
+        stop = guard.step_done(state.iteration)  # a signal stop, agreed by every rank
+        if state.do_valid and log.eval_iters and _every(state.iteration, log.eval_interval) \
+                and not stop:
+            with guard.evaluating(state.iteration):
+                loss = evaluate(forward_step_func, valid_iterator, backend, cfg)
             state.consumed_valid_samples += log.eval_iters * cfg.batch.global_batch_size
             state.eval_losses.append((state.iteration, loss))
             log_evaluation(cfg, state.iteration, "validation", loss, writer)
-        if ckpt.save and _every(state.iteration, ckpt.save_interval):
+        if ckpt.save and (_every(state.iteration, ckpt.save_interval) or stop):
             check_pending(cfg, state.iteration, pending)
             check_weights(cfg, state.iteration, backend.model)
-            save_checkpoint(state.iteration, backend, cfg, state)
-        if _every(state.iteration, ckpt.exit_interval):
+            guard.save(state.iteration, backend, cfg, state)
+        if stop or _every(state.iteration, ckpt.exit_interval):
             break
     if pending:
         _flush_interval(cfg, state, pending, backend, timers, writer)
@@ -201,21 +207,33 @@ def pretrain(train_valid_test_dataset_provider=None, model_provider=None,
     flops = family.flops_per_step(cfg) if family is not None else None
     state = TrainState(flops_per_step=flops or 0.0)
     startup_memory_check(cfg, flops)  # before the model is allocated
+    guard = RunGuard(cfg)  # signal stops, --async-save, --step-timeout
+    try:
+        _run(cfg, guard, state, dataset_provider, model_provider, forward_step_func, batch_fn)
+    finally:
+        guard.close()
+    return state
+
+
+def _run(cfg, guard, state, dataset_provider, model_provider, forward_step_func, batch_fn):
+    """Build, resume, train, save, test (the body of :func:`pretrain`)."""
     backend = build_backend(cfg, model_provider, batch_fn)
     state.iteration = load_checkpoint(backend, cfg, state)
     train_it, valid_it, test_it = build_train_valid_test_data_iterators(
         dataset_provider, cfg, state)
     print_rank_0(f"> training from iteration {state.iteration} to {cfg.batch.train_iters}")
     start = state.iteration
-    train(forward_step_func, backend, train_it, valid_it, cfg, state)
+    train(forward_step_func, backend, train_it, valid_it, cfg, state, guard)
     ckpt = cfg.checkpoint
-    if ckpt.save and state.iteration > start and not _every(state.iteration, ckpt.save_interval):
+    if ckpt.save and state.iteration > start and guard.stopped_at is None and \
+            not _every(state.iteration, ckpt.save_interval):
         check_weights(cfg, state.iteration, backend.model)
-        save_checkpoint(state.iteration, backend, cfg, state)
-    if state.do_test and cfg.logging.eval_iters:
-        loss = evaluate(forward_step_func, test_it, backend, cfg)
+        guard.save(state.iteration, backend, cfg, state)
+    if state.do_test and cfg.logging.eval_iters and guard.stopped_at is None:
+        with guard.evaluating(state.iteration):
+            loss = evaluate(forward_step_func, test_it, backend, cfg)
         log_evaluation(cfg, state.iteration, "test", loss, get_tensorboard_writer())
+    guard.finish()  # waits for a background save; says so after a signal stop
     close_iterators((train_it, valid_it, test_it))
     if get_tensorboard_writer() is not None:
         get_tensorboard_writer().close()  # complete event / W&B run files before returning
-    return state

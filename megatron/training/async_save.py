@@ -1,0 +1,163 @@
+"""``--async-save``: snapshot a checkpoint to host memory, write it on a background thread.
+
+The training thread copies every tensor of the rank's files to host memory (pinned on a GPU,
+the copies queued on the current stream, so later updates of the weights cannot overtake
+them and the training thread never waits for them) and goes on training. A writer thread
+waits for the copies, writes the files through the same atomic ``write_atomic``, then agrees
+with the other ranks' writers on a gloo group (one all-reduce: did every rank write all its
+files?). Only then does rank 0 publish the folder and rewrite the tracker
+(``publish_iteration``), so a crash at any moment of a background write leaves the previous
+checkpoint as the one resume picks. The next save and the end of the run wait for the
+writer (:meth:`AsyncCheckpointWriter.wait`), which raises if any rank's writer failed.
+
+Cost: one host copy of the rank's checkpoint stays alive during the write (host memory of
+the checkpoint's size), and each save still does a few small collectives on the training
+thread (RNG states, the temporary folder) as a synchronous save does.
+"""
+import os
+import threading
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from .host_group import new_host_group
+
+
+def snapshot(obj, pin: bool, reuse=None):
+    """A copy of ``obj`` with every tensor copied to host memory (nested dicts, lists,
+    tuples; other values as they are).
+
+    Args:
+        obj: a state dict.
+        pin: allocate the copies of device tensors in pinned memory (asynchronous copies).
+        reuse: the previous save's snapshot of the same state, already written: its host
+            tensors are filled again where shape and dtype match (allocating, and pinning,
+            hundreds of MB at every save costs more than the copy).
+    """
+    if torch.is_tensor(obj):
+        src = obj.detach()
+        if torch.is_tensor(reuse) and reuse.shape == src.shape and reuse.dtype == src.dtype \
+                and reuse.is_contiguous() and reuse.device.type == "cpu" and \
+                (src.device.type == "cpu" or reuse.is_pinned() == pin):
+            return reuse.copy_(src, non_blocking=pin and src.device.type != "cpu")
+        if src.device.type == "cpu":
+            return src.clone(memory_format=torch.contiguous_format)
+        out = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+        return out.copy_(src, non_blocking=pin)
+    if isinstance(obj, dict):
+        old = reuse if isinstance(reuse, dict) else {}
+        return type(obj)((k, snapshot(v, pin, old.get(k))) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else None
+        items = [snapshot(v, pin, old[i] if old is not None else None)
+                 for i, v in enumerate(obj)]
+        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+    return obj
+
+
+def _has_device_tensors(obj) -> bool:
+    if torch.is_tensor(obj):
+        return obj.device.type != "cpu"
+    if isinstance(obj, dict):
+        return any(_has_device_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_device_tensors(v) for v in obj)
+    return False
+
+
+class AsyncCheckpointWriter:
+    """Writes one checkpoint at a time in the background; collective where noted.
+
+    Args:
+        write_file: ``write_file(path, state)`` writes one complete file (atomically).
+        publish: ``publish(root, tmp_root, iteration)``, called on rank 0 once every rank's
+            files are complete.
+    """
+
+    def __init__(self, write_file: Callable[[str, dict], None],
+                 publish: Callable[[str, str, int], None]):
+        self._write_file, self._publish = write_file, publish
+        self._group = new_host_group()  # the writers' own: never interleaves with training
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[str] = None
+        self.iteration: Optional[int] = None
+        self.seconds = 0.0  # how long the last background write took (files + publication)
+        self._buffers: List[dict] = []  # the last snapshot, refilled by the next save
+
+    def submit(self, root: str, tmp_root: str, iteration: int,
+               files: List[Tuple[str, dict]]) -> None:
+        """Snapshot ``files`` (``(path, state)`` pairs; none on a rank that writes nothing)
+        and start writing them. Every rank calls it for every save (its writer joins the
+        all-reduce of the save). The previous write must have been waited for."""
+        assert self._thread is None, "wait() for the previous checkpoint first"
+        device = any(_has_device_tensors(state) for _, state in files)
+        pin = device and torch.cuda.is_available()
+        old = self._buffers if len(self._buffers) == len(files) else [None] * len(files)
+        copies = [(path, snapshot(state, pin, prev)) for (path, state), prev in zip(files, old)]
+        self._buffers = [state for _, state in copies]
+        ready = None
+        if pin:  # the writer waits for the queued copies, the training thread does not
+            ready = torch.cuda.Event()
+            ready.record()
+        self.iteration = iteration
+        self._thread = threading.Thread(
+            target=self._run, args=(root, tmp_root, iteration, copies, ready),
+            name=f"checkpoint-writer-{iteration}", daemon=True)
+        self._thread.start()
+
+    def _run(self, root, tmp_root, iteration, copies, ready):
+        start = time.perf_counter()
+        error = None
+        try:
+            if ready is not None:
+                ready.synchronize()
+            for path, state in copies:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self._write_file(path, state)
+        except Exception as exc:  # reported by wait(), on the training thread
+            error = f"{type(exc).__name__}: {exc}"
+        failed = self._failed_ranks(error is not None)
+        if error is None and failed:
+            error = f"rank(s) {failed} could not write their files (their logs say why)"
+        if error is None and (not dist.is_initialized() or dist.get_rank() == 0):
+            try:
+                self._publish(root, tmp_root, iteration)
+            except Exception as exc:
+                error = f"publishing the checkpoint failed: {type(exc).__name__}: {exc}"
+        self._error = error
+        self.seconds = time.perf_counter() - start
+
+    def _failed_ranks(self, failed: bool) -> List[int]:
+        """Writer-side collective: the ranks whose writes failed."""
+        if self._group is None:
+            return [0] if failed else []
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
+        flags[dist.get_rank()] = int(failed)
+        dist.all_reduce(flags, group=self._group)
+        return [r for r, f in enumerate(flags.tolist()) if f]
+
+    @property
+    def busy(self) -> bool:
+        """A write was submitted and not yet waited for."""
+        return self._thread is not None
+
+    def wait(self) -> None:
+        """Block until the submitted write is complete and published.
+
+        Raises:
+            CheckpointError: this rank's writer (or another rank's) failed; the tracker still
+                names the previous complete checkpoint.
+        """
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(
+                f"the background write of the checkpoint of iteration {self.iteration} "
+                f"failed: {error}; the tracker still names the previous complete checkpoint "
+                f"(free disk space or fix the --save folder, then resume from it)")
