@@ -31,6 +31,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if not isinstance(num_virtual_stages, int) or num_virtual_stages < 1:
             raise ValueError(f"PipelineModule: num_virtual_stages must be a positive integer, "
                              f"got {num_virtual_stages!r}")
+        if num_virtual_stages > 1 and kwargs.get("seed_layers"):
+            raise ValueError("PipelineModule: seed_layers is not supported with virtual "
+                             "stages; seed the layers in their constructors")
         object.__setattr__(self, "num_virtual_stages", num_virtual_stages)
         object.__setattr__(self, "chunk_bounds", [])
         super().__init__(layers, *args, **kwargs)
@@ -108,6 +111,10 @@ class PipelineModule(_DeepSpeedPipelineModule):
     def forward_chunk(self, j: int, inputs):
         """Run local chunk ``j`` (global chunk ``j p + stage_id``) on ``inputs``.
 
+        DeepSpeed's forward, with each block's layers bound when the block runs: its
+        recompute closure reads ``self.forward_funcs`` only in backward, when another
+        chunk may be selected.
+
         Args:
             j: local chunk index, 0 .. v - 1.
             inputs: the chunk's input (tuple of tensors).
@@ -115,10 +122,30 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if self.num_virtual_stages == 1:
             return self(inputs)
         self._select_chunk(j)
-        return _DeepSpeedPipelineModule.forward(self, inputs)
+        funcs, interval = self.chunk_funcs[j], self.activation_checkpoint_interval
+        if interval == 0:
+            return _run_layers(funcs)(inputs)
+        x = inputs
+        for start, checkpointable in zip(range(0, len(funcs), interval),
+                                         self.is_checkpointable_results):
+            block = _run_layers(funcs[start:start + interval])
+            x = x if isinstance(x, tuple) else (x,)
+            x = self.activation_checkpoint_func(block, *x) if checkpointable else block(*x)
+        return x
 
     def forward(self, forward_input):
         if self.num_virtual_stages > 1:
             raise RuntimeError("a PipelineModule with virtual stages runs one chunk at a time: "
                                "call forward_chunk(j, inputs) (the pipeline engine does)")
         return super().forward(forward_input)
+
+
+def _run_layers(layers):
+    """``f(*inputs)`` running ``layers`` in turn (a single input is passed unwrapped)."""
+    def run(*inputs):
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return run
