@@ -11,8 +11,11 @@ STACKS = {"gpt2": 1, "t5": 2}
 
 
 def num_layers(family, pp, v):
-    """--num-layers giving one transformer layer per chunk (T5: p v / 2 per stack)."""
-    return pp * v // STACKS[family]
+    """The smallest --num-layers splitting into p v equal chunks: one layer per chunk
+    (T5: p v / 2 per stack), or for T5 with p v odd two per chunk, one chunk then holding
+    the last encoder and the first decoder layer."""
+    stacks = STACKS[family]
+    return pp * v // stacks if pp * v % stacks == 0 else pp * v
 
 
 def family_argv(family, data, layers, *extra):
