@@ -40,10 +40,10 @@ def train_many(family, runs):
     """Rank body: ``pretrain_<family>.main(argv)`` for each argv in turn, in one process.
 
     Returns:
-        per run, the per-step losses.
+        per run, ``(per-step losses, [(iteration, validation loss)])``.
     """
     main = importlib.import_module(ENTRY[family]).main
-    return [main(argv).losses for argv in runs]
+    return [(state.losses, state.eval_losses) for state in map(main, runs)]
 
 
 class SerialReferences:
@@ -65,7 +65,7 @@ class SerialReferences:
                                 "--save", str(root / f"l{layers}_b{batch}"), "--no-save-optim")
                     for layers, batch in missing]
             losses = run_distributed(train_many, 1, family, runs, timeout=400)[0]
-            for (layers, batch), curve in zip(missing, losses):
+            for (layers, batch), (curve, _) in zip(missing, losses):
                 weights = read_native(str(root / f"l{layers}_b{batch}")).state
                 self.cache[(family, layers, batch)] = (curve, weights)
         return {k: self.cache[(family, *k)] for k in keys}

@@ -109,8 +109,8 @@ def _check(family, serial_refs, tmp_path, world, layouts):
         serial, serial_weights = refs[key]
         assert serial[-1] != serial[0]  # the weights move (3 tiny steps need not lower it)
         for rank, curves in enumerate(per_rank):
-            diff = max(abs(a - b) / abs(b) for a, b in zip(curves[i], serial))
-            assert diff < TOL, (family, layout, rank, curves[i], serial)
+            diff = max(abs(a - b) / abs(b) for a, b in zip(curves[i][0], serial))
+            assert diff < TOL, (family, layout, rank, curves[i][0], serial)
         weights = read_native(str(tmp_path / f"run{i}")).state  # gathered from every rank
         assert weights.keys() == serial_weights.keys()
         for name, tensor in weights.items():
@@ -172,12 +172,14 @@ def _point_tracker(root, iteration):
 def _resume_chain(family, data, tmp_path, layers, extra=()):
     """1F1B for 6 steps (saving every 2); interleaved v = 2 from its step-2 checkpoint to
     step 4; 1F1B again from the interleaved step-4 checkpoint to step 6. Optimizer state,
-    LR schedule and data position travel through the layout-change loader."""
+    LR schedule and data position travel through the layout-change loader. Validation at
+    steps 4 and 6 compares the interleaved evaluation with DeepSpeed's inference schedule."""
     def run(v, steps, *flags):
         argv = family_argv(family, data, layers, *layout_flags(1, 2, v, 4), "--train-iters",
-                           str(steps), "--lr-decay-iters", "6", "--save-interval", "2", *extra,
-                           *flags)
-        return run_distributed(train_many, 2, family, [argv], timeout=400)
+                           str(steps), "--lr-decay-iters", "6", "--save-interval", "2",
+                           "--eval-interval", "2", "--eval-iters", "2", *extra, *flags)
+        return [result[0] for result in run_distributed(train_many, 2, family, [argv],
+                                                        timeout=400)]
 
     one_f_one_b, interleaved = tmp_path / "1f1b", tmp_path / "interleaved"
     full = run(1, 6, "--save", str(one_f_one_b))
@@ -189,6 +191,10 @@ def _resume_chain(family, data, tmp_path, layers, extra=()):
         assert len(resumed) == 4
         diff = max(abs(a - b) / abs(b) for a, b in zip(resumed, reference[2:]))
         assert diff < TOL, (family, rank, reference, resumed)
+        evals, resumed_evals = dict(full[rank][1]), dict(middle[rank][1] + back[rank][1])
+        assert sorted(resumed_evals) == [4, 6], resumed_evals
+        for step, loss in resumed_evals.items():
+            assert abs(loss - evals[step]) / abs(evals[step]) < TOL, (step, evals, resumed_evals)
 
 
 def test_gpt2_resume_1f1b_to_interleaved_and_back(gpt2_data, tmp_path):
@@ -210,12 +216,12 @@ def test_interleaved_checkpoint_resumes_at_other_layouts(gpt2_data, tmp_path):
 
     root = tmp_path / "interleaved"
     full = run_distributed(train_many, 2, "gpt2", [argv(1, 2, 2, 4, "--save", str(root),
-                                                        "--save-interval", "4")])[0][0]
+                                                        "--save-interval", "4")])[0][0][0]
     _point_tracker(root, 4)
     for world, (tp, pp, v, m) in ((2, (2, 1, 1, 4)), (4, (1, 4, 1, 4)), (4, (2, 2, 2, 4)),
                                   (4, (1, 2, 2, 2))):
         resumed = run_distributed(train_many, world, "gpt2",
                                   [argv(tp, pp, v, m, "--load", str(root))])
-        for rank, (losses,) in enumerate(resumed):
+        for rank, ((losses, _),) in enumerate(resumed):
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, full[4:]))
             assert len(losses) == 2 and diff < TOL, ((tp, pp, v, m), rank, losses, full)

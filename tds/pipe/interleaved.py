@@ -21,11 +21,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from .boundary import HEADER_SIZE, _decode, _encode, _side_effect_free
+from .boundary import _ERROR, HEADER_SIZE, _decode, _encode, _side_effect_free
 from .runner import Boundary, ScheduleRunner, StageCallbacks
 from .schedules import interleaved_1f1b
-
-_ERROR = 2
 
 
 def probe_chunks(engine, first_inputs) -> List[Boundary]:
@@ -101,6 +99,7 @@ class InterleavedStep(StageCallbacks):
         self.stage_ranks = [engine.grid.stage_to_global(s) for s in range(self.pp_size)]
         self.boundaries: Optional[List[Boundary]] = None
         self.runner: Optional[ScheduleRunner] = None
+        self.runner_mbs = 0
         self.saved: Dict[Tuple[int, int], tuple] = {}
 
     # ------------------------------------------------------------ setup
