@@ -122,10 +122,10 @@ def _check(family, serial_refs, tmp_path, world, layouts):
 GPT2_LAYOUTS = [
     (2, 2, 2, 2, ("--sequence-parallel", "--checkpoint-activations")),
     (1, 4, 2, 8, ()),
-    (1, 2, 3, 5, ("--zero-stage", "1")),  # dp 2
+    (1, 2, 3, 5, ("--zero-stage", "1")),  # dp 2, ZeRO-1
 ]
 T5_LAYOUTS = [
-    (1, 2, 2, 5, ("--zero-stage", "1")),  # dp 2
+    (1, 2, 2, 5, ()),  # dp 2: the engine's data-parallel all-reduce
     (1, 4, 2, 4, ("--checkpoint-activations",)),
     (2, 2, 3, 4, ("--sequence-parallel",)),
 ]
