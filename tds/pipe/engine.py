@@ -13,6 +13,11 @@ restored afterwards and the batch is put back). A tuple that breaks the contract
 length, wrong kind, a partitioned size that does not divide tp) is then a ValueError
 naming the position on every rank, instead of a hang between two stages. After that, no
 per-step metadata travels.
+
+A module built with ``num_virtual_stages`` v > 1 (tds's ``PipelineModule``: v chunks per
+rank) trains with interleaved 1F1B through ``tds.pipe.runner`` instead of DeepSpeed's
+schedule (:mod:`tds.pipe.interleaved`); reductions, the optimizer step and the loss
+aggregation stay DeepSpeed's.
 """
 import itertools
 

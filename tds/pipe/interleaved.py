@@ -117,7 +117,7 @@ class InterleavedStep(StageCallbacks):
         return self.runner
 
     # ------------------------------------------------------------ steps
-    def train_batch(self):
+    def train_batch(self) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
 
         Returns:
@@ -140,7 +140,7 @@ class InterleavedStep(StageCallbacks):
             e.agg_train_loss = e._aggregate_total_loss()
         return e.agg_train_loss
 
-    def eval_batch(self, num_micro_batches: int):
+    def eval_batch(self, num_micro_batches: int) -> torch.Tensor:
         """Forward passes of ``num_micro_batches``: each through the p v chunks in turn.
 
         Returns:

@@ -97,7 +97,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
     def _select_chunk(self, j: int):
         """Point DeepSpeed's forward at local chunk ``j`` (its layers and recompute blocks)."""
         self.forward_funcs = self.chunk_funcs[j]
-        self._local_start = self.chunk_bounds[j][0]
+        self._local_start, self._local_stop = self.chunk_bounds[j]
         if self.activation_checkpoint_interval > 0:
             cached = self._chunk_checkpointable[j]
             if cached is None or cached[0] != self.activation_checkpoint_interval:
