@@ -13,6 +13,7 @@ import pytest
 from harness import run_distributed
 from interleaved_runs import (SerialReferences, family_argv, layout_flags, num_layers,
                               train_many)
+from precision import requires_ds_bf16
 
 TOL = 1e-5
 GPT2_FLAGS = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "8",
@@ -225,3 +226,16 @@ def test_interleaved_checkpoint_resumes_at_other_layouts(gpt2_data, tmp_path):
         for rank, ((losses, _),) in enumerate(resumed):
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, full[4:]))
             assert len(losses) == 2 and diff < TOL, ((tp, pp, v, m), rank, losses, full)
+
+
+@pytest.mark.slow
+@pytest.mark.precision
+@requires_ds_bf16
+def test_bf16_interleaved_equals_bf16_1f1b(gpt2_data):
+    """DeepSpeed's bf16 optimizer through both pipeline paths: the same steps (chunks skip
+    engine.forward, whose hooks would clear the bf16 gradients before each backward)."""
+    runs = [family_argv("gpt2", gpt2_data, 4, *layout_flags(1, 2, v, 4), "--bf16")
+            for v in (1, 2)]
+    for (one_f_one_b, _), (interleaved, _) in run_distributed(train_many, 2, "gpt2", runs):
+        diff = max(abs(a - b) / abs(b) for a, b in zip(interleaved, one_f_one_b))
+        assert diff < 1e-6, (one_f_one_b, interleaved)  # 1e-4 when the gradients add twice

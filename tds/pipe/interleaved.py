@@ -198,6 +198,8 @@ class InterleavedStep(StageCallbacks):
         e = self.engine
         inputs, outputs = self.saved.pop((chunk, mb))
         if chunk == self.num_chunks - 1:
+            if e.using_bf16_optimizer:  # the forward hooks that would clear them are not
+                e.optimizer.clear_lp_grads()  # registered: chunks bypass engine.forward
             DeepSpeedEngine.backward(e, outputs)  # the loss: gas and fp16 scaling as 1F1B
         else:
             pairs = [(t, g) for t, g in zip(outputs, output_grads)
