@@ -209,8 +209,9 @@ def test_t5_resume_1f1b_to_interleaved_and_back(t5_data, tmp_path):
 
 @pytest.mark.slow
 def test_interleaved_checkpoint_resumes_at_other_layouts(gpt2_data, tmp_path):
-    """An interleaved (tp 1, pp 2, v 2) step-4 checkpoint resumes exactly at (tp 2, pp 1),
-    (tp 1, pp 4, v 1), (tp 2, pp 2, v 2) and (pp 2, v 2, dp 2): the same global batch of 4."""
+    """An interleaved (tp 1, pp 2, v 2) step-4 checkpoint resumes exactly at its own layout,
+    (tp 2, pp 1), (tp 1, pp 4, v 1), (tp 2, pp 2, v 2) and (pp 2, v 2, dp 2): the same
+    global batch of 4."""
     def argv(tp, pp, v, m, *flags):
         return family_argv("gpt2", gpt2_data, 4, *layout_flags(tp, pp, v, m), "--train-iters",
                            "6", "--lr-decay-iters", "6", *flags)
@@ -219,8 +220,8 @@ def test_interleaved_checkpoint_resumes_at_other_layouts(gpt2_data, tmp_path):
     full = run_distributed(train_many, 2, "gpt2", [argv(1, 2, 2, 4, "--save", str(root),
                                                         "--save-interval", "4")])[0][0][0]
     _point_tracker(root, 4)
-    for world, (tp, pp, v, m) in ((2, (2, 1, 1, 4)), (4, (1, 4, 1, 4)), (4, (2, 2, 2, 4)),
-                                  (4, (1, 2, 2, 2))):
+    for world, (tp, pp, v, m) in ((2, (1, 2, 2, 4)), (2, (2, 1, 1, 4)), (4, (1, 4, 1, 4)),
+                                  (4, (2, 2, 2, 4)), (4, (1, 2, 2, 2))):
         resumed = run_distributed(train_many, world, "gpt2",
                                   [argv(tp, pp, v, m, "--load", str(root))])
         for rank, ((losses, _),) in enumerate(resumed):
