@@ -29,6 +29,7 @@ HOSTFILE=${HOSTFILE:-$script_dir/hostfile}
 # ---- parallelism: world = GPUS_PER_NODE x NNODES = mp_size x pp_size x dp ------------
 mp_size=${mp_size:-2}                 # tensor parallel
 pp_size=${pp_size:-2}                 # pipeline stages (1 = no pipeline)
+vpp_size=${vpp_size:-1}               # model chunks per pipeline stage (> 1: interleaved 1F1B)
 
 # ---- model -----------------------------------------------------------------------------
 NLAYERS=${NLAYERS:-24}
@@ -63,6 +64,7 @@ megatron_batch_args
 megatron_fault_args
 
 gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
+  --virtual-pipeline-model-parallel-size $vpp_size \
   --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
   --seq-length $SEQLEN --max-position-embeddings $SEQLEN \
   $batch_args --train-iters $TRAIN_ITERS \

@@ -30,6 +30,7 @@ HOSTFILE=${HOSTFILE:-$script_dir/hostfile}
 # ---- parallelism: world = GPUS_PER_NODE x NNODES = mp_size x pp_size x dp ------------
 mp_size=${mp_size:-2}                 # tensor parallel
 pp_size=${pp_size:-2}                 # pipeline stages (1 = no pipeline)
+vpp_size=${vpp_size:-1}               # model chunks per pipeline stage (> 1: interleaved 1F1B)
 
 # ---- model (T5-base sizes; NLAYERS is per stack: encoder and decoder each) -------------
 NLAYERS=${NLAYERS:-12}
@@ -66,6 +67,7 @@ megatron_batch_args
 megatron_fault_args
 
 t5_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
+  --virtual-pipeline-model-parallel-size $vpp_size \
   --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
   --kv-hidden-size $KV_HIDDEN --ff-hidden-size $FF_HIDDEN \
   --enc-seq-length $ENC_SEQLEN --dec-seq-length $DEC_SEQLEN \

@@ -84,7 +84,7 @@ def initialize(*args, batch_fn=None, clip_grad_norm_fn=None, **kwargs):
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed does.
     """
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
-    if not isinstance(model, PipelineModule):
+    if not isinstance(model, _deepspeed.pipe.PipelineModule):  # DeepSpeed's or ours
         if batch_fn is not None or clip_grad_norm_fn is not None:
             raise TypeError("batch_fn and clip_grad_norm_fn apply to a PipelineModule only")
         return _deepspeed.initialize(*args, **kwargs)

@@ -1,4 +1,5 @@
-"""examples/run_t5.sh as users run it (torchrun, 2 CPU processes): pp_size=1 and pp_size=2."""
+"""examples/run_t5.sh as users run it (torchrun, 2 CPU processes): pp_size=1, pp_size=2, and
+pp_size=2 with vpp_size=2 (interleaved 1F1B, 4 chunks of one layer)."""
 import math
 import os
 import re
@@ -19,12 +20,12 @@ def _free_port():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp", [1, 2])
-def test_run_t5_sh_trains_at_pp(t5_data, tmp_path, pp):
+@pytest.mark.parametrize("pp,vpp", [(1, 1), (2, 1), (2, 2)])
+def test_run_t5_sh_trains_at_pp(t5_data, tmp_path, pp, vpp):
     env = dict(os.environ, OMP_NUM_THREADS="1", GPUS_PER_NODE="2", NNODES="1", NODE_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), mp_size="1",
-               pp_size=str(pp), NLAYERS="2", NHIDDEN="32", NHEADS="4", KV_HIDDEN="8",
-               FF_HIDDEN="64", ENC_SEQLEN="32", DEC_SEQLEN="8", BATCHSIZE="2", GAS="2",
+               pp_size=str(pp), vpp_size=str(vpp), NLAYERS="2", NHIDDEN="32", NHEADS="4",
+               KV_HIDDEN="8", FF_HIDDEN="64", ENC_SEQLEN="32", DEC_SEQLEN="8", BATCHSIZE="2", GAS="2",
                TRAIN_ITERS="3", LR="5e-3", PRECISION="fp32", DATA_PATH=t5_data["prefix"],
                TOKENIZER_MODEL=t5_data["spm"], CHECKPOINT_PATH=str(tmp_path / "ckpt"),
                EXTRA_ARGS="--log-interval 1 --make-vocab-size-divisible-by 64 "

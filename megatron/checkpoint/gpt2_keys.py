@@ -26,6 +26,7 @@ L+1 the final LayerNorm (``{L+1}.norm.*``).
 import re
 
 from ..errors import CheckpointError
+from .chunks import rank_bounds, spec_indices, vpp_of
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -116,8 +117,9 @@ def full_to_pipe_key(key):
     raise CheckpointError(f"unexpected GPT-2 key {key!r}")
 
 
-def stage_spec_bounds(num_layers, pp_size):
-    """``[start, end)`` layer-spec indices of each pipeline stage, as the engine places them.
+def stage_spec_bounds(num_layers, pp_size, vpp_size=1):
+    """``[start, end)`` layer-spec indices of each pipeline stage, as the engine places them
+    (with ``vpp_size`` > 1, per rank the list of its chunks' ranges: :mod:`.chunks`).
 
     GPT2ModelPipe partitions with ``partition_method='type:transformer'``: DeepSpeed's
     ``partition_balanced`` over weights ``[0, 1 x L, 0, 0]`` (embedding, layers, final norm,
@@ -127,12 +129,9 @@ def stage_spec_bounds(num_layers, pp_size):
     Args:
         num_layers: transformer layers L.
         pp_size: pipeline stages.
+        vpp_size: model chunks per pipeline rank.
     """
-    from deepspeed.runtime.utils import partition_balanced  # only pipeline layouts need it
-
-    weights = [0] + [1] * num_layers + [0, 0]
-    parts = [int(p) for p in partition_balanced(weights, pp_size)]
-    return [(parts[s], parts[s + 1]) for s in range(pp_size)]
+    return rank_bounds([0] + [1] * num_layers + [0, 0], pp_size, vpp_size)
 
 
 def stage_full_keys(full_keys_list, num_layers, bounds):
@@ -141,10 +140,10 @@ def stage_full_keys(full_keys_list, num_layers, bounds):
     Args:
         full_keys_list: every key of the full state dict.
         num_layers: transformer layers L.
-        bounds: the stage's ``(start, end)`` spec indices (from :func:`stage_spec_bounds`).
+        bounds: the stage's ``(start, end)`` spec indices, or its chunks' (from
+            :func:`stage_spec_bounds`).
     """
-    start, end = bounds
-    specs = set(range(start, end))
+    specs = spec_indices(bounds)
     has_embedding = 0 in specs or num_layers + 2 in specs
     out = {}
     for key in full_keys_list:
@@ -182,7 +181,7 @@ def describe(args):
 
 
 def stage_bounds(args, pp):
-    return stage_spec_bounds(args["num_layers"], pp)
+    return stage_spec_bounds(args["num_layers"], pp, vpp_of(args))
 
 
 def stage_keys(full_keys_list, args, bounds):

@@ -32,6 +32,7 @@ from .. import mpu
 from ..errors import CheckpointError
 from .format import (LAYOUT_KEYS, check_compatible, check_rank_layout, iteration_dir,
                      load_rank_file, rank_files, saved_optimizer_files, uses_pipeline_engine)
+from .chunks import vpp_of
 from .key_maps import key_map_for
 from .native_reader import check_complete, merge_layout
 from .native_writer import check_layout, layout_args, stage_state
@@ -96,7 +97,8 @@ def _rank_states(root, iteration):
 
 
 def saved_layout_differs(root, iteration, cfg):
-    """Whether the checkpoint's (tp, pp) differs from the run's (reads one file's args)."""
+    """Whether the checkpoint's (tp, pp, v) differs from the run's (reads one file's args;
+    v: chunks per pipeline rank, 1 for checkpoints that do not record it)."""
     files = rank_files(iteration_dir(root, iteration))
     if (0, 0) not in files:
         return False  # the normal path reports the missing file
@@ -105,6 +107,8 @@ def saved_layout_differs(root, iteration, cfg):
                            mmap=True).get("args", {})
     except Exception:
         return False  # the normal path reports the unreadable file
+    if uses_pipeline_engine(saved.get(LAYOUT_KEYS[1], 1)) and vpp_of(saved) != cfg.parallel.vpp:
+        return True  # the same pp, other chunks on each rank
     return any(k in saved and saved[k] != cfg.get(k) for k in LAYOUT_KEYS[:2])
 
 
@@ -167,7 +171,7 @@ def _full_moments(states, saved, folder, keys, root, iteration):
 
 def _target_args(saved, cfg):
     """The saved args with this run's layout and padded vocabulary."""
-    target = layout_args(saved, cfg.parallel.tp, cfg.parallel.pp)
+    target = layout_args(saved, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp)
     target["padded_vocab_size"] = cfg.model.padded_vocab_size
     check_layout(target, cfg.parallel.tp, cfg.parallel.pp)
     return target
@@ -245,5 +249,5 @@ def read_at_new_layout(root, iteration, cfg, load_optim):
     first = dict(states[(0, 0)])
     first.pop("rng_state", None)
     description = (f"{folder} (tp={saved['tensor_model_parallel_size']}, "
-                   f"pp={saved.get('pipeline_model_parallel_size', 1)})")
+                   f"pp={saved.get('pipeline_model_parallel_size', 1)}, v={vpp_of(saved)})")
     return RankState(own_weights, optimizer, first, description)

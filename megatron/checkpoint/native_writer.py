@@ -22,6 +22,7 @@ from ..progress import progress
 from ..tokenizer import vocab_size_with_padding
 from .format import (CHECKPOINT_FORMAT, checkpoint_name, iteration_dir, publish_iteration,
                      uses_pipeline_engine)
+from .chunks import VPP_KEY
 from .key_maps import key_map_for
 from .native_reader import FullCheckpoint
 from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size, target_padded_size
@@ -41,10 +42,12 @@ def check_layout(args, tp, pp):
         raise ConfigError("; ".join(problems))
 
 
-def layout_args(args, tp, pp):
-    """The saved args of the target layout (sizes a loading run checks)."""
+def layout_args(args, tp, pp, vpp=1):
+    """The saved args of the target layout (sizes a loading run checks); the tools write
+    1F1B stages (``vpp`` 1), which an interleaved run loads through a layout change."""
     out = dict(args)
     out.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    out[VPP_KEY] = vpp
     return out
 
 
@@ -62,8 +65,8 @@ def stage_state(full_state, args, tp_rank, stage_bounds=None):
         full_state: full state dict (whole-model keys).
         args: the target layout's args (``tensor_model_parallel_size``, model sizes).
         tp_rank: this tensor-parallel rank.
-        stage_bounds: ``(start, end)`` layer-spec indices for a pipeline stage, or None for
-            a whole-model (pp = 1) state dict.
+        stage_bounds: ``(start, end)`` layer-spec indices for a pipeline stage (a list of
+            them for a rank with virtual stages), or None for a whole-model (pp = 1) state.
     """
     keys = key_map_for(args)
     tp = args["tensor_model_parallel_size"]

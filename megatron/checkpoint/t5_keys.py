@@ -29,6 +29,7 @@ stage that holds layers of that stack.
 import re
 
 from ..errors import CheckpointError
+from .chunks import rank_bounds, spec_indices, vpp_of
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 LM_HEAD = "lm_head.weight"
@@ -125,12 +126,10 @@ def spec_weights(num_layers):
     return [0] + [1] * num_layers + [0] + [1] * num_layers + [0, 0]
 
 
-def stage_spec_bounds(num_layers, pp_size):
-    """``[start, end)`` layer-spec indices of each stage, as DeepSpeed partitions them."""
-    from deepspeed.runtime.utils import partition_balanced  # only pipeline layouts need it
-
-    parts = [int(p) for p in partition_balanced(spec_weights(num_layers), pp_size)]
-    return [(parts[s], parts[s + 1]) for s in range(pp_size)]
+def stage_spec_bounds(num_layers, pp_size, vpp_size=1):
+    """``[start, end)`` layer-spec indices of each stage, as DeepSpeed partitions them
+    (with ``vpp_size`` > 1, per rank the list of its chunks' ranges: :mod:`.chunks`)."""
+    return rank_bounds(spec_weights(num_layers), pp_size, vpp_size)
 
 
 def stage_full_keys(full_keys_list, num_layers, bounds, tied=True):
@@ -139,11 +138,11 @@ def stage_full_keys(full_keys_list, num_layers, bounds, tied=True):
     Args:
         full_keys_list: every key of the full state dict.
         num_layers: layers per stack L.
-        bounds: the stage's ``(start, end)`` spec indices.
+        bounds: the stage's ``(start, end)`` spec indices, or its chunks'.
         tied: the output layer is the tied embedding (spec 2L+3 holds a copy of it).
     """
     L = num_layers
-    specs = set(range(*bounds))
+    specs = spec_indices(bounds)
     has_embedding = 0 in specs or (tied and 2 * L + 3 in specs)
     has_stack = {"encoder": bool(specs & set(range(1, L + 1))),
                  "decoder": bool(specs & set(range(L + 2, 2 * L + 2)))}
@@ -186,7 +185,7 @@ def describe(args):
 
 
 def stage_bounds(args, pp):
-    return stage_spec_bounds(args["num_layers"], pp)
+    return stage_spec_bounds(args["num_layers"], pp, vpp_of(args))
 
 
 def stage_keys(full_keys_list, args, bounds):

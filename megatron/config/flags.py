@@ -47,6 +47,11 @@ def add_parallel_args(parser):
     g.add_argument("--pipe-parallel-size", "--pipeline-model-parallel-size",
                    dest="pipeline_model_parallel_size", type=int, default=1,
                    help="pipeline stages; 0 and 1 both mean no pipeline")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved 1F1B; rank r holds "
+                        "chunks r, r+p, ...; needs pp >= 2; docs/pipeline_schedules.md)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per model chunk; derives --virtual-pipeline-model-parallel-size")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with GPUs, gloo without")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,

@@ -82,13 +82,15 @@ class ParallelDims(Section):
     zero_stage: Optional[int]
     sequence_parallel: bool = False
     """Norm/dropout activations split along the sequence across the tp ranks."""
+    vpp: int = 1
+    """Model chunks per pipeline rank (``--virtual-pipeline-model-parallel-size``)."""
 
     FLAGS: ClassVar[Dict[str, str]] = {
         "world": "world_size", "tp": "tensor_model_parallel_size",
         "pp": "pipeline_model_parallel_size", "dp": "data_parallel_size",
-        "dist_backend": "distributed_backend"}
+        "dist_backend": "distributed_backend", "vpp": "virtual_pipeline_model_parallel_size"}
     DEFAULTS: ClassVar[Dict[str, Any]] = {"dp": 1, "world": 1, "rank": 0, "local_rank": 0,
-                                          "dist_backend": None}
+                                          "dist_backend": None, "vpp": 1}
 
     @property
     def pipeline_engine(self) -> bool:

@@ -76,6 +76,40 @@ def _model(args, problems):
             problems.append(f"--{name.replace('_', '-')} must be in [0, 1)")
 
 
+def _virtual_pipeline(args, problems):
+    """``--virtual-pipeline-model-parallel-size`` v (or derived from
+    ``--num-layers-per-virtual-pipeline-stage``): the layers split into pp x v equal chunks."""
+    pp, stacks = args.pipeline_model_parallel_size, args.layer_stacks
+    layers = stacks * args.num_layers  # an encoder-decoder cuts both stacks (T5: 2 L)
+    what = "--num-layers" if stacks == 1 else f"the {stacks} x --num-layers"
+    v = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_chunk is not None:
+        if per_chunk < 1 or layers % (pp * per_chunk):
+            problems.append(f"--num-layers-per-virtual-pipeline-stage ({per_chunk}) must be "
+                            f"positive and divide {what} ({layers}) / --pipe-parallel-size "
+                            f"({pp}) evenly")
+            per_chunk = None
+        elif v is not None and v != layers // (pp * per_chunk):
+            problems.append(f"--virtual-pipeline-model-parallel-size ({v}) disagrees with "
+                            f"--num-layers-per-virtual-pipeline-stage ({per_chunk}), which "
+                            f"gives {layers // (pp * per_chunk)} chunks per rank; give one")
+        else:
+            v = layers // (pp * per_chunk)
+    v = 1 if v is None else v
+    args.virtual_pipeline_model_parallel_size = v
+    if v < 1:
+        problems.append(f"--virtual-pipeline-model-parallel-size must be positive, got {v}")
+    elif v > 1 and pp < 2:
+        problems.append(f"--virtual-pipeline-model-parallel-size {v} needs "
+                        f"--pipe-parallel-size >= 2 (interleaving places chunks on other "
+                        f"pipeline ranks); drop it or raise the pipeline size")
+    elif v > 1 and layers % (pp * v):
+        problems.append(f"{what} ({layers}) is not divisible by --pipe-parallel-size ({pp}) x "
+                        f"--virtual-pipeline-model-parallel-size ({v}); every model chunk "
+                        f"holds the same number of layers")
+
+
 def _batch(args, problems):
     mbs, dp = args.micro_batch_size, args.data_parallel_size
     if mbs < 1:
@@ -297,7 +331,8 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
     problems = []
     from .speed_flags import validate_speed
 
-    for check in (_parallel, _model, _batch, _optim, _data, _intervals, _faults, _split, _wandb,
+    for check in (_parallel, _model, _virtual_pipeline, _batch, _optim, _data, _intervals,
+                  _faults, _split, _wandb,
                   _sequence_parallel, validate_speed):
         check(args, problems)
     if family is not None:

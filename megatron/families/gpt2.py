@@ -27,7 +27,7 @@ def build_model(cfg, pipeline, parallel_output=True):
 
         return GPT2ModelPipe(config, cfg.model.padded_vocab_size,
                              cfg.model.max_position_embeddings, pipeline_topology(),
-                             loss_fn=masked_lm_loss)
+                             loss_fn=masked_lm_loss, num_virtual_stages=cfg.parallel.vpp)
     from ..model.gpt2_model import GPT2Model
 
     return GPT2Model(config, cfg.model.padded_vocab_size, cfg.model.max_position_embeddings,

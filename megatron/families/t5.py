@@ -183,7 +183,8 @@ def build_model(cfg, pipeline, parallel_output=True):
     if pipeline:
         from ..model.t5_model_pipe import T5ModelPipe
 
-        return T5ModelPipe(config, pipeline_topology(), loss_fn=masked_lm_loss)
+        return T5ModelPipe(config, pipeline_topology(), loss_fn=masked_lm_loss,
+                           num_virtual_stages=cfg.parallel.vpp)
     from ..model.t5_model import T5Model
 
     return T5Model(config, parallel_output)

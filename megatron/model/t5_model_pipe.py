@@ -169,9 +169,12 @@ class T5ModelPipe(PipelineModule):
         topology: DeepSpeed topology (pp x dp x tp), matching mpu's groups.
         loss_fn: ``loss_fn(logits [b, sd, v/tp], labels)`` on the last stage (the family's;
             default the masked next-token loss).
+        num_virtual_stages: model chunks per pipeline rank (interleaved 1F1B when > 1): the
+            2L layers, encoder then decoder, split evenly over the pp x v chunks; a chunk
+            may end in the encoder and start the decoder (docs/pipeline_schedules.md).
     """
 
-    def __init__(self, config, topology, loss_fn=masked_lm_loss):
+    def __init__(self, config, topology, loss_fn=masked_lm_loss, num_virtual_stages=1):
         biases = {stack: SharedBias() for stack in STACKS}
         interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
         super().__init__(layers=t5_pipeline_specs(config, biases), loss_fn=loss_fn,
@@ -179,7 +182,8 @@ class T5ModelPipe(PipelineModule):
                          partition_method="type:t5(encoder|decoder)layerpipe",
                          activation_checkpoint_interval=interval,
                          activation_checkpoint_func=mpu.checkpoint,
-                         checkpointable_layers=["T5EncoderLayerPipe", "T5DecoderLayerPipe"])
+                         checkpointable_layers=["T5EncoderLayerPipe", "T5DecoderLayerPipe"],
+                         num_virtual_stages=num_virtual_stages)
         self._bias_groups = []  # (bias module, group of the stages holding its copies)
         for stack in STACKS:
             self._build_shared_bias(config, stack, biases[stack])

@@ -1,11 +1,13 @@
-"""tds pipeline parallelism: DeepSpeed's PipelineModule and specs, tds's engine."""
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+"""tds pipeline parallelism: DeepSpeed's specs, its PipelineModule with virtual stages,
+tds's engine."""
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
 # the partition PipelineModule applies, for code that predicts a stage's layers
 from deepspeed.runtime.utils import partition_balanced
 
 from .contract import StageContract, contract_of
 from .engine import PipelineEngine
+from .module import PipelineModule
 
 __all__ = ["LayerSpec", "PipelineEngine", "PipelineModule", "PipeModelDataParallelTopology",
            "ProcessTopology", "StageContract", "TiedLayerSpec", "contract_of",

@@ -13,6 +13,11 @@ restored afterwards and the batch is put back). A tuple that breaks the contract
 length, wrong kind, a partitioned size that does not divide tp) is then a ValueError
 naming the position on every rank, instead of a hang between two stages. After that, no
 per-step metadata travels.
+
+A module built with ``num_virtual_stages`` v > 1 (tds's ``PipelineModule``: v chunks per
+rank) trains with interleaved 1F1B through ``tds.pipe.runner`` instead of DeepSpeed's
+schedule (:mod:`tds.pipe.interleaved`); reductions, the optimizer step and the loss
+aggregation stay DeepSpeed's.
 """
 import itertools
 
@@ -24,6 +29,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine as _DeepSpeedPipelineEn
 
 from .boundary import discover_boundary
 from .contract import StageContract, contract_of
+from .interleaved import InterleavedStep
 from .p2p import StageLink
 
 
@@ -51,6 +57,11 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self.next_rank = self.grid.stage_to_global(self.next_stage) \
             if self.stage_id < self.num_stages - 1 else None
         self._warned_missing_grad = False
+        # v chunks per rank: interleaved 1F1B through tds.pipe.runner (interleaved.py)
+        self.interleaved = InterleavedStep(self) \
+            if getattr(self.module, "num_virtual_stages", 1) > 1 else None
+        if self.interleaved is not None:
+            self._reserve_pipe_buffers(1)  # the last chunk's labels
 
     # ------------------------------------------------------------ CPM-Pretrain setters
     def _set_contract(self, types=None, grads=None, partitioned=None):
@@ -76,6 +87,8 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
     def reset_activation_shape(self):
         super().reset_activation_shape()
         self.recv_meta = self.send_meta = None
+        if getattr(self, "interleaved", None) is not None:
+            self.interleaved.boundaries = self.interleaved.runner = None
 
     # ------------------------------------------------------------ entry points
     def _ensure_boundary(self):
@@ -94,10 +107,14 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
     def train_batch(self, data_iter=None):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
+        if self.interleaved is not None:
+            return self.interleaved.train_batch()
         self._ensure_boundary()
         return super().train_batch()
 
     def eval_batch(self, data_iter, *args, **kwargs):
+        if self.interleaved is not None:
+            return self._interleaved_eval(data_iter, *args, **kwargs)
         if self.num_stages > 1 and self.recv_meta is None and self.send_meta is None:
             train_iterator = self.data_iterator
             self.set_dataiterator(data_iter)
@@ -105,6 +122,20 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
             data_iter = self.data_iterator  # the peeked batch is back in front
             self.set_dataiterator(train_iterator)
         return super().eval_batch(data_iter, *args, **kwargs)
+
+    def _interleaved_eval(self, data_iter, return_logits=False, compute_loss=True,
+                          reduce_output="avg", bcast_loss=True, num_micro_batches=None):
+        """``eval_batch`` with virtual stages: the mean loss only (no logits)."""
+        if return_logits or not compute_loss or reduce_output != "avg" or not bcast_loss:
+            raise NotImplementedError("eval_batch with virtual pipeline stages returns the "
+                                      "mean loss only (the defaults)")
+        train_iterator = self.data_iterator
+        self.set_dataiterator(data_iter)
+        try:
+            self._compute_loss = True
+            return self.interleaved.eval_batch(num_micro_batches or self.micro_batches)
+        finally:
+            self.set_dataiterator(train_iterator)
 
     # ------------------------------------------------------------ instructions
     def _to_device_inputs(self, inputs):

@@ -1,0 +1,151 @@
+"""DeepSpeed's PipelineModule, with virtual stages: v model chunks per pipeline rank.
+
+``PipelineModule(layers, ..., num_virtual_stages=v)``: with v = 1 this is DeepSpeed's class,
+unchanged. With v > 1 the layer specs are partitioned (same ``partition_method``) into
+``p v`` chunks; global chunk c lives on pipeline rank ``c % p``, so rank r builds chunks
+r, r + p, ..., r + (v - 1) p (Megatron-LM's virtual pipeline stages), each registered under
+its layers' global spec indices, so a rank's ``state_dict`` keys are those of a 1F1B stage
+holding the same layers. ``stage_owner`` answers with the rank, so DeepSpeed's tied-module
+groups (the tied embedding on chunk 0, rank 0, and on the last chunk, rank p - 1) and any
+group a subclass derives from it connect the right ranks.
+
+``forward_chunk(j, inputs)`` runs the rank's j-th chunk (global chunk ``j p + r``) through
+DeepSpeed's own forward (activation checkpointing included); the pipeline engine drives
+the chunks through :mod:`tds.pipe.runner` (:mod:`tds.pipe.interleaved`).
+"""
+from typing import List, Tuple
+
+from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
+
+
+class PipelineModule(_DeepSpeedPipelineModule):
+    """DeepSpeed's ``PipelineModule`` plus ``num_virtual_stages`` (chunks per pipeline rank).
+
+    Args:
+        layers, args, kwargs: DeepSpeed's (``topology``, ``loss_fn``, ``partition_method``,
+            ``activation_checkpoint_interval``, ...).
+        num_virtual_stages: model chunks v per pipeline rank (1: DeepSpeed's behaviour).
+    """
+
+    def __init__(self, layers, *args, num_virtual_stages: int = 1, **kwargs):
+        if not isinstance(num_virtual_stages, int) or num_virtual_stages < 1:
+            raise ValueError(f"PipelineModule: num_virtual_stages must be a positive integer, "
+                             f"got {num_virtual_stages!r}")
+        if num_virtual_stages > 1 and kwargs.get("seed_layers"):
+            raise ValueError("PipelineModule: seed_layers is not supported with virtual "
+                             "stages; seed the layers in their constructors")
+        object.__setattr__(self, "num_virtual_stages", num_virtual_stages)
+        object.__setattr__(self, "chunk_bounds", [])
+        super().__init__(layers, *args, **kwargs)
+        if num_virtual_stages > 1 and self.num_stages < 2:
+            raise ValueError(f"PipelineModule: {num_virtual_stages} virtual stages need at "
+                             f"least 2 pipeline stages (got {self.num_stages})")
+
+    # ------------------------------------------------------------ partition and build
+    def _partition_layers(self, method="uniform"):
+        if self.num_virtual_stages == 1:
+            return super()._partition_layers(method)
+        p, v = self.num_stages, self.num_virtual_stages
+        self.num_stages = p * v  # DeepSpeed's partitioner, over p v chunks
+        try:
+            super()._partition_layers(method)
+        finally:
+            self.num_stages = p
+        empty = [c for c in range(p * v) if self.parts[c] == self.parts[c + 1]]
+        if empty:
+            raise ValueError(f"PipelineModule: chunk(s) {empty} of {p * v} hold no layer "
+                             f"(partition {list(self.parts)}); use fewer virtual stages")
+        self.chunk_bounds = [(self.parts[c], self.parts[c + 1])
+                             for c in range(self.stage_id, p * v, p)]
+
+    def _build(self):
+        if self.num_virtual_stages == 1:
+            return super()._build()
+        self.chunk_funcs: List[list] = []
+        for start, stop in self.chunk_bounds:
+            self.forward_funcs = []
+            self._set_bounds(start, stop)
+            super()._build()
+            self.chunk_funcs.append(self.forward_funcs)
+        self._chunk_checkpointable = [None] * len(self.chunk_funcs)
+        self._select_chunk(0)
+
+    def chunk_owner(self, layer_idx: int) -> int:
+        """Global chunk holding layer spec ``layer_idx``."""
+        for chunk in range(len(self.parts) - 1):
+            if self.parts[chunk] <= layer_idx < self.parts[chunk + 1]:
+                return chunk
+        raise ValueError(f"layer spec {layer_idx} is outside the partition {list(self.parts)}")
+
+    def stage_owner(self, layer_idx):
+        if self.num_virtual_stages == 1:
+            return super().stage_owner(layer_idx)
+        return self.chunk_owner(layer_idx) % self.num_stages
+
+    def local_chunks(self) -> List[int]:
+        """Global chunk ids this rank holds, in order (``[stage_id]`` when v = 1)."""
+        return list(range(self.stage_id, self.num_stages * self.num_virtual_stages,
+                          self.num_stages))
+
+    def spec_ranges(self) -> List[Tuple[int, int]]:
+        """``[start, stop)`` layer-spec indices of each local chunk."""
+        if self.num_virtual_stages == 1:
+            return [(self._local_start, self._local_stop)]
+        return list(self.chunk_bounds)
+
+    # ------------------------------------------------------------ forward
+    def _select_chunk(self, j: int):
+        """Point DeepSpeed's forward at local chunk ``j`` (its layers and recompute blocks)."""
+        self.forward_funcs = self.chunk_funcs[j]
+        self._local_start, self._local_stop = self.chunk_bounds[j]
+        if self.activation_checkpoint_interval > 0:
+            cached = self._chunk_checkpointable[j]
+            if cached is None or cached[0] != self.activation_checkpoint_interval:
+                self.is_checkpointable_results_interval = None
+                self._precompute_checkpointable_values()
+                cached = (self.activation_checkpoint_interval, self.is_checkpointable_results)
+                self._chunk_checkpointable[j] = cached
+            self.is_checkpointable_results = cached[1]
+            self.is_checkpointable_results_interval = cached[0]
+
+    def forward_chunk(self, j: int, inputs):
+        """Run local chunk ``j`` (global chunk ``j p + stage_id``) on ``inputs``.
+
+        DeepSpeed's forward, with each block's layers bound when the block runs: its
+        recompute closure reads ``self.forward_funcs`` only in backward, when another
+        chunk may be selected.
+
+        Args:
+            j: local chunk index, 0 .. v - 1.
+            inputs: the chunk's input (tuple of tensors).
+        """
+        if self.num_virtual_stages == 1:
+            return self(inputs)
+        self._select_chunk(j)
+        funcs, interval = self.chunk_funcs[j], self.activation_checkpoint_interval
+        if interval == 0:
+            return _run_layers(funcs)(inputs)
+        x = inputs
+        for start, checkpointable in zip(range(0, len(funcs), interval),
+                                         self.is_checkpointable_results):
+            block = _run_layers(funcs[start:start + interval])
+            x = x if isinstance(x, tuple) else (x,)
+            x = self.activation_checkpoint_func(block, *x) if checkpointable else block(*x)
+        return x
+
+    def forward(self, forward_input):
+        if self.num_virtual_stages > 1:
+            raise RuntimeError("a PipelineModule with virtual stages runs one chunk at a time: "
+                               "call forward_chunk(j, inputs) (the pipeline engine does)")
+        return super().forward(forward_input)
+
+
+def _run_layers(layers):
+    """``f(*inputs)`` running ``layers`` in turn (a single input is passed unwrapped)."""
+    def run(*inputs):
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return run
