@@ -158,7 +158,7 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         family=cfg.family or "gpt2", num_layers=m.num_layers, hidden=m.hidden_size,
         heads=m.num_attention_heads, kv_channels=m.kv_channels, ffn=m.ffn_hidden_size,
         vocab=rows, micro_batch=cfg.batch.micro_batch_size,
-        num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp,
+        num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp, vpp=p.vpp,
         sequence_parallel=p.sequence_parallel,
         recompute="full" if m.checkpoint_activations else "none",
         recompute_num_layers=m.checkpoint_num_layers, dtype=dtype, backend=backend,
