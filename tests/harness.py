@@ -25,6 +25,7 @@ How it works:
 import faulthandler
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import tempfile
@@ -66,7 +67,9 @@ def _worker(fn, rank, world_size, port, log_path, result_q, env, threads, args, 
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=600))
         result = fn(*args, **kwargs)
-        result_q.put((rank, "ok", result))
+        # By value: the queue's pickler would pass a tensor as a handle to this process's
+        # shared memory, which the parent can no longer open once this rank has exited.
+        result_q.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including SystemExit
         result_q.put((rank, "error", traceback.format_exc()))
         return
@@ -111,14 +114,17 @@ def _collect(procs, result_q, timeout):
                     continue
                 try:  # its report may still be in the pipe
                     r, status, payload = result_q.get(timeout=1.0)
-                    (results if status == "ok" else errors)[r] = payload
+                    if status == "ok":
+                        results[r] = pickle.loads(payload)
+                    else:
+                        errors[r] = payload
                 except queue.Empty:
                     errors[rank] = f"rank {rank} exited with code {proc.exitcode} without reporting"
             if errors:
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
             continue
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             errors[rank] = payload
             deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
