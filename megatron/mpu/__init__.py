@@ -72,7 +72,9 @@ from .random import (
     checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
+    in_model_parallel_stream,
     model_parallel_cuda_manual_seed,
+    model_parallel_dropout,
     model_parallel_manual_seed,
 )
 from .split_1d import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
