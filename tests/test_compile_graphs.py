@@ -9,9 +9,13 @@ traces the mpu collectives), and at dropout 0.1 the count docs/training.md gives
 with its reason, so a new one names the line that caused it.
 
 Then whole models, compiled layer by layer as ``--compile`` does, must give eager's losses
-and weights over a few SGD steps at dropout 0.1 (inductor's ``fallback_random`` makes the
+and weights over two SGD steps at dropout 0.1 (inductor's ``fallback_random`` makes the
 compiled draws eager's), at tp 1 and 2: the forks still give each rank its own stream.
 """
+import os
+import random
+
+import pytest
 import torch
 
 from harness import run_distributed
@@ -96,17 +100,39 @@ def _explain(tp, seed, runs):
     return counts
 
 
-def test_one_graph_per_layer_at_tp1(seed):
+def _everything(tp, seed):
+    """Graph counts and compiled/eager training on this rank (one process per tp: dynamo's
+    start-up is paid once)."""
     runs = [(name, dropout, "sdpa") for name in CASES for dropout in (0.0, 0.1)]
-    runs += [(name, 0.1, "unfused") for name in CASES]  # bmm + fused softmax + dropout
-    counts = run_distributed(_explain, 1, 1, seed, runs, timeout=300)[0]
-    for run, (graphs, breaks, reasons) in counts.items():
+    if tp == 1:
+        runs += [(name, 0.1, "unfused") for name in CASES]  # bmm + fused softmax + dropout
+    counts = _explain(tp, seed, runs)
+    return counts, _compiled_and_eager(seed)
+
+
+@pytest.fixture(scope="module")
+def results():
+    """tp -> per-rank results of :func:`_everything`, computed on first use."""
+    seed = int(os.environ.get("MEGATRON_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"seed={seed} (rerun with MEGATRON_TEST_SEED={seed})")
+    cache = {}
+
+    def get(tp):
+        if tp not in cache:
+            cache[tp] = run_distributed(_everything, tp, tp, seed, timeout=600)
+        return cache[tp]
+
+    return get
+
+
+def test_one_graph_per_layer_at_tp1(results):
+    for run, (graphs, breaks, reasons) in results(1)[0][0].items():
         assert (graphs, breaks) == (1, 0), f"{run}: {graphs} graphs, breaks: {reasons}"
 
 
-def test_graphs_per_layer_at_tp2(seed):
-    runs = [(name, dropout, "sdpa") for name in CASES for dropout in (0.0, 0.1)]
-    per_rank = run_distributed(_explain, 2, 2, seed, runs, timeout=300)
+@pytest.mark.slow
+def test_graphs_per_layer_at_tp2(results):
+    per_rank = [counts for counts, _ in results(2)]
     assert per_rank[0] == per_rank[1]
     for (name, dropout, _), (graphs, breaks, reasons) in per_rank[0].items():
         want = 1 if dropout == 0 else TP2_DROPOUT_GRAPHS[name]
@@ -144,7 +170,7 @@ def _t5_model(dropout):
     return model, lambda m: m(enc, dec, *masks, labels=labels).mean()
 
 
-def _train(family, compiled, seed, steps=3, lr=0.5):
+def _train(family, compiled, seed, steps=2, lr=0.5):
     from megatron import mpu
     from megatron.model.compile import compile_layers
 
@@ -165,19 +191,16 @@ def _train(family, compiled, seed, steps=3, lr=0.5):
     return losses, torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
 
 
-def _compiled_and_eager(tp, seed):
-    from megatron import mpu
-
-    mpu.initialize_model_parallel(tp, 1)
+def _compiled_and_eager(seed):
     torch._inductor.config.fallback_random = True  # compiled draws = eager draws
     return {family: (_train(family, False, seed), _train(family, True, seed))
             for family in ("gpt2", "t5")}
 
 
-def test_compiled_models_train_like_eager_with_dropout(seed):
+@pytest.mark.slow
+def test_compiled_models_train_like_eager_with_dropout(results):
     for tp in (1, 2):
-        for family, ((eager, w_eager), (compiled, w_compiled)) in \
-                run_distributed(_compiled_and_eager, tp, tp, seed, timeout=300)[0].items():
+        for family, ((eager, w_eager), (compiled, w_compiled)) in results(tp)[0][1].items():
             torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager),
                                        rtol=1e-5, atol=0, msg=f"{family} tp={tp}")
             torch.testing.assert_close(torch.from_numpy(w_compiled), torch.from_numpy(w_eager),

@@ -32,8 +32,7 @@ def _mask(b, sq, sk):
     return mask
 
 
-@pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("masked", "causal"), [(False, True), (True, False)])
 def test_softmax_ops_pass_opcheck(cpu_kernels, seed, masked, causal):
     torch.manual_seed(seed)
     b, np_, sq, sk = 2, 3, 8, 8
