@@ -5,7 +5,8 @@ decoder layers) is traced once, forward only, on fresh random inputs. At tensor-
 size 1, with dropout 0 and 0.1: one graph, no break (the fused kernels are custom operators,
 the RNG tracker is not forked). At size 2, on two gloo ranks: one graph at dropout 0 (dynamo
 traces the mpu collectives), and at dropout 0.1 the count docs/training.md gives
-(:data:`TP2_DROPOUT_GRAPHS`: each fork of the RNG tracker is a break). Each break is reported
+(:data:`TP2_DROPOUT_GRAPHS`: each fork of the RNG tracker is a break; eager forks exactly where
+a per-rank dropout mask is drawn). Each break is reported
 with its reason, so a new one names the line that caused it.
 
 Then whole models, compiled layer by layer as ``--compile`` does, must give eager's losses
@@ -107,7 +108,30 @@ def _everything(tp, seed):
     if tp == 1:
         runs += [(name, 0.1, "unfused") for name in CASES]  # bmm + fused softmax + dropout
     counts = _explain(tp, seed, runs)
-    return counts, _compiled_and_eager(seed)
+    return counts, _compiled_and_eager(seed), _forks(seed)
+
+
+def _forks(seed):
+    """``(name, dropout, training) -> (forks, stream advanced)`` in one eager forward and
+    backward of each layer."""
+    from megatron import mpu
+
+    tracker, forks, seen = mpu.get_cuda_rng_tracker(), [], {}
+    original = tracker.fork
+    tracker.fork = lambda *a, **k: forks.append(1) or original(*a, **k)
+    try:
+        for name in CASES:
+            for dropout, training in ((0.0, True), (0.1, False), (0.1, True)):
+                layer, inputs = CASES[name](dropout, "sdpa")
+                layer.train(training)
+                before, forks[:] = tracker.get_states(), []
+                layer(*inputs).sum().backward()
+                after = tracker.get_states()
+                seen[(name, dropout, training)] = (len(forks), not all(
+                    torch.equal(before[k], after[k]) for k in before))
+    finally:
+        del tracker.fork
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +156,7 @@ def test_one_graph_per_layer_at_tp1(results):
 
 @pytest.mark.slow
 def test_graphs_per_layer_at_tp2(results):
-    per_rank = [counts for counts, _ in results(2)]
+    per_rank = [rank[0] for rank in results(2)]
     assert per_rank[0] == per_rank[1]
     for (name, dropout, _), (graphs, breaks, reasons) in per_rank[0].items():
         want = 1 if dropout == 0 else TP2_DROPOUT_GRAPHS[name]
@@ -205,3 +229,15 @@ def test_compiled_models_train_like_eager_with_dropout(results):
                                        rtol=1e-5, atol=0, msg=f"{family} tp={tp}")
             torch.testing.assert_close(torch.from_numpy(w_compiled), torch.from_numpy(w_eager),
                                        rtol=1e-5, atol=1e-6, msg=f"{family} tp={tp}")
+
+
+#: Dropouts on split activations per layer: attention (GPT-2, each T5 attention), T5's MLP.
+PER_RANK_DROPOUTS = {"gpt2": 1, "t5_encoder": 2, "t5_decoder": 3}
+
+
+def test_tracker_is_forked_only_where_a_per_rank_mask_is_drawn(results):
+    for tp in (1, 2):
+        for (name, dropout, training), (forks, advanced) in results(tp)[0][2].items():
+            drawn = tp > 1 and dropout > 0 and training
+            assert forks == (PER_RANK_DROPOUTS[name] if drawn else 0), (tp, name, dropout)
+            assert advanced == drawn, (tp, name, dropout, training)
