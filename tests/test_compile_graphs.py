@@ -9,9 +9,11 @@ traces the mpu collectives), and at dropout 0.1 the count docs/training.md gives
 a per-rank dropout mask is drawn). Each break is reported
 with its reason, so a new one names the line that caused it.
 
-Then whole models, compiled layer by layer as ``--compile`` does, must give eager's losses
-and weights over two SGD steps at dropout 0.1 (inductor's ``fallback_random`` makes the
-compiled draws eager's), at tp 1 and 2: the forks still give each rank its own stream.
+Then whole models, compiled layer by layer as ``--compile`` does (``aot_eager`` backend:
+dynamo and AOTAutograd with eager kernels, so the dropout draws are eager's), must give
+eager's losses and weights over two SGD steps at dropout 0.1, at tp 1 and 2: the forks still
+give each rank its own stream. And in eager, the RNG tracker is forked exactly where a
+per-rank mask is drawn.
 """
 import os
 import random
@@ -216,7 +218,6 @@ def _train(family, compiled, seed, steps=2, lr=0.5):
 
 
 def _compiled_and_eager(seed):
-    torch._inductor.config.fallback_random = True  # compiled draws = eager draws
     return {family: (_train(family, False, seed), _train(family, True, seed))
             for family in ("gpt2", "t5")}
 
