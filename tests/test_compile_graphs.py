@@ -12,7 +12,8 @@ with its reason, so a new one names the line that caused it.
 Then whole models, compiled layer by layer as ``--compile`` does (``aot_eager`` backend:
 dynamo and AOTAutograd with eager kernels, so the dropout draws are eager's), must give
 eager's losses and weights over two SGD steps at dropout 0.1, at tp 1 and 2: the forks still
-give each rank its own stream. And in eager, the RNG tracker is forked exactly where a
+give each rank its own stream; and the model's layers share their graphs (no recompile per
+layer). And in eager, the RNG tracker is forked exactly where a
 per-rank mask is drawn.
 """
 import os
@@ -200,9 +201,13 @@ def _train(family, compiled, seed, steps=2, lr=0.5):
     from megatron import mpu
     from megatron.model.compile import compile_layers
 
+    from torch._dynamo.utils import counters
+
     mpu.model_parallel_cuda_manual_seed(seed)
     model, loss_fn = (_gpt2_model if family == "gpt2" else _t5_model)(0.1)
     if compiled:
+        torch._dynamo.reset()
+        counters.clear()
         compile_layers(model, backend="aot_eager")
     losses = []
     for _ in range(steps):
@@ -214,7 +219,8 @@ def _train(family, compiled, seed, steps=2, lr=0.5):
                 p.grad = None
         losses.append(loss.item())
     # numpy: a queue shares tensors through the rank's process, which exits after reporting
-    return losses, torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    return losses, weights, counters["stats"]["unique_graphs"] if compiled else 0
 
 
 def _compiled_and_eager(seed):
@@ -225,7 +231,13 @@ def _compiled_and_eager(seed):
 @pytest.mark.slow
 def test_compiled_models_train_like_eager_with_dropout(results):
     for tp in (1, 2):
-        for family, ((eager, w_eager), (compiled, w_compiled)) in results(tp)[0][1].items():
+        counts, trained = results(tp)[0][:2]
+        for family, ((eager, w_eager, _), (compiled, w_compiled, graphs)) in trained.items():
+            # Every layer of a kind reuses one compiled graph (none is recompiled per layer):
+            # the graphs of the whole model are those of one layer of each kind.
+            kinds = ["gpt2"] if family == "gpt2" else ["t5_encoder", "t5_decoder"]
+            assert graphs == sum(counts[(kind, 0.1, "sdpa")][0] for kind in kinds), \
+                (family, tp, graphs)
             torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager),
                                        rtol=1e-5, atol=0, msg=f"{family} tp={tp}")
             torch.testing.assert_close(torch.from_numpy(w_compiled), torch.from_numpy(w_eager),

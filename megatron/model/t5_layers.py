@@ -336,7 +336,10 @@ class T5DecoderLayer(nn.Module):
 
     def forward(self, hidden, mask, position_bias, encoder_output, cross_mask, kv_cache=None):
         """``[sd, b, h]`` -> ``[sd, b, h]`` given the encoder output ``[se, b, h]``."""
-        layer = self.layer_number - 1
+        # The cache slot is read only while decoding: a compiled layer guards on what it
+        # reads, so reading layer_number would compile one graph per decoder layer (and
+        # past dynamo's recompile limit of 8, run the rest eagerly).
+        layer = 0 if kv_cache is None else self.layer_number - 1
         attn = self.self_attention(self.input_layernorm(hidden), mask, position_bias,
                                    kv_cache=kv_cache, layer=layer)
         hidden = hidden + self._dropout(attn)
