@@ -1,7 +1,7 @@
 """``--compile`` gives one graph per transformer layer: counted with ``torch._dynamo.explain``.
 
 Each layer class the compile wraps (GPT-2's ``ParallelTransformerLayer``, T5's encoder and
-decoder layers) is traced once, forward only, on fresh random inputs. At tensor-parallel
+decoder layers, and at tp = 1 their pipeline-stage subclasses) is traced once, forward only, on fresh random inputs. At tensor-parallel
 size 1, with dropout 0 and 0.1: one graph, no break (the fused kernels are custom operators,
 the RNG tracker is not forked). At size 2, on two gloo ranks: one graph at dropout 0 (dynamo
 traces the mpu collectives), and at dropout 0.1 the count docs/training.md gives
@@ -32,14 +32,19 @@ HIDDEN, HEADS, SEQ, DEC_SEQ, BATCH, VOCAB = 32, 4, 16, 8, 2, 64
 TP2_DROPOUT_GRAPHS = {"gpt2": 6, "t5_encoder": 9, "t5_decoder": 12}
 
 
-def _gpt2_case(dropout, backend):
-    from megatron.model.transformer import ParallelTransformerLayer, TransformerConfig
+def _gpt2_config(dropout, backend):
+    from megatron.model.transformer import TransformerConfig
 
-    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                               kv_channels=HIDDEN // HEADS, ffn_hidden_size=2 * HIDDEN,
-                               hidden_dropout=dropout, attention_dropout=dropout,
-                               attention_backend=backend)
-    layer = ParallelTransformerLayer(config, 1)
+    return TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                             kv_channels=HIDDEN // HEADS, ffn_hidden_size=2 * HIDDEN,
+                             hidden_dropout=dropout, attention_dropout=dropout,
+                             attention_backend=backend)
+
+
+def _gpt2_case(dropout, backend):
+    from megatron.model.transformer import ParallelTransformerLayer
+
+    layer = ParallelTransformerLayer(_gpt2_config(dropout, backend), 1)
     mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
     return layer, (torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True), mask)
 
@@ -84,6 +89,35 @@ def _t5_decoder_case(dropout, backend):
 CASES = {"gpt2": _gpt2_case, "t5_encoder": _t5_encoder_case, "t5_decoder": _t5_decoder_case}
 
 
+def _pipe_case(name):
+    """The pipeline stage's layer (tds layer spec): one tuple in, one out; T5's layers
+    compute the shared relative bias inside the compiled region."""
+    def case(dropout, backend):
+        from megatron.model import gpt2_model_pipe, t5_model_pipe
+        from megatron.model.t5_layers import RelativePositionBias
+
+        _, inputs = CASES[name](dropout, backend)
+        if name == "gpt2":
+            config = _gpt2_config(dropout, backend)
+            return gpt2_model_pipe.ParallelTransformerLayerPipe(config, 1), (inputs,)
+        config, shared = _t5_config(dropout, backend), t5_model_pipe.SharedBias()
+        shared.module = RelativePositionBias(config, bidirectional=name == "t5_encoder")
+        if name == "t5_encoder":
+            pipe = t5_model_pipe.T5EncoderLayerPipe(config, 1, shared)
+            hidden, mask, _ = inputs
+            dec = torch.randn(DEC_SEQ, BATCH, HIDDEN)
+            causal = torch.ones(DEC_SEQ, DEC_SEQ, dtype=torch.bool).triu(1)[None, None]
+            return pipe, ((hidden, mask, dec, causal, _padding_mask(DEC_SEQ, SEQ)),)
+        pipe = t5_model_pipe.T5DecoderLayerPipe(config, 1, shared)
+        dec, causal, _, enc, cross = inputs
+        return pipe, ((enc, _padding_mask(SEQ, SEQ), dec, causal, cross),)
+
+    return case
+
+
+PIPE_CASES = {f"{name}_pipe": _pipe_case(name) for name in CASES}
+
+
 def _explain(tp, seed, runs):
     """``(name, dropout, backend) -> (graphs, breaks, reasons)`` for each run on this rank."""
     from megatron import mpu
@@ -93,7 +127,7 @@ def _explain(tp, seed, runs):
     counts = {}
     for name, dropout, backend in runs:
         torch.manual_seed(seed)
-        layer, inputs = CASES[name](dropout, backend)
+        layer, inputs = {**CASES, **PIPE_CASES}[name](dropout, backend)
         torch._dynamo.reset()
         result = torch._dynamo.explain(layer)(*inputs)
         reasons = [f"{r.reason.splitlines()[0]} at " +
@@ -110,6 +144,7 @@ def _everything(tp, seed):
     runs = [(name, dropout, "sdpa") for name in CASES for dropout in (0.0, 0.1)]
     if tp == 1:
         runs += [(name, 0.1, "unfused") for name in CASES]  # bmm + fused softmax + dropout
+        runs += [(name, 0.1, "sdpa") for name in PIPE_CASES]
     counts = _explain(tp, seed, runs)
     return counts, _compiled_and_eager(seed), _forks(seed)
 
@@ -153,7 +188,9 @@ def results():
 
 
 def test_one_graph_per_layer_at_tp1(results):
-    for run, (graphs, breaks, reasons) in results(1)[0][0].items():
+    counts = results(1)[0][0]
+    assert {name for name, _, _ in counts} == set(CASES) | set(PIPE_CASES)
+    for run, (graphs, breaks, reasons) in counts.items():
         assert (graphs, breaks) == (1, 0), f"{run}: {graphs} graphs, breaks: {reasons}"
 
 
