@@ -1,9 +1,11 @@
 """``--compile`` (regional torch.compile of each layer) trains like eager: same losses.
 
-Tiny models, three steps, fp32, dropout 0: GPT-2 at tensor-parallel size 2 (the mpu
-collectives become graph breaks) and T5 at 1 (its own layers: relative bias, RMSNorm,
-cross-attention). Compilation on 2 CPU cores is slow (about 20 s a case), so the other two
-combinations, which add no code path, are left out of the suite: marked slow.
+Tiny models, three steps, fp32, dropout 0, losses equal to 1e-5 relative: GPT-2 at
+tensor-parallel size 2 (the mpu collectives traced as functional collectives) and T5 at 1
+(its own layers: relative bias, RMSNorm, cross-attention). Compilation on 2 CPU cores is
+slow (about 20 s a case), so the test is marked slow and the other two combinations are
+left to tests/test_compile_graphs.py, which trains GPT-2 and T5 at tp 1 and 2 (dropout 0.1)
+compiled with the aot_eager backend against eager.
 """
 import pytest
 import torch
@@ -31,7 +33,7 @@ def test_compile_gives_the_eager_losses(gpt2_data, t5_data, family, tp):
     eager = _losses(entry, argv_fn, data, tp, False)
     compiled = _losses(entry, argv_fn, data, tp, True)
     assert len(eager) == len(compiled) == STEPS
-    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
 
 
 def _compile_tiny_gpt2():

@@ -13,6 +13,8 @@ import dataclasses
 import logging
 import os
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 ENV_DISABLE = "MEGATRON_TDS_NO_FUSED_KERNELS"
@@ -64,13 +66,25 @@ def get_module(device_type):
     if disabled_reason() is not None or device_type not in ("cpu", "cuda"):
         return None
     if device_type == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             return None
     from .build import load_kernels
 
     return load_kernels(device_type)
+
+
+@torch.compiler.assume_constant_result
+def kernels_available(device_type: str) -> bool:
+    """Whether :func:`get_module` gives kernels for ``device_type`` (building them if needed).
+
+    Under ``torch.compile`` this runs once, while the graph is traced, and its answer is a
+    constant of the graph: the first call may build the kernels, which cannot be traced,
+    and the answer never changes within a process (a build is tried once).
+
+    Args:
+        device_type: ``tensor.device.type``.
+    """
+    return get_module(device_type) is not None
 
 
 @dataclasses.dataclass(frozen=True)

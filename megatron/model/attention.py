@@ -18,8 +18,13 @@ no probability; the GPT-2 causal triangle is applied by ``is_causal`` (no mask t
 built, so the flash kernel is eligible); T5's relative position bias and padding mask
 become one additive float mask whose masked entries are the dtype's lowest value (a row
 with every entry masked comes out uniform, as Megatron's -10000 fill gives) and whose
-gradient reaches the bias. Attention dropout runs inside the model-parallel RNG tracker
-on both paths, so tensor-parallel ranks (which hold different heads) draw their own masks.
+gradient reaches the bias.
+
+At tensor-parallel size > 1 attention dropout runs inside the model-parallel RNG tracker on
+both paths, so the ranks (which hold different heads) draw their own masks; the tracker is
+forked only where a mask is drawn (p > 0, training). At tp = 1 no other rank holds heads and
+the default stream serves, with no fork: ``torch.compile`` cannot trace the fork's
+``torch.get_rng_state`` (docs/training.md, "Compiling").
 """
 import torch
 import torch.nn.functional as F
@@ -92,16 +97,19 @@ def additive_mask(mask, bias, dtype, causal=False, shape=None):
     return torch.where(excluded, torch.finfo(dtype).min, base)
 
 
-def sdpa_attention(q, k, v, *, scale, dropout_p, causal=False, mask=None, bias=None):
+def sdpa_attention(q, k, v, *, scale, dropout_p, causal=False, mask=None, bias=None,
+                   per_rank_dropout=True):
     """Multi-head attention through ``scaled_dot_product_attention``, ``[s, b, np, hn]`` in.
 
     Args:
         q: ``[sq, b, np, hn]`` queries; k, v: ``[sk, b, np, hn]``.
         scale: multiplies ``q k^T`` (GPT-2: 1/sqrt(hn); T5: 1).
-        dropout_p: attention dropout (0 in eval); drawn from the model-parallel RNG stream.
+        dropout_p: attention dropout (0 in eval).
         causal: GPT-2's triangle, aligned bottom right when ``sq < sk`` (a KV cache).
         mask: bool ``[b or 1, 1, sq, sk]`` True = masked, on top of ``causal``; or None.
         bias: float ``[1 or b, np, sq, sk]`` added to the scores (T5), or None.
+        per_rank_dropout: draw the dropout from the model-parallel RNG stream (heads split
+            across tensor-parallel ranks); False: from the default generator.
 
     Returns:
         Context ``[sq, b, np * hn]``.
@@ -114,22 +122,27 @@ def sdpa_attention(q, k, v, *, scale, dropout_p, causal=False, mask=None, bias=N
         # sq == 1 with a causal cache sees every key: no mask at all
         attn_mask = additive_mask(mask, bias, q.dtype, causal=causal and sq > 1,
                                   shape=(sq, sk))
-    with mpu.get_cuda_rng_tracker().fork():  # heads differ per rank: own dropout stream
-        context = F.scaled_dot_product_attention(
-            to_heads_first(q), to_heads_first(k), to_heads_first(v), attn_mask=attn_mask,
-            dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    args = (to_heads_first(q), to_heads_first(k), to_heads_first(v))
+    kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    if dropout_p > 0 and per_rank_dropout:  # a graph break when compiled: only where needed
+        context = mpu.in_model_parallel_stream(F.scaled_dot_product_attention, *args, **kwargs)
+    else:
+        context = F.scaled_dot_product_attention(*args, **kwargs)
     return from_heads_first(context)  # [sq, b, np * hn]
 
 
-def bmm_attention(q, k, v, scale_mask_softmax, dropout, mask=None, bias=None):
+def bmm_attention(q, k, v, scale_mask_softmax, dropout, mask=None, bias=None,
+                  per_rank_dropout=True):
     """Megatron's path: ``bmm``, scale + mask + softmax (fused kernel), dropout, ``bmm``.
 
     Args:
         q: ``[sq, b, np, hn]``; k, v: ``[sk, b, np, hn]``.
         scale_mask_softmax: a :class:`FusedScaleMaskSoftmax` (scale and mask type).
-        dropout: the attention-dropout module (run in the model-parallel RNG stream).
+        dropout: the attention-dropout module.
         mask: bool ``[b or 1, 1, sq, sk]`` True = masked, or None.
         bias: float ``[1 or b, np, sq, sk]`` added to the scores before the mask, or None.
+        per_rank_dropout: draw the dropout from the model-parallel RNG stream (heads split
+            across tensor-parallel ranks); False: from the default generator.
 
     Returns:
         Context ``[sq, b, np * hn]``.
@@ -143,7 +156,6 @@ def bmm_attention(q, k, v, scale_mask_softmax, dropout, mask=None, bias=None):
     if bias is not None:
         scores = scores + bias.to(scores.dtype)
     probs = scale_mask_softmax(scores, mask)  # [b, np, sq, sk]
-    with mpu.get_cuda_rng_tracker().fork():  # heads differ per rank: own dropout stream
-        probs = dropout(probs)
+    probs = mpu.model_parallel_dropout(dropout, probs, per_rank_dropout)
     context = torch.bmm(probs.view(b * np_, sq, sk), v)  # [b*np, sq, hn]
     return context.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)

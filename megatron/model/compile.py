@@ -3,9 +3,11 @@
 Each layer is compiled in place (``nn.Module.compile``), so parameter names, checkpoints and
 the pipeline's layer specs are unchanged, and one compiled graph is reused by every layer of
 the same shape. Inductor fuses the elementwise tails (bias + GeLU, dropout + residual add,
-the norms' arithmetic). What it cannot trace (the tensor-parallel collectives inside the
-mpu autograd functions, the RNG tracker's fork) becomes a graph break: that part runs
-eagerly and the regions around it stay compiled, so tensor parallelism keeps working.
+the norms' arithmetic). Each layer is one graph (tests/test_compile_graphs.py): the fused
+kernels are ``torch.library`` operators, dynamo turns the mpu autograd functions'
+collectives into functional collectives, and the RNG tracker is forked only where a
+per-rank dropout runs (p > 0 at tp > 1). Such a fork cannot be traced: it runs eagerly
+between compiled regions (docs/training.md, "Compiling").
 """
 from torch import nn
 

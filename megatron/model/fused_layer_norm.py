@@ -20,29 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import fused_kernels
-from megatron.fused_kernels import ops
+from megatron.fused_kernels import custom_ops
 from megatron.mpu.sequence_parallel import mark_sequence_parallel, sequence_parallel_param
 
 CUDA_MAX_HIDDEN = 8192
 
 
-class _FusedNorm(torch.autograd.Function):
-    """LayerNorm (bias may be None) or RMSNorm (``rms``), one kernel each way."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms):
-        module = fused_kernels.get_module(x.device.type)
-        y, mean, rstd = ops.norm_forward(module, x, weight, bias, eps, rms)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.has_bias, ctx.rms = bias is not None, rms
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, mean, rstd = ctx.saved_tensors
-        module = fused_kernels.get_module(x.device.type)
-        dx, dw, db = ops.norm_backward(module, grad, x, weight, mean, rstd, ctx.has_bias, ctx.rms)
-        return dx, dw, db, None, None
+def fused_norm(x, weight, bias, eps, rms):
+    """LayerNorm (bias may be None) or RMSNorm (``rms``), one kernel each way: the
+    ``megatron_tds::norm_fwd`` operator, which the compiler traces."""
+    return custom_ops.norm_fwd(x, weight, bias, eps, rms)[0]
 
 
 def norm_kernel_unavailable_reason(x, weight):
@@ -69,7 +56,7 @@ def norm_kernel_unavailable_reason(x, weight):
         return f"no kernel for {device.type}"
     if x.numel() == 0 or tuple(x.shape[x.dim() - weight.dim():]) != tuple(weight.shape):
         return "empty input, or trailing dims other than the weight's shape"
-    if fused_kernels.get_module(device.type) is None:
+    if not fused_kernels.kernels_available(device.type):
         return "kernels unavailable"
     return None
 
@@ -131,7 +118,7 @@ class MixedFusedLayerNorm(nn.Module):
         if self.sequence_parallel:
             weight, bias = sequence_parallel_param(weight), sequence_parallel_param(bias)
         if norm_kernel_unavailable_reason(input, weight) is None:
-            return _FusedNorm.apply(input, weight, bias, self.eps, False)
+            return fused_norm(input, weight, bias, self.eps, False)
         return layer_norm_reference(input, weight, bias, self.eps, self.normalized_shape)
 
     def extra_repr(self):
@@ -166,7 +153,7 @@ class MixedFusedRMSNorm(nn.Module):
     def forward(self, input):
         weight = sequence_parallel_param(self.weight) if self.sequence_parallel else self.weight
         if norm_kernel_unavailable_reason(input, weight) is None:
-            return _FusedNorm.apply(input, weight, None, self.eps, True)
+            return fused_norm(input, weight, None, self.eps, True)
         return rms_norm_reference(input, weight, self.eps, self.normalized_shape)
 
     def extra_repr(self):

@@ -20,30 +20,17 @@ import torch
 from torch import nn
 
 from megatron import fused_kernels
-from megatron.fused_kernels import ops
+from megatron.fused_kernels import custom_ops
 from megatron.model.enums import AttnMaskType  # noqa: F401 (one class, re-exported here)
 
 #: Megatron's sequence-length bound for the CUDA kernel (a row lives in a warp's registers).
 CUDA_MAX_KEYS = 4096
 
 
-class _FusedMaskedSoftmax(torch.autograd.Function):
-    """softmax(mask ? -10000 : scale * x) with the causal triangle at 0, one kernel each way."""
-
-    @staticmethod
-    def forward(ctx, scores, mask, scale, causal):
-        module = fused_kernels.get_module(scores.device.type)
-        probs, dead = ops.softmax_forward(module, scores, mask, scale, causal)
-        ctx.save_for_backward(probs, dead)
-        ctx.scale, ctx.causal = scale, causal
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad):
-        probs, dead = ctx.saved_tensors
-        module = fused_kernels.get_module(probs.device.type)
-        dx = ops.softmax_backward(module, grad, probs, dead, ctx.scale, ctx.causal)
-        return dx, None, None, None
+def fused_masked_softmax(scores, mask, scale, causal):
+    """softmax(mask ? -10000 : scale * scores) with the causal triangle at 0, one kernel each
+    way: the ``megatron_tds::masked_softmax_fwd`` operator, which the compiler traces."""
+    return custom_ops.masked_softmax_fwd(scores, mask, scale, causal)[0]
 
 
 def causal_exclusion(sq, sk, device):
@@ -146,7 +133,7 @@ class FusedScaleMaskSoftmax(nn.Module):
             return "causal with sq > sk"
         if mask is not None and not _mask_supported(mask, b, sq, sk, device):
             return f"mask of shape {tuple(mask.shape)} / {mask.dtype} on {mask.device}"
-        if fused_kernels.get_module(device.type) is None:
+        if not fused_kernels.kernels_available(device.type):
             return "kernels unavailable"
         return None
 
@@ -157,7 +144,7 @@ class FusedScaleMaskSoftmax(nn.Module):
     def forward_fused_softmax(self, input, mask):
         scale = 1.0 if self.scale is None else float(self.scale)
         causal = self.attn_mask_type == AttnMaskType.causal
-        return _FusedMaskedSoftmax.apply(input, mask, scale, causal)
+        return fused_masked_softmax(input, mask, scale, causal)
 
     def forward_torch_softmax(self, input, mask):
         """The PyTorch path; the same function as the kernels (see the module docstring)."""

@@ -173,7 +173,7 @@ class T5Attention(nn.Module):
 
     def __init__(self, config, cross):
         super().__init__()
-        tp = mpu.get_tensor_model_parallel_world_size()
+        tp = self.tp_size = mpu.get_tensor_model_parallel_world_size()
         self.heads_per_partition = mpu.divide(config.num_attention_heads, tp, "attention heads",
                                               "tensor-model-parallel size")
         self.head_dim, self.cross = config.kv_channels, cross
@@ -238,9 +238,9 @@ class T5Attention(nn.Module):
         if self.attention_backend == "sdpa":  # bias + mask: one additive float mask
             dropout_p = self.attention_dropout.p if self.training else 0.0
             return sdpa_attention(q, k, v, scale=1.0, dropout_p=dropout_p, mask=mask,
-                                  bias=position_bias)
+                                  bias=position_bias, per_rank_dropout=self.tp_size > 1)
         return bmm_attention(q, k, v, self.scale_mask_softmax, self.attention_dropout,
-                             mask=mask, bias=position_bias)
+                             mask=mask, bias=position_bias, per_rank_dropout=self.tp_size > 1)
 
 
 class T5MLP(nn.Module):
@@ -265,6 +265,7 @@ class T5MLP(nn.Module):
             ff, h, bias=False, input_is_parallel=True, init_method=init_method_normal(ff ** -0.5),
             sequence_parallel=config.sequence_parallel)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.tp_size = mpu.get_tensor_model_parallel_world_size()
 
     def forward(self, hidden):  # [s, b, h]
         intermediate, _ = self.dense_h_to_ff(hidden)  # [s, b, (2 x) ff/tp]
@@ -273,8 +274,8 @@ class T5MLP(nn.Module):
             intermediate = F.gelu(pairs[..., 0], approximate="tanh") * pairs[..., 1]
         else:
             intermediate = F.relu(intermediate)
-        with mpu.get_cuda_rng_tracker().fork():  # split activations: per-rank stream
-            intermediate = self.dropout(intermediate)
+        # split activations: a per-rank stream at tp > 1
+        intermediate = mpu.model_parallel_dropout(self.dropout, intermediate, self.tp_size > 1)
         return self.dense_ff_to_h(intermediate)[0]  # [s, b, h]
 
 
@@ -335,7 +336,10 @@ class T5DecoderLayer(nn.Module):
 
     def forward(self, hidden, mask, position_bias, encoder_output, cross_mask, kv_cache=None):
         """``[sd, b, h]`` -> ``[sd, b, h]`` given the encoder output ``[se, b, h]``."""
-        layer = self.layer_number - 1
+        # The cache slot is read only while decoding: a compiled layer guards on what it
+        # reads, so reading layer_number would compile one graph per decoder layer (and
+        # past dynamo's recompile limit of 8, run the rest eagerly).
+        layer = 0 if kv_cache is None else self.layer_number - 1
         attn = self.self_attention(self.input_layernorm(hidden), mask, position_bias,
                                    kv_cache=kv_cache, layer=layer)
         hidden = hidden + self._dropout(attn)

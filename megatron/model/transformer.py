@@ -103,7 +103,7 @@ class ParallelSelfAttention(nn.Module):
     def __init__(self, config, layer_number):
         super().__init__()
         self.layer_number = layer_number
-        tp = mpu.get_tensor_model_parallel_world_size()
+        tp = self.tp_size = mpu.get_tensor_model_parallel_world_size()
         self.heads_per_partition = mpu.divide(config.num_attention_heads, tp,
                                               "attention heads", "tensor-model-parallel size")
         self.head_dim = config.kv_channels
@@ -136,10 +136,12 @@ class ParallelSelfAttention(nn.Module):
         if self.attention_backend == "sdpa":
             context = sdpa_attention(q, k, v, scale=self.scale, causal=True,
                                      mask=_extra_mask(attention_mask),
-                                     dropout_p=self.attention_dropout.p if self.training else 0.0)
+                                     dropout_p=self.attention_dropout.p if self.training else 0.0,
+                                     per_rank_dropout=self.tp_size > 1)
         else:
             context = bmm_attention(q, k, v, self.scale_mask_softmax, self.attention_dropout,
-                                    mask=attention_mask)  # [sq, b, np * hn]
+                                    mask=attention_mask,
+                                    per_rank_dropout=self.tp_size > 1)  # [sq, b, np * hn]
         output, _ = self.dense(context)
         return output  # [sq, b, h]
 

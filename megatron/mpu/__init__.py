@@ -72,8 +72,10 @@ from .random import (
     checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
+    in_model_parallel_stream,
     init_checkpointed_activations_memory_buffer,
     model_parallel_cuda_manual_seed,
+    model_parallel_dropout,
     model_parallel_manual_seed,
     reset_checkpointed_activations_memory_buffer,
 )

@@ -118,6 +118,45 @@ def model_parallel_cuda_manual_seed(seed):
     _RNG_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, tp_seed)
 
 
+def model_parallel_dropout(dropout, input_, per_rank):
+    """``dropout(input_)``, on the model-parallel stream when ``per_rank``.
+
+    The stream is swapped in (``fork``) only where a mask is drawn: ``dropout.p > 0``, in
+    training, and ``per_rank``, i.e. the activation is split across tensor-parallel ranks
+    (heads, the feed-forward width) so each rank must draw its own mask. With one rank in
+    the group nothing is split and the default stream serves. Everywhere else no generator
+    state is read, which matters to ``torch.compile``: ``torch.get_rng_state`` cannot be
+    traced: each fork is a graph break in a compiled layer (:func:`in_model_parallel_stream`).
+
+    Args:
+        dropout: the ``nn.Dropout`` module (its ``p`` and ``training``).
+        input_: activation.
+        per_rank: the activation is this rank's part (tensor-parallel size > 1).
+    """
+    if not dropout.training or dropout.p == 0:
+        return input_
+    if not per_rank:
+        return dropout(input_)
+    return in_model_parallel_stream(dropout, input_)
+
+
+@torch.compiler.disable
+def in_model_parallel_stream(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the model-parallel stream as the device's generator.
+
+    Outside ``torch.compile`` this is ``with get_cuda_rng_tracker().fork(): fn(...)``.
+    Inside, the call runs eagerly: the fork's ``torch.get_rng_state`` / ``set_rng_state``
+    cannot be traced, and disabling the whole call costs one graph break per fork instead
+    of the five that tracing into the fork's context manager gives.
+
+    Args:
+        fn: what draws random numbers (a dropout module, SDPA with dropout).
+        args, kwargs: its arguments.
+    """
+    with _RNG_TRACKER.fork():
+        return fn(*args, **kwargs)
+
+
 # Device-neutral names.
 get_rng_tracker = get_cuda_rng_tracker
 model_parallel_manual_seed = model_parallel_cuda_manual_seed
