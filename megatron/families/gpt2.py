@@ -38,13 +38,17 @@ def make_batch_fn(cfg, tokenizer):
     """``raw -> ((tokens, position_ids, attention_mask), (labels, loss_mask))``.
 
     Tensor-parallel rank 0 reads (the others pass None) and shares the ``[b, s + 1]`` text
-    with its group; the causal mask (``[1, 1, s, s]``, True = masked), the loss mask and the
+    with its group (sizes from the configuration, so no shape travels); the causal mask
+    (``[1, 1, s, s]``, True = masked), the loss mask and the
     positions are built on the device.
     """
     eod, eod_mask_loss = tokenizer.eod, cfg.data.eod_mask_loss
+    # sizes fixed by the configuration: the broadcast needs no shape header (no host sync)
+    shapes = [(cfg.batch.micro_batch_size, cfg.batch.seq_length + 1)]
 
     def batch(data):
-        text = mpu.broadcast_data(["text"], data, torch.int64)["text"]  # [b, s + 1]
+        text = mpu.broadcast_data(["text"], data, torch.int64, shapes=shapes)["text"]
+        # text: [b, s + 1]
         tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
         attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
             tokens, eod, eod_mask_loss)
