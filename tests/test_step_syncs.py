@@ -83,7 +83,7 @@ def test_no_syncs_pipeline_pp2_fp32(gpt2_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [("--sequence-parallel",)])
+@pytest.mark.parametrize("extra", [("--fp16",), ("--sequence-parallel",)])
 def test_no_syncs_ddp_tp2_other_modes(gpt2_data, extra):
     """fp16 through the DDP backend (autocast + our loss scaler, overflow handled on the
     device) and sequence parallelism."""

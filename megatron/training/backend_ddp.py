@@ -68,9 +68,15 @@ class DDPBackend(TrainingBackend):
         if self.sp_params:  # one coalesced all-reduce, before clipping
             mpu.allreduce_sequence_parallel_grads(self.sp_params)
         updated, grad_norm = self.optimizer.step()
-        if updated:
+        # a device flag (fp16 skipped on the device) is not read here: the schedule moves on
+        # and take_back_skipped_steps corrects it when the loop reads the flags (log time)
+        if torch.is_tensor(updated) or updated:
             self.lr_scheduler.step()
         return per_micro_batch, updated, grad_norm
+
+    def take_back_skipped_steps(self, count):
+        if count:
+            self.lr_scheduler.step(-count)
 
     def eval_step(self, forward_step_func, data_iterator):
         per_micro_batch = []
