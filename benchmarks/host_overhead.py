@@ -15,9 +15,11 @@ Each model is timed two ways, in one run:
   T5ForConditionalGeneration, same sizes, same torch AdamW implementation and settings,
   ``clip_grad_norm_(1.0)``, the loss read every step (what such a loop does to print it).
 
-Per step: median ms of the best run (runs alternate which goes first, in separate
-processes), the ratio megatron / plain, the aten ops dispatched (a TorchDispatchMode count)
-and the syncs (value reads and host copies, tests/sync_count.py). ``--op-diff`` lists the ops
+Per step: median wall ms of the best run (runs alternate which goes first, in separate
+processes) and median CPU ms of the training thread (steadier on a shared machine: it does
+not count waiting for a core; the prefetch thread's reading is not in it), their ratios
+megatron / plain, the aten ops dispatched (a TorchDispatchMode count) and the syncs (value
+reads and host copies, tests/sync_count.py). ``--op-diff`` lists the ops
 whose counts differ. Timings are CPU timings: only the ratios and counts are claims.
 """
 import argparse
@@ -137,7 +139,7 @@ def time_megatron(model, opts, data):
     starts, counters, original = [], [], loop.train_step
 
     def step(*args, **kwargs):
-        starts.append(time.perf_counter())
+        starts.append((time.perf_counter(), time.thread_time()))
         if len(starts) <= warm + timed + 1:  # the last timed step ends at this start
             return original(*args, **kwargs)
         with SyncCounter(count_ops=True) as counter:
@@ -153,7 +155,8 @@ def time_megatron(model, opts, data):
         loop.train_step = original
     from megatron.global_vars import get_args
 
-    times = [b - a for a, b in zip(starts[warm:warm + timed], starts[warm + 1:])]
+    times = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(starts[warm:warm + timed],
+                                                          starts[warm + 1:])]
     return times, counters, get_args().padded_vocab_size
 
 
@@ -211,10 +214,10 @@ def time_plain(model, vocab, opts):
 
     times, counters = [], []
     for i in range(opts.warmup + opts.steps):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         step(i)
         if i >= opts.warmup:
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start, time.thread_time() - cpu))
     for i in range(opts.count_steps):
         with SyncCounter(count_ops=True) as counter:
             step(i)
@@ -229,7 +232,9 @@ def summary(times, counters):
     for c in counters:
         ops.update(c.ops)
     n = max(len(counters), 1)
-    return {"ms": statistics.median(times) * 1e3, "ops": sum(ops.values()) / n,
+    return {"ms": statistics.median(t for t, _ in times) * 1e3,
+            "cpu_ms": statistics.median(c for _, c in times) * 1e3,
+            "ops": sum(ops.values()) / n,
             "syncs": sum(c.count for c in counters) / n,
             "op_counts": {k: v / n for k, v in ops.items()}}
 
@@ -285,12 +290,15 @@ def report(model, runs, opts):
     name = {"gpt2": "plain GPT-2 (benchmarks/plain_models.py)",
             "t5": "transformers T5ForConditionalGeneration"}[model]
     print(f"\n{model}: megatron pretrain() step vs {name}")
-    print("| case | ms/step | ratio | aten ops/step | ops ratio | syncs/step |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| case | ms/step | ratio | thread CPU ms/step | ratio | aten ops/step | ops ratio "
+          "| syncs/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, s in (("megatron", ours), ("plain", plain)):
-        print(f"| {label} | {s['ms']:.2f} | {s['ms'] / plain['ms']:.3f} | {s['ops']:.0f} | "
+        print(f"| {label} | {s['ms']:.2f} | {s['ms'] / plain['ms']:.3f} | {s['cpu_ms']:.2f} | "
+              f"{s['cpu_ms'] / plain['cpu_ms']:.3f} | {s['ops']:.0f} | "
               f"{s['ops'] / plain['ops']:.3f} | {s['syncs']:.1f} |")
     print(f"RESULT {model} ms_ratio={ours['ms'] / plain['ms']:.4f} "
+          f"cpu_ratio={ours['cpu_ms'] / plain['cpu_ms']:.4f} "
           f"ops_megatron={ours['ops']:.0f} ops_plain={plain['ops']:.0f} "
           f"syncs_megatron={ours['syncs']:.1f} syncs_plain={plain['syncs']:.1f}")
     if opts.op_diff:

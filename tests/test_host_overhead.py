@@ -23,7 +23,8 @@ def test_host_overhead_reports_times_ops_and_syncs(gpt2_data, t5_data):
     assert set(results) == {"gpt2", "t5"}, out.stdout
     for model, line in results.items():
         values = {k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", line)}
-        assert values["ms_ratio"] > 0 and values["ops_megatron"] > 0, (model, line)
+        assert values["ms_ratio"] > 0 and values["cpu_ratio"] > 0, (model, line)
+        assert values["ops_megatron"] > 0, (model, line)
         assert values["ops_plain"] > 0, (model, line)
         # the plain loops read their loss every step; the pretrain() step reads nothing
         assert values["syncs_plain"] >= 1 and values["syncs_megatron"] == 0, (model, line)
