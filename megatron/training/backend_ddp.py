@@ -2,8 +2,9 @@
 
 Each step runs ``gas`` micro-batches; the data-parallel all-reduce runs once per step (on
 the last micro-batch, the others under ``no_sync``), and so does the tensor-parallel sum of
-the sequence-parallel gradients (one coalesced all-reduce before clipping). fp16/bf16 compute uses torch.amp
-autocast over fp32 parameters; fp16 adds a dynamic loss scaler with DeepSpeed's semantics.
+the sequence-parallel gradients (one coalesced all-reduce before clipping). fp16/bf16
+compute uses torch.amp autocast over fp32 parameters; fp16 adds a dynamic loss scaler with
+DeepSpeed's semantics, its overflow handled on the device (megatron/optimizer).
 """
 import contextlib
 

@@ -140,10 +140,11 @@ def train(forward_step_func, backend, train_iterator, valid_iterator, cfg, state
         state.iteration += 1
         state.consumed_train_samples += cfg.batch.global_batch_size
         state.steps_in_interval += 1
-        if updated is False:  # a device flag is counted at log time (_count_device_skips)
+        # a device flag (fp16 skipped on the device) is counted at log time, not read here
+        skipped = ~updated if torch.is_tensor(updated) else not updated
+        if skipped is True:
             state.skipped_iters += 1
             state.skipped_in_interval += 1
-        skipped = ~updated if torch.is_tensor(updated) else not updated
         pending.append(dict(stats, **{"grad norm": grad_norm, "skipped": skipped}))
         if _every(state.iteration, log.log_interval) or state.iteration == iters:
             _flush_interval(cfg, state, pending, backend, timers, writer)
