@@ -1,6 +1,6 @@
 """fp16 through the DDP backend with the overflow handled on the device.
 
-A huge initial loss scale makes the first steps overflow; each is skipped by the fused AdamW
+A large initial loss scale (2^19) makes the first steps overflow (2 of 6 here); each is skipped by the fused AdamW
 on its ``found_inf`` flag and the scale lowered on the device, with no host read (see
 tests/test_step_syncs.py). The reference is the same run with the flag read on the host every
 step (the previous behaviour, still used by optimizers that cannot skip on the device). The
@@ -14,7 +14,7 @@ import pytest
 from gpt2_runs import gpt2_argv
 from harness import run_distributed
 
-STEPS = 8
+STEPS = 6
 
 
 def _train(argv, on_device):
@@ -29,7 +29,7 @@ def _train(argv, on_device):
 
 def _argv(data, log_interval):
     return gpt2_argv(data, "--batch-size", "2", "--train-iters", str(STEPS), "--fp16",
-                     "--initial-scale-power", "30", "--hysteresis", "1",
+                     "--initial-scale-power", "19", "--hysteresis", "1",
                      "--log-interval", str(log_interval), "--hidden-dropout", "0",
                      "--attention-dropout", "0", seq=16)
 
@@ -39,7 +39,7 @@ def test_fp16_overflow_skips_on_the_device_like_the_host_path(gpt2_data):
     host = run_distributed(_train, 1, _argv(gpt2_data, 1), False)[0]
     device = run_distributed(_train, 1, _argv(gpt2_data, 1), True)[0]
     losses, skipped, lr, scale = device
-    assert skipped == host[1] and skipped >= 1, (device, host)  # overflows happened
+    assert skipped == host[1] and 1 <= skipped < STEPS, (device, host)  # some overflowed
     assert lr == pytest.approx(host[2], rel=1e-12) and scale == host[3]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, host[0])) < 1e-3, (losses, host)
     late = run_distributed(_train, 1, _argv(gpt2_data, 1000), True)[0]
