@@ -1,8 +1,8 @@
 """fp16 through the DDP backend with the overflow handled on the device.
 
-A large initial loss scale (2^19) makes the first steps overflow (2 of 6 here); each is skipped by the fused AdamW
-on its ``found_inf`` flag and the scale lowered on the device, with no host read (see
-tests/test_step_syncs.py). The reference is the same run with the flag read on the host every
+A large initial loss scale (2^19) makes the first steps overflow (2 of 6 here); each is
+skipped by the fused AdamW on its ``found_inf`` flag and the scale lowered on the device,
+with no host read (see tests/test_step_syncs.py). The reference is the same run with the flag read on the host every
 step (the previous behaviour, still used by optimizers that cannot skip on the device). The
 steps skipped are counted at log time; with a log line every step both runs are the same to
 the step (losses, skipped count, learning rate). With a longer log interval the LR schedule
