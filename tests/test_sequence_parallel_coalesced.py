@@ -58,7 +58,8 @@ def serial(gpt2_data):
     return run_distributed(train_gpt2, 1, _argv(gpt2_data, 1, 1, 1), timeout=300)[0][0]
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 1), pytest.param((2, 2, 1), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", [(2, 1, 1), pytest.param((2, 1, 2), marks=pytest.mark.slow),
+                                    pytest.param((2, 2, 1), marks=pytest.mark.slow)])
 def test_one_coalesced_sequence_parallel_allreduce_per_step(gpt2_data, serial, layout):
     tp, pp, dp = layout
     per_rank = run_distributed(_count_sp_allreduces, tp * pp * dp,
