@@ -17,8 +17,8 @@ Every case trains on the same device in the same process, tp = pp = dp = 1, bf16
   under ``torch.compile``; ``hf-t5``: transformers' T5ForConditionalGeneration, same.
 
 Reported per case: ms/step (median), tokens/s, TFLOP/s (Megatron's formula, the same
-count for every case of a size), MFU (peak looked up from the GPU name, ``--peak-tflops``
-overrides), peak memory, and tokens/s relative to the compiled baseline.
+count for every case of a size), MFU (the device's dense peak for the precision,
+megatron/training/training_log.py's table; ``--peak-tflops`` overrides), peak memory, and tokens/s relative to the compiled baseline.
 """
 import argparse
 import os
@@ -32,24 +32,24 @@ import torch  # noqa: E402
 
 from benchmarks.plain_models import PlainGPT2, hf_t5  # noqa: E402
 
-#: bf16 dense peak TFLOP/s by GPU name fragment (first match wins).
-PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0),
-               ("A10", 125.0))
-
 GPT2_SIZES = {"124M": (12, 768, 12), "345M": (24, 1024, 16)}  # layers, hidden, heads
 T5_SIZES = {"t5-base": (12, 768, 3072, 12), "t5-large": (24, 1024, 4096, 16)}
 TINY_GPT2 = {"tiny": (2, 64, 4)}
 TINY_T5 = {"tiny-t5": (2, 64, 128, 4)}
 
 
-def peak_tflops(device, override):
-    """Per-device bf16 peak, or None (CPU, unknown GPU) when no ``--peak-tflops``."""
+def peak_tflops(device, override, dtype):
+    """Per-device dense peak for ``dtype`` (megatron.training.training_log's table: H100
+    SXM / PCIe / NVL, H200, A100, ...), or None (CPU, unknown GPU) without ``--peak-tflops``."""
     if override:
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+    from megatron.training.training_log import device_peak_tflops
+
+    props = torch.cuda.get_device_properties(device)
+    return device_peak_tflops(props.name, props.total_memory, dtype,
+                              torch.get_float32_matmul_precision() != "highest")
 
 
 def _sync(device):
@@ -263,7 +263,7 @@ def t5_cases(opts, name, layers, d_model, d_ff, heads, batch):
 # ------------------------------------------------------------------ report
 def run_table(title, cases, tokens_per_step, flops, opts):
     """Time every case of one size; print ms/step, tokens/s, TFLOP/s, MFU, memory, ratio."""
-    peak = peak_tflops(opts.device, opts.peak_tflops)
+    peak = peak_tflops(opts.device, opts.peak_tflops, opts.dtype)
     rows = []
     for label, factory in cases:
         step = factory()

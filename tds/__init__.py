@@ -59,18 +59,20 @@ __version__ = _deepspeed.__version__
 
 
 @contextlib.contextmanager
-def _tds_pipeline_engine(clip_grad_norm_fn):
+def _tds_pipeline_engine(clip_grad_norm_fn, pre_reduce_grads_fn):
     """Let deepspeed.initialize build tds's engine for the duration of one call."""
     original = _deepspeed.PipelineEngine
     _deepspeed.PipelineEngine = functools.partial(PipelineEngine,
-                                                  clip_grad_norm_fn=clip_grad_norm_fn)
+                                                  clip_grad_norm_fn=clip_grad_norm_fn,
+                                                  pre_reduce_grads_fn=pre_reduce_grads_fn)
     try:
         yield
     finally:
         _deepspeed.PipelineEngine = original
 
 
-def initialize(*args, batch_fn=None, clip_grad_norm_fn=None, **kwargs):
+def initialize(*args, batch_fn=None, clip_grad_norm_fn=None, pre_reduce_grads_fn=None,
+               **kwargs):
     """``deepspeed.initialize``; a ``PipelineModule`` gets tds's pipeline engine.
 
     Args:
@@ -79,16 +81,20 @@ def initialize(*args, batch_fn=None, clip_grad_norm_fn=None, **kwargs):
             and last stage to what the data iterator yields (DeepSpeed's ``set_batch_fn``).
         clip_grad_norm_fn: pipeline only: ``f(parameters, max_norm) -> total norm`` that
             clips in place (default: DeepSpeed's).
+        pre_reduce_grads_fn: pipeline only: called (no arguments) once per step after the
+            last micro-batch's backward, before the gradients are reduced.
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed does.
     """
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
     if not isinstance(model, _deepspeed.pipe.PipelineModule):  # DeepSpeed's or ours
-        if batch_fn is not None or clip_grad_norm_fn is not None:
-            raise TypeError("batch_fn and clip_grad_norm_fn apply to a PipelineModule only")
+        if batch_fn is not None or clip_grad_norm_fn is not None or \
+                pre_reduce_grads_fn is not None:
+            raise TypeError("batch_fn, clip_grad_norm_fn and pre_reduce_grads_fn apply to a "
+                            "PipelineModule only")
         return _deepspeed.initialize(*args, **kwargs)
-    with _tds_pipeline_engine(clip_grad_norm_fn):
+    with _tds_pipeline_engine(clip_grad_norm_fn, pre_reduce_grads_fn):
         engine, *rest = _deepspeed.initialize(*args, **kwargs)
     if batch_fn is not None:
         engine.set_batch_fn(batch_fn)

@@ -34,6 +34,35 @@ def test_broadcast_data_identical_on_every_tp_rank(seed):
     assert all(error is not None for _, error in results)
 
 
+def _broadcast_known_shapes(seed):
+    from sync_count import SyncCounter
+
+    mpu.initialize_model_parallel(2, 1)
+    keys, shapes = ["text", "mask"], [(3, 17), (3, 1, 17)]
+    torch.manual_seed(seed + mpu.get_data_parallel_rank())
+    source = {"text": torch.randint(0, 1000, (3, 17)), "mask": torch.randint(0, 2, (3, 1, 17))}
+    data = source if mpu.get_tensor_model_parallel_rank() == 0 else None
+    with SyncCounter() as counter:
+        got = mpu.broadcast_data(keys, data, torch.long, shapes=shapes)
+    same = all(torch.equal(got[k], source[k]) for k in keys)
+    bad = dict(source, text=source["text"][:, :16])
+    try:
+        mpu.broadcast_data(keys, bad if data is not None else None, torch.long, shapes=shapes)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return same, counter.events, error
+
+
+def test_broadcast_data_with_known_shapes_reads_nothing_back(seed):
+    results = run_distributed(_broadcast_known_shapes, 4, seed)
+    assert all(same for same, _, _ in results)
+    assert all(events == [] for _, events, _ in results), results
+    # the source names the problem; the others received zeros and go on
+    assert "'text' has shape (3, 16), expected (3, 17)" in results[0][2]
+    assert results[1][2] is None
+
+
 # ---------------------------------------------------------------- clip_grad_norm
 def _serial_params(seed):
     """A serial 'model': (name, full grad, kind), kind in split0/split1/replicated/tied."""

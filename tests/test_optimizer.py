@@ -129,3 +129,44 @@ def test_lr_schedule(style):
     restored = AnnealingLR(opt, 1.0, 0.1, 10, 110, style)
     restored.load_state_dict(sched.state_dict())
     assert restored.get_lr() == pytest.approx(lrs[130])
+
+
+def _overflow_on_device(seed):
+    """fp16 loss scaling with a fused AdamW: an injected overflow is skipped on the device
+    (weights, moments and step count untouched), the scale halves, nothing is read back."""
+    from sync_count import SyncCounter
+
+    mpu.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    scaler = DynamicGradScaler(2.0**10, window=2, hysteresis=1)
+    opt = MegatronOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, fused=True), scaler,
+                            clip_grad=1.0)
+    x = torch.randn(5, 4)
+    results = []
+    for step in range(5):
+        opt.zero_grad()
+        opt.scale_loss(model(x).sum()).backward()
+        if step == 1:
+            model.weight.grad[0, 0] = float("inf")  # injected overflow
+        before = [p.detach().clone() for p in model.parameters()]
+        state = [{k: v.clone() for k, v in opt.optimizer.state[p].items()}
+                 for p in model.parameters()] if step else None
+        with SyncCounter() as counter:
+            updated, _ = opt.step()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        same_state = state is not None and all(
+            torch.equal(v, opt.optimizer.state[p][k])
+            for p, s in zip(model.parameters(), state) for k, v in s.items())
+        results.append((bool(updated), unchanged, same_state, scaler.scale, counter.events))
+    return results
+
+
+def test_overflow_skipped_on_the_device_without_a_read(seed):
+    (results,) = run_distributed(_overflow_on_device, 1, seed)
+    assert [r[4] for r in results] == [[]] * 5  # no host read in any step
+    assert [r[0] for r in results] == [True, False, True, True, True]
+    assert [r[1] for r in results] == [False, True, False, False, False]
+    assert results[1][2]  # moments and step count untouched by the skipped step
+    # window 2, hysteresis 1: halved at the overflow, doubled 2 clean steps after the first
+    assert [r[3] for r in results] == [2.0**10, 2.0**9, 2.0**9, 2.0**9, 2.0**10]

@@ -65,3 +65,70 @@ def test_log_line_and_tensorboard_scalars(gpt2_data, tmp_path):
     assert logged == pytest.approx(expected, rel=1e-6)
     assert [e.value for e in events.Scalars("validation/lm-loss")] == \
         pytest.approx([loss for _, loss in evals], rel=1e-6)
+
+
+# ---------------------------------------------------------------- FLOPs and peaks (issue 22)
+def _matmul_flops_general(b, s, layers, h, heads, kv, ffn, vocab):
+    """Independent count with the attention width (heads x kv) and ffn size of the model:
+    each matmul's shape written out, 2 FLOPs per multiply-add, backward = 2x forward."""
+    a = heads * kv
+    shapes = [(b * s, h, 3 * a),            # QKV projection [bs, h] x [h, 3a]
+              (b * heads * s, kv, s),       # scores, per head [s, kv] x [kv, s]
+              (b * heads * s, s, kv),       # probabilities x values
+              (b * s, a, h),                # attention output projection
+              (b * s, h, ffn), (b * s, ffn, h)]  # MLP up and down
+    per_layer = sum(2 * m * k * n for m, k, n in shapes)
+    return 3 * (layers * per_layer + 2 * b * s * h * vocab)
+
+
+@pytest.mark.parametrize("heads,kv,ffn", [(4, 24, 200), (3, 7, 96), (8, 16, 4 * 96)])
+def test_flops_from_the_real_ffn_and_kv_sizes(heads, kv, ffn):
+    b, s, layers, h, vocab = 3, 48, 2, 96, 512
+    cfg = saved_run_config(dict(global_batch_size=b, seq_length=s, num_layers=layers,
+                                hidden_size=h, num_attention_heads=heads, kv_channels=kv,
+                                ffn_hidden_size=ffn, padded_vocab_size=vocab, world_size=1))
+    expected = _matmul_flops_general(b, s, layers, h, heads, kv, ffn, vocab)
+    assert model_flops_per_step(cfg) == pytest.approx(expected, rel=1e-12)
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("name,memory,dtype,tf32,peak", [
+    ("NVIDIA H100 80GB HBM3", 80 * GIB, "bfloat16", False, 989.0),
+    ("NVIDIA H100 80GB HBM3", 80 * GIB, "float32", True, 494.0),
+    ("NVIDIA H100 80GB HBM3", 80 * GIB, "float32", False, 67.0),
+    ("NVIDIA H100 PCIe", 80 * GIB, "float16", False, 756.0),
+    ("NVIDIA H100 PCIe", 80 * GIB, "float32", True, 378.0),
+    ("NVIDIA H100 NVL", 94 * GIB, "bfloat16", False, 835.0),
+    ("NVIDIA H100", 94 * GIB, "bfloat16", False, 835.0),       # NVL told by its memory
+    ("NVIDIA H200", 141 * GIB, "bfloat16", False, 989.0),
+    ("NVIDIA A100-SXM4-40GB", 40 * GIB, "bfloat16", False, 312.0),
+    ("NVIDIA A100 80GB PCIe", 80 * GIB, "float16", False, 312.0),
+    ("NVIDIA A100-SXM4-80GB", 80 * GIB, "float32", True, 156.0),
+    ("Some Future GPU", 80 * GIB, "bfloat16", False, None),
+])
+def test_mfu_peak_of_the_emulated_device_and_precision(monkeypatch, name, memory, dtype, tf32,
+                                                       peak):
+    """peak_tflops(cfg) reads torch.cuda's device properties (emulated here) and the run's
+    compute dtype; MFU divides by that peak, and --peak-tflops overrides it."""
+    import types
+
+    import torch
+
+    from megatron.training import training_log
+
+    props = types.SimpleNamespace(name=name, total_memory=memory)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision",
+                        lambda: "high" if tf32 else "highest")
+    sizes = dict(global_batch_size=2, seq_length=16, num_layers=1, hidden_size=32,
+                 padded_vocab_size=64, world_size=1)
+    cfg = saved_run_config(dict(sizes, compute_dtype=dtype))
+    assert training_log.peak_tflops(cfg) == peak
+    _, tflops, mfu = throughput(cfg, 1e-3)
+    assert mfu == (pytest.approx(tflops / peak) if peak else None)
+    override = saved_run_config(dict(sizes, compute_dtype=dtype, peak_tflops=123.0))
+    assert training_log.peak_tflops(override) == 123.0

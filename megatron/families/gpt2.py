@@ -38,13 +38,17 @@ def make_batch_fn(cfg, tokenizer):
     """``raw -> ((tokens, position_ids, attention_mask), (labels, loss_mask))``.
 
     Tensor-parallel rank 0 reads (the others pass None) and shares the ``[b, s + 1]`` text
-    with its group; the causal mask (``[1, 1, s, s]``, True = masked), the loss mask and the
+    with its group (sizes from the configuration, so no shape travels); the causal mask
+    (``[1, 1, s, s]``, True = masked), the loss mask and the
     positions are built on the device.
     """
     eod, eod_mask_loss = tokenizer.eod, cfg.data.eod_mask_loss
+    # sizes fixed by the configuration: the broadcast needs no shape header (no host sync)
+    shapes = [(cfg.batch.micro_batch_size, cfg.batch.seq_length + 1)]
 
     def batch(data):
-        text = mpu.broadcast_data(["text"], data, torch.int64)["text"]  # [b, s + 1]
+        text = mpu.broadcast_data(["text"], data, torch.int64, shapes=shapes)["text"]
+        # text: [b, s + 1]
         tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
         attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
             tokens, eod, eod_mask_loss)
@@ -64,12 +68,22 @@ def build_datasets(cfg, tokenizer, num_samples):
 
 
 def flops_per_step(cfg):
-    """Megatron's count for one step of a GPT model (no recompute):
-    72 * B * s * l * h^2 * (1 + s / (6 h) + V / (12 l h)), B = global batch.
+    """Matmul FLOPs of one training step (forward + backward = 3 x forward, no recompute),
+    from the real sizes: attention width ``heads x kv_channels`` and ``ffn_hidden_size``
+    (Megatron's ``72 B s l h^2 (1 + s / 6h + V / 12lh)`` when they are h and 4h).
+
+    Per token and layer (multiply-adds): QKV ``h x 3a``, scores and context ``2 s a``,
+    output ``a x h``, MLP ``2 h f`` (a = heads x kv, f = ffn); logits ``h x V``.
     """
     b, s = cfg.batch.global_batch_size, cfg.batch.seq_length
-    layers, h, vocab = cfg.model.num_layers, cfg.model.hidden_size, cfg.model.padded_vocab_size
-    return 72.0 * b * s * layers * h * h * (1.0 + s / (6.0 * h) + vocab / (12.0 * layers * h))
+    m = cfg.model
+    h, vocab = m.hidden_size, m.padded_vocab_size
+    # a saved configuration without the sizes had validation's defaults: 4h and h / heads
+    ffn = m.ffn_hidden_size or 4 * h
+    attn = m.num_attention_heads * m.kv_channels if m.kv_channels and m.num_attention_heads \
+        else h
+    per_layer = 3 * h * attn + 2 * s * attn + attn * h + 2 * h * ffn  # multiply-adds / token
+    return 3.0 * 2.0 * b * s * (m.num_layers * per_layer + h * vocab)
 
 
 def _add_flags(parser):

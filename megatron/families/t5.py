@@ -197,8 +197,12 @@ def make_batch_fn(cfg, tokenizer):
     tensors with its group in one broadcast; the bool masks (enc ``[b, 1, se, se]``, dec
     ``[b, 1, sd, sd]``, cross ``[b, 1, sd, se]``, True = masked) are built on the device.
     """
+    mb, enc, dec = cfg.batch.micro_batch_size, cfg.t5.enc_seq_length, cfg.t5.dec_seq_length
+    # sizes fixed by the configuration: the broadcast needs no shape header (no host sync)
+    shapes = [(mb, enc), (mb, dec), (mb, dec), (mb, dec), (mb, enc)]  # BATCH_KEYS' order
+
     def batch(data):
-        b = mpu.broadcast_data(list(BATCH_KEYS), data, torch.int64)
+        b = mpu.broadcast_data(list(BATCH_KEYS), data, torch.int64, shapes=shapes)
         masks = t5_attention_masks(b["enc_real"].bool(), b["loss_mask"].bool())
         return (b["text_enc"], b["text_dec"], *masks), (b["labels"], b["loss_mask"].float())
 

@@ -82,6 +82,8 @@ from .random import (
 from .split_1d import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 from .vocab_padding import mask_padded_vocab_logits_
 from .sequence_parallel import (
+    allreduce_sequence_parallel_grads,
+    defer_sequence_parallel_grads,
     gather_from_sequence_parallel_region,
     mark_sequence_parallel,
     reduce_scatter_to_sequence_parallel_region,

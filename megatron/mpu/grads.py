@@ -19,7 +19,7 @@ def _counted_grads(parameters, tp_rank):
         if p.grad is None or param_is_shared(p):
             continue
         if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-            grads.append(p.grad.detach())
+            grads.append(p.grad)  # a leaf's gradient: no graph to detach from
     return grads
 
 
@@ -56,6 +56,7 @@ def clip_grad_norm(parameters, max_norm, norm_type=2, group=None):
     return float(clip_grad_norm_tensor(parameters, max_norm, norm_type, group))
 
 
+@torch.no_grad()
 def clip_grad_norm_tensor(parameters, max_norm, norm_type=2, group=None):
     """:func:`clip_grad_norm` without a host sync: returns the norm as a 0-dim fp32 tensor
     on the gradients' device (same arguments)."""
@@ -74,7 +75,7 @@ def clip_grad_norm_tensor(parameters, max_norm, norm_type=2, group=None):
         total = total.pow(1.0 / norm_type)
     # Scale unconditionally by min(1, coef): no host sync to decide whether to clip.
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    all_grads = [p.grad.detach() for p in parameters]
+    all_grads = [p.grad for p in parameters]
     if all_grads:
         torch._foreach_mul_(all_grads, clip_coef.to(all_grads[0].device))
     return total

@@ -276,8 +276,11 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.group)
-        output_parallel = F.linear(input_parallel, self.weight)
         bias = self.bias
+        if self.tp_size == 1 and not self.skip_bias_add:
+            # nothing to reduce: the bias goes into the matmul (one addmm, not mm + add)
+            return F.linear(input_parallel, self.weight, bias), None
+        output_parallel = F.linear(input_parallel, self.weight)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.group)
             if bias is not None:  # added on a sequence shard: partial gradient per rank

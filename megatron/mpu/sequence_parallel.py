@@ -18,6 +18,7 @@ one rank. Names and semantics follow Megatron-LM's ``tensor_parallel.mappings``.
 """
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .mappings import _all_gather_single, _resolve
 from .utils import divide
@@ -174,19 +175,61 @@ def sequence_parallel_param(param, group=None):
     """Use ``param`` inside a sequence-sharded region: its gradient is summed across tp.
 
     Each rank sees only its slice of the sequence, so the gradient it computes for a
-    replicated parameter (LayerNorm weight, row-parallel bias) is a partial sum. Summing it
-    in the backward (Megatron sums once per step before the optimizer instead) keeps
-    ``param.grad`` complete whatever consumes it afterwards: torch DDP, the tds pipeline
-    engine, or DeepSpeed ZeRO, whose hooks take ``.grad`` during the backward.
+    replicated parameter (LayerNorm weight, row-parallel bias) is a partial sum. By default
+    the sum runs in the backward, at each use and micro-batch, which keeps ``param.grad``
+    complete whatever consumes it: DeepSpeed ZeRO and bf16 optimizers take ``.grad`` during
+    the backward. A training backend that owns the step instead marks the parameters with
+    :func:`defer_sequence_parallel_grads` and sums them all in one call per step
+    (:func:`allreduce_sequence_parallel_grads`, as Megatron does); then this is the identity.
 
     Args:
         param: the replicated parameter (marked with :func:`mark_sequence_parallel`).
         group: process group (default: this rank's tensor-parallel group).
     """
     group = _resolve(group)
-    if dist.get_world_size(group) == 1:
+    if dist.get_world_size(group) == 1 or getattr(param, "sequence_parallel_deferred", False):
         return param
     return _AllReduceGrad.apply(param, group)
+
+
+def defer_sequence_parallel_grads(module, group=None):
+    """Take the tensor-parallel sum of ``module``'s sequence-parallel gradients out of the
+    backward: the caller sums them once per step with
+    :func:`allreduce_sequence_parallel_grads` (after the last micro-batch's backward).
+
+    Args:
+        module: the model (its parameters marked by :func:`mark_sequence_parallel`).
+        group: the tensor-parallel group (default: this rank's).
+
+    Returns:
+        The deferred parameters (empty when the group has one rank: nothing to sum).
+    """
+    if dist.get_world_size(_resolve(group)) == 1:
+        return []
+    params = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    for param in params:
+        param.sequence_parallel_deferred = True
+    return params
+
+
+def allreduce_sequence_parallel_grads(params, group=None):
+    """Sum the gradients of ``params`` over the tensor-parallel group: one all-reduce per
+    gradient dtype, the gradients flattened into one bucket (Megatron's
+    ``allreduce_sequence_parallel_gradients``).
+
+    Args:
+        params: the parameters :func:`defer_sequence_parallel_grads` returned.
+        group: the tensor-parallel group (default: this rank's).
+    """
+    group = _resolve(group)
+    buckets = {}
+    for param in params:
+        if param.grad is not None:
+            buckets.setdefault(param.grad.dtype, []).append(param.grad)
+    for grads in buckets.values():
+        flat = _flatten_dense_tensors(grads)  # [sum of numels]
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
 
 
 def sequence_parallel_dropout(dropout, input_, sequence_parallel):

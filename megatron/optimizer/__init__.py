@@ -47,35 +47,56 @@ class MegatronOptimizer:
 
     @property
     def loss_scale(self):
+        """The loss scale as a float (a host read: for logs)."""
         return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
 
     def scale_loss(self, loss):
-        return loss * self.loss_scale if self.grad_scaler is not None else loss
+        if self.grad_scaler is None:
+            return loss
+        return loss * self._scaler_on(loss.device).scale_tensor
 
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _scaler_on(self, device):
+        if self.grad_scaler.scale_tensor.device != device:
+            self.grad_scaler.to(device)
+        return self.grad_scaler
+
+    @property
+    def skips_on_device(self):
+        """The optimizer takes a ``found_inf`` tensor and skips its update on the device
+        (torch's fused Adam/AdamW); others need the overflow flag read on the host."""
+        return bool(self.optimizer.defaults.get("fused"))
+
     def _unscale_and_check(self, grads):
-        """Unscale in place; True (on every rank) if any gradient anywhere is inf/nan."""
-        found_inf = torch.zeros(1, device=grads[0].device if grads else mpu.get_device())
+        """Unscale in place; a 1-element device tensor, non-zero (on every rank) if any
+        gradient anywhere is inf/nan."""
+        device = grads[0].device if grads else mpu.get_device()
+        found_inf = torch.zeros(1, device=device)
         if grads:
-            inv_scale = torch.full((1,), 1.0 / self.grad_scaler.scale, device=found_inf.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            inv_scale = self._scaler_on(device).scale_tensor.double().reciprocal().float()
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
+                                                             inv_scale.reshape(1))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        return bool(found_inf.item())
+        return found_inf
 
     def step(self):
-        """Returns ``(updated, grad_norm)``; ``updated`` is False for a skipped (overflow) step.
+        """Returns ``(updated, grad_norm)``: ``updated`` is False (or a device bool tensor)
+        for a step an fp16 overflow skipped; the norm is a device tensor (None for a step
+        skipped on the host).
 
-        The norm stays a device tensor (no host sync); fp16 reads one flag from the device
-        to decide whether the step is skipped.
+        fp16 with an optimizer that skips on the device (:attr:`skips_on_device`): the
+        overflow flag, the loss-scale update and the skip all stay on the device, no host
+        read. Otherwise the flag is read (one sync) to decide.
         """
         params = [p for p in self.params() if p.grad is not None]
+        found_inf = None
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check([p.grad for p in params])
             self.grad_scaler.update(found_inf)
-            if found_inf:
+            if not self.skips_on_device and bool(found_inf.item()):
                 self.zero_grad()
                 return False, None
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
@@ -84,8 +105,15 @@ class MegatronOptimizer:
         if self.skip_nonfinite and not bool(torch.isfinite(grad_norm)):
             self.zero_grad()  # keep the weights, count a skipped step
             return False, grad_norm
-        self.optimizer.step()
-        return True, grad_norm
+        if found_inf is None or not self.skips_on_device:
+            self.optimizer.step()
+            return True, grad_norm
+        self.optimizer.found_inf = found_inf.reshape(())  # the fused kernel skips on it
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        return found_inf.reshape(()) == 0, grad_norm
 
     def state_dict(self):
         state = {"optimizer": self.optimizer.state_dict()}

@@ -67,6 +67,11 @@ class TrainingBackend:
     def loss_scale(self):
         return 1.0
 
+    def take_back_skipped_steps(self, count):
+        """``count`` steps since the last call were skipped on the device (an fp16 overflow
+        the step did not read): the loop learns it at log time. The DDP backend advanced its
+        LR schedule for them and takes those steps back."""
+
     def module(self):
         """The bare model (no DDP or engine wrapper): what the checkpoints hold."""
         from ..utils import unwrap_model
@@ -87,9 +92,12 @@ def build_optimizer_and_scheduler(module, cfg, for_engine):
         ``(optimizer, lr_scheduler)``.
     """
     o = cfg.optim
-    # fused AdamW on CUDA (also inside DeepSpeed's engine, which steps this optimizer)
+    # fused AdamW on CUDA (also inside DeepSpeed's engine, which steps this optimizer); our
+    # fp16 loss scaling needs it everywhere: it skips an overflowing step on the device
+    impl = "fused" if cfg.precision.fp16 and not for_engine else "auto"
     adam = build_adamw(get_param_groups([module], o.weight_decay), lr=o.lr,
-                       betas=o.adam_betas, eps=o.adam_eps, weight_decay=o.weight_decay)
+                       betas=o.adam_betas, eps=o.adam_eps, weight_decay=o.weight_decay,
+                       impl=impl)
     optimizer = adam if for_engine else \
         MegatronOptimizer(adam, build_grad_scaler(cfg.precision), o.clip_grad,
                           cfg.optim.skip_nonfinite_steps)

@@ -1,8 +1,10 @@
 """The plain backend: torch DDP, autocast over fp32 master weights, our AdamW wrapper.
 
 Each step runs ``gas`` micro-batches; the data-parallel all-reduce runs once per step (on
-the last micro-batch, the others under ``no_sync``). fp16/bf16 compute uses torch.amp
-autocast over fp32 parameters; fp16 adds a dynamic loss scaler with DeepSpeed's semantics.
+the last micro-batch, the others under ``no_sync``), and so does the tensor-parallel sum of
+the sequence-parallel gradients (one coalesced all-reduce before clipping). fp16/bf16
+compute uses torch.amp autocast over fp32 parameters; fp16 adds a dynamic loss scaler with
+DeepSpeed's semantics, its overflow handled on the device (megatron/optimizer).
 """
 import contextlib
 
@@ -34,12 +36,18 @@ class DDPBackend(TrainingBackend):
     """torch DDP + :class:`~megatron.optimizer.MegatronOptimizer` (see the module docstring)."""
 
     name = "ddp"
+    sp_params = ()
+    """Sequence-parallel parameters whose tp sum the step does (once, after the backward)."""
 
     @classmethod
     def build(cls, module, cfg):
+        # sequence-parallel gradients: summed over tp once per step (train_step), not per use
+        sp_params = mpu.defer_sequence_parallel_grads(module)
         model = wrap_data_parallel(module)
         optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg, for_engine=False)
-        return cls(model, optimizer, lr_scheduler, cfg)
+        backend = cls(model, optimizer, lr_scheduler, cfg)
+        backend.sp_params = sp_params
+        return backend
 
     @property
     def loss_scale(self):
@@ -58,10 +66,18 @@ class DDPBackend(TrainingBackend):
                     loss, stats = forward_step_func(data_iterator, self.model)
                 self.optimizer.scale_loss(loss / gas).backward()
             per_micro_batch.append(stats)
+        if self.sp_params:  # one coalesced all-reduce, before clipping
+            mpu.allreduce_sequence_parallel_grads(self.sp_params)
         updated, grad_norm = self.optimizer.step()
-        if updated:
+        # a device flag (fp16 skipped on the device) is not read here: the schedule moves on
+        # and take_back_skipped_steps corrects it when the loop reads the flags (log time)
+        if torch.is_tensor(updated) or updated:
             self.lr_scheduler.step()
         return per_micro_batch, updated, grad_norm
+
+    def take_back_skipped_steps(self, count):
+        if count:
+            self.lr_scheduler.step(-count)
 
     def eval_step(self, forward_step_func, data_iterator):
         per_micro_batch = []

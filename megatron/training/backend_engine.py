@@ -6,6 +6,7 @@ precision (fp16 with fp32 master weights and its loss scaler, or bf16), ZeRO, cl
 the data-parallel reduction; the optimizer (AdamW, no decay on biases and norms) and LR
 schedule come from the same factory as the DDP backend's, so both take the same steps.
 """
+import functools
 import json
 
 from .. import mpu
@@ -90,6 +91,17 @@ def attach_deepspeed_comm(cfg):
     deepspeed.init_distributed(dist_backend=cfg.parallel.dist_backend)
 
 
+def _coalesced_sequence_parallel_sum(module, cfg):
+    """The step's one tp all-reduce of the sequence-parallel gradients, for tds's pipeline
+    engine to run before its gradient reduction (fp32 without ZeRO, the tested case); None
+    elsewhere: DeepSpeed's bf16 and ZeRO optimizers may take the gradients during the
+    backward, so the per-use sum stays."""
+    if cfg.precision.fp16 or cfg.precision.bf16 or (cfg.parallel.zero_stage or 0) > 0:
+        return None
+    params = mpu.defer_sequence_parallel_grads(module)
+    return functools.partial(mpu.allreduce_sequence_parallel_grads, params) if params else None
+
+
 class EngineBackend(TrainingBackend):
     """A DeepSpeed engine (tds's pipeline engine for a PipelineModule)."""
 
@@ -110,7 +122,8 @@ class EngineBackend(TrainingBackend):
         attach_deepspeed_comm(cfg)
         optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg, for_engine=True)
         # the norm stays a device tensor: the loop reads it at log time only
-        pipe = {"batch_fn": batch_fn, "clip_grad_norm_fn": mpu.clip_grad_norm_tensor} \
+        pipe = {"batch_fn": batch_fn, "clip_grad_norm_fn": mpu.clip_grad_norm_tensor,
+                "pre_reduce_grads_fn": _coalesced_sequence_parallel_sum(module, cfg)} \
             if pipeline else {"mpu": mpu}
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=lr_scheduler,

@@ -91,15 +91,34 @@ def evaluate(forward_step_func, data_iterator, backend, cfg):
     return float(torch.stack(totals).mean()) if totals else float("nan")
 
 
+def _count_device_skips(state, pending, backend):
+    """Read the skip flags that steps left on the device (fp16 overflows handled there):
+    one host read for the interval; count them and let the backend take them back."""
+    flags = [p["skipped"] for p in pending if torch.is_tensor(p["skipped"])]
+    if not flags:
+        return
+    skipped = torch.stack(flags).cpu().tolist()  # [n] bools: the interval's one read
+    it = iter(skipped)
+    for p in pending:
+        if torch.is_tensor(p["skipped"]):
+            p["skipped"] = next(it)
+    count = sum(skipped)
+    state.skipped_iters += count
+    state.skipped_in_interval += count
+    backend.take_back_skipped_steps(count)
+
+
 def _flush_interval(cfg, state, pending, backend, timers, writer):
     """Check, record and log the steps since the last log line."""
+    _count_device_skips(state, pending, backend)
     check_pending(cfg, state.iteration, pending)
     state.lr = backend.lr
     state.loss_scale = backend.loss_scale
     losses = [float(x) for x in torch.stack([p["lm loss"] for p in pending])] if pending else []
     state.losses.extend(losses)
     stats = {"lm loss": sum(losses) / len(losses)} if losses else {}
-    norms = [p["grad norm"] for p in pending if p.get("grad norm") is not None]
+    norms = [p["grad norm"] for p in pending
+             if p.get("grad norm") is not None and not p["skipped"]]
     if norms:  # device tensors (DDP) or floats (DeepSpeed engines): read once, here
         stats["grad norm"] = float(sum(norms)) / len(norms)
     log_training_step(cfg, state, stats, timers("interval").elapsed(), writer)
@@ -125,10 +144,12 @@ def train(forward_step_func, backend, train_iterator, valid_iterator, cfg, state
         state.iteration += 1
         state.consumed_train_samples += cfg.batch.global_batch_size
         state.steps_in_interval += 1
-        if not updated:
+        # a device flag (fp16 skipped on the device) is counted at log time, not read here
+        skipped = ~updated if torch.is_tensor(updated) else not updated
+        if skipped is True:
             state.skipped_iters += 1
             state.skipped_in_interval += 1
-        pending.append(dict(stats, **{"grad norm": grad_norm, "skipped": not updated}))
+        pending.append(dict(stats, **{"grad norm": grad_norm, "skipped": skipped}))
         if _every(state.iteration, log.log_interval) or state.iteration == iters:
             _flush_interval(cfg, state, pending, backend, timers, writer)
             pending = []
@@ -141,6 +162,7 @@ def train(forward_step_func, backend, train_iterator, valid_iterator, cfg, state
             state.eval_losses.append((state.iteration, loss))
             log_evaluation(cfg, state.iteration, "validation", loss, writer)
         if ckpt.save and (_every(state.iteration, ckpt.save_interval) or stop):
+            _count_device_skips(state, pending, backend)  # the LR schedule saved is exact
             check_pending(cfg, state.iteration, pending)
             check_weights(cfg, state.iteration, backend.model)
             guard.save(state.iteration, backend, cfg, state)

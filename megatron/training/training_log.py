@@ -1,30 +1,80 @@
 """The training log line: throughput, TFLOP/s per device and MFU, plus TensorBoard scalars."""
 import math
+from typing import Optional
 
 import torch
 
 from ..utils import print_rank_last
 
-#: Dense fp16/bf16 tensor-core peaks (TFLOP/s per device), by a substring of the GPU name.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
-               "L40S": 362.0, "A10": 125.0, "V100": 125.0, "4090": 165.0, "3090": 71.0}
+#: Dense peaks (TFLOP/s per device) by GPU model: (bf16/fp16 tensor cores, TF32 tensor cores,
+#: FP32 without tensor cores), from the vendors' data sheets (dense, not 2:4 sparse).
+PEAKS = {
+    "H100 SXM": (989.0, 494.0, 67.0), "H100 PCIe": (756.0, 378.0, 51.0),
+    "H100 NVL": (835.0, 418.0, 60.0), "H200": (989.0, 494.0, 67.0),
+    "H200 NVL": (835.0, 418.0, 60.0), "A100": (312.0, 156.0, 19.5),
+    "L40S": (362.0, 183.0, 91.6), "A10": (125.0, 62.5, 31.2), "V100": (125.0, None, 15.7),
+    "4090": (165.0, 82.6, 82.6), "3090": (71.0, 35.6, 35.6),
+}
+#: H100 NVL cards report 94 GB (the SXM and PCIe ones 80 GB) under a name without "NVL" on
+#: some drivers: above this many bytes an H100 is taken for an NVL.
+H100_NVL_MIN_BYTES = 90 * 2**30
 
 
 def model_flops_per_step(cfg):
-    """Megatron's GPT count for one step (:func:`megatron.families.gpt2.flops_per_step`)."""
+    """GPT's count for one step (:func:`megatron.families.gpt2.flops_per_step`)."""
     from ..families.gpt2 import flops_per_step
 
     return flops_per_step(cfg)
 
 
+def gpu_model(name, total_memory):
+    """The :data:`PEAKS` key of a CUDA device, or None when unknown.
+
+    Args:
+        name: ``torch.cuda.get_device_properties(...).name`` (e.g. "NVIDIA H100 PCIe").
+        total_memory: its ``total_memory`` in bytes.
+    """
+    name = name.upper().replace("H800", "H100").replace("A800", "A100")
+    if "H200" in name:
+        return "H200 NVL" if "NVL" in name else "H200"
+    if "H100" in name:
+        if "PCIE" in name:
+            return "H100 PCIe"
+        nvl = "NVL" in name or total_memory > H100_NVL_MIN_BYTES
+        return "H100 NVL" if nvl else "H100 SXM"
+    return next((key for key in ("A100", "L40S", "A10", "V100", "4090", "3090")
+                 if key in name), None)
+
+
+def device_peak_tflops(name: str, total_memory: int, dtype: torch.dtype,
+                       tf32: bool) -> Optional[float]:
+    """Dense peak TFLOP/s of a device for a compute dtype; None for an unknown device.
+
+    Args:
+        name, total_memory: the device's properties (see :func:`gpu_model`).
+        dtype: the run's compute dtype (bf16/fp16: tensor-core peak; fp32: TF32 or FP32).
+        tf32: fp32 matmuls run on TF32 tensor cores (``torch.set_float32_matmul_precision``).
+    """
+    model = gpu_model(name, total_memory)
+    if model is None:
+        return None
+    half, tf32_peak, fp32 = PEAKS[model]
+    if dtype in (torch.float16, torch.bfloat16):
+        return half
+    return tf32_peak if tf32 and tf32_peak else fp32
+
+
 def peak_tflops(cfg):
-    """Per-device peak from ``--peak-tflops`` or the GPU name; None on CPU or unknown GPUs."""
+    """Per-device peak: ``--peak-tflops``, else this GPU's for the run's precision (its name
+    and memory as ``torch.cuda.get_device_properties`` reports); None on CPU or unknown GPUs."""
     if cfg.logging.peak_tflops:
         return cfg.logging.peak_tflops
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    # "high"/"medium" (or allow_tf32 = True): fp32 matmuls run on TF32 tensor cores
+    tf32 = torch.get_float32_matmul_precision() != "highest"
+    return device_peak_tflops(props.name, props.total_memory, cfg.precision.dtype, tf32)
 
 
 def throughput(cfg, seconds_per_step, flops_per_step=None):
@@ -33,7 +83,7 @@ def throughput(cfg, seconds_per_step, flops_per_step=None):
     Args:
         cfg: run configuration (batch, sequence, world size, ``--peak-tflops``).
         seconds_per_step: wall time of one step.
-        flops_per_step: the model's FLOPs per step (default: Megatron's GPT count).
+        flops_per_step: the model's FLOPs per step (default: the GPT count).
     """
     tokens = cfg.batch.global_batch_size * cfg.batch.seq_length / seconds_per_step
     flops = flops_per_step or model_flops_per_step(cfg)

@@ -40,13 +40,15 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
     attributes. ``tds.initialize(..., batch_fn=..., clip_grad_norm_fn=...)`` sets the batch
     function (raw batch -> ``(inputs, labels)``, as ``set_batch_fn``) and the gradient
     clipping (``f(parameters, max_norm) -> total norm``, clipping in place; default
-    DeepSpeed's).
+    DeepSpeed's); ``pre_reduce_grads_fn`` (no arguments) runs once per step after the last
+    backward, before the data-parallel gradient reduction.
     """
 
-    def __init__(self, *args, clip_grad_norm_fn=None, **kwargs):
+    def __init__(self, *args, clip_grad_norm_fn=None, pre_reduce_grads_fn=None, **kwargs):
         model = kwargs.get("model")
         self.contract = contract_of(model)  # same attributes on every rank: all fail alike
         self.clip_grad_norm_fn = clip_grad_norm_fn
+        self.pre_reduce_grads_fn = pre_reduce_grads_fn
         super().__init__(*args, **kwargs)
         # Our instructions handle masks and partitioning per position: no GPT-2 hacks.
         self.has_attention_mask = self.has_bool_tensors = False
@@ -255,9 +257,16 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self._global_grad_norm = self.clip_grad_norm_fn(self.module.parameters(),
                                                         self.gradient_clipping())
 
+    def _exec_reduce_grads(self):
+        """The caller's gradient work of the step (``pre_reduce_grads_fn``: megatron sums
+        its sequence-parallel gradients over tp in one call), then DeepSpeed's reduction."""
+        if self.pre_reduce_grads_fn is not None:
+            self.pre_reduce_grads_fn()
+        super()._exec_reduce_grads()
+
     _INSTRUCTION_MAP = {
         schedule.OptimizerStep: _DeepSpeedPipelineEngine._exec_optimizer_step,
-        schedule.ReduceGrads: _DeepSpeedPipelineEngine._exec_reduce_grads,
+        schedule.ReduceGrads: _exec_reduce_grads,
         schedule.ReduceTiedGrads: _DeepSpeedPipelineEngine._exec_reduce_tied_grads,
         schedule.LoadMicroBatch: _exec_load_micro_batch,
         schedule.ForwardPass: _exec_forward_pass,
