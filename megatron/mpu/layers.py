@@ -277,8 +277,11 @@ class RowParallelLinear(nn.Module):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.group)
         bias = self.bias
-        if self.tp_size == 1 and not self.skip_bias_add:
-            # nothing to reduce: the bias goes into the matmul (one addmm, not mm + add)
+        if self.tp_size == 1 and not self.skip_bias_add and \
+                not torch.is_autocast_enabled(input_parallel.device.type):
+            # nothing to reduce: the bias goes into the matmul (one addmm, not mm + add).
+            # Not under autocast: there the fp32 bias added after the low-precision matmul
+            # keeps the output (the residual stream) in fp32, as at tp > 1.
             return F.linear(input_parallel, self.weight, bias), None
         output_parallel = F.linear(input_parallel, self.weight)
         if self.sequence_parallel:
