@@ -86,6 +86,7 @@ class Watchdog:
 
     def _watch(self):
         poll = max(0.05, min(1.0, min(self.timeouts.values()) / 10))
+        self._heartbeat()  # at once: a rank that freezes before the first poll is still found
         while not self._stop.wait(poll):
             self._heartbeat()
             phase, since, iteration = self._state
