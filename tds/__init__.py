@@ -8,6 +8,7 @@ DeepSpeed's own (``tds.zero``, ``tds.comm``, ``tds.checkpointing``, ...).
 import contextlib
 import functools
 import os
+from typing import Any, Callable, Optional, Tuple
 
 import deepspeed as _deepspeed
 
@@ -71,8 +72,10 @@ def _tds_pipeline_engine(clip_grad_norm_fn, pre_reduce_grads_fn):
         _deepspeed.PipelineEngine = original
 
 
-def initialize(*args, batch_fn=None, clip_grad_norm_fn=None, pre_reduce_grads_fn=None,
-               **kwargs):
+def initialize(*args: Any, batch_fn: Optional[Callable] = None,
+               clip_grad_norm_fn: Optional[Callable] = None,
+               pre_reduce_grads_fn: Optional[Callable[[], Any]] = None,
+               **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize``; a ``PipelineModule`` gets tds's pipeline engine.
 
     Args:

@@ -24,9 +24,10 @@ and the last stage), spec i in 1..L is transformer layer i-1 (``{i}.<layer key>`
 L+1 the final LayerNorm (``{L+1}.norm.*``).
 """
 import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
-from .chunks import rank_bounds, spec_indices, vpp_of
+from .chunks import Bounds, rank_bounds, spec_indices, vpp_of
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -54,7 +55,7 @@ PIPE_TIED_PREFIX = "tied_modules.embed."
 _PIPE_KEY = re.compile(r"^(\d+)\.(.+)$")
 
 
-def full_keys(num_layers, bias=True):
+def full_keys(num_layers: int, bias: bool = True) -> List[str]:
     """Every key of a full GPT2Model state dict, in model order.
 
     Args:
@@ -72,7 +73,7 @@ def _is_linear_bias(layer_key):
     return layer_key.endswith(".bias") and "layernorm" not in layer_key
 
 
-def tp_split_dim(key):
+def tp_split_dim(key: str) -> Optional[int]:
     """Dimension along which ``key`` is split across tensor-parallel ranks, None if replicated."""
     if key == WORD_EMBEDDINGS:
         return 0
@@ -80,12 +81,12 @@ def tp_split_dim(key):
     return _LAYER_SPLIT_DIMS.get(match.group(2)) if match else None
 
 
-def is_pipe_state(state):
+def is_pipe_state(state: Mapping[str, Any]) -> bool:
     """True when ``state`` uses GPT2ModelPipe's key names (a pipeline-stage file)."""
     return any(k.startswith(PIPE_TIED_PREFIX) or _PIPE_KEY.match(k) for k in state)
 
 
-def pipe_to_full_key(key, num_layers):
+def pipe_to_full_key(key: str, num_layers: int) -> str:
     """A GPT2ModelPipe stage key -> the GPT2Model key of the same tensor.
 
     Args:
@@ -104,7 +105,7 @@ def pipe_to_full_key(key, num_layers):
     raise CheckpointError(f"unexpected pipeline-stage key {key!r} for a {num_layers}-layer GPT-2")
 
 
-def full_to_pipe_key(key):
+def full_to_pipe_key(key: str) -> str:
     """A GPT2Model key -> the GPT2ModelPipe key (inverse of :func:`pipe_to_full_key`)."""
     if key.startswith("embedding."):
         return PIPE_TIED_PREFIX + key[len("embedding."):]
@@ -117,7 +118,7 @@ def full_to_pipe_key(key):
     raise CheckpointError(f"unexpected GPT-2 key {key!r}")
 
 
-def stage_spec_bounds(num_layers, pp_size, vpp_size=1):
+def stage_spec_bounds(num_layers: int, pp_size: int, vpp_size: int = 1) -> List[Bounds]:
     """``[start, end)`` layer-spec indices of each pipeline stage, as the engine places them
     (with ``vpp_size`` > 1, per rank the list of its chunks' ranges: :mod:`.chunks`).
 
@@ -134,7 +135,8 @@ def stage_spec_bounds(num_layers, pp_size, vpp_size=1):
     return rank_bounds([0] + [1] * num_layers + [0, 0], pp_size, vpp_size)
 
 
-def stage_full_keys(full_keys_list, num_layers, bounds):
+def stage_full_keys(full_keys_list: Sequence[str], num_layers: int,
+                    bounds: Bounds) -> Dict[str, str]:
     """``{full key: pipe key}`` for the tensors one stage holds.
 
     Args:
@@ -171,24 +173,25 @@ VOCAB_KEYS = (WORD_EMBEDDINGS,)
 """Tensors with one row per (padded) vocabulary entry."""
 
 
-def expected_keys(args):
+def expected_keys(args: Dict[str, Any]) -> List[str]:
     """Every key of the full state dict the saved ``args`` describe."""
     return full_keys(args["num_layers"], args.get("hidden_bias", True))
 
 
-def describe(args):
+def describe(args: Dict[str, Any]) -> str:
     return f"{args['num_layers']}-layer GPT-2"
 
 
-def stage_bounds(args, pp):
+def stage_bounds(args: Dict[str, Any], pp: int) -> List[Bounds]:
     return stage_spec_bounds(args["num_layers"], pp, vpp_of(args))
 
 
-def stage_keys(full_keys_list, args, bounds):
+def stage_keys(full_keys_list: Sequence[str], args: Dict[str, Any],
+               bounds: Bounds) -> Dict[str, str]:
     return stage_full_keys(full_keys_list, args["num_layers"], bounds)
 
 
-def stage_replica(key):
+def stage_replica(key: str) -> Optional[str]:
     """How a tensor found on a second pipeline stage is treated: ``agree`` (a tied copy
     that must equal the first), ``first`` (an unused copy: the first stage's is real) or
     None (it must not repeat). The last stage's embedding copy serves the tied output layer;
@@ -201,12 +204,12 @@ TP_DIVIDES = (("num_attention_heads", "attention heads"), ("ffn_hidden_size", "f
 """Sizes a tensor-parallel layout must divide, with their names in messages."""
 
 
-def pipeline_capacity(args):
+def pipeline_capacity(args: Dict[str, Any]) -> Tuple[int, str]:
     """(most pipeline stages, how to name that limit in a message)."""
     return args["num_layers"], f"the number of layers ({args['num_layers']})"
 
 
-def matches(args):
+def matches(args: Dict[str, Any]) -> bool:
     """Whether a checkpoint's saved ``args`` describe a GPT-2: any transformer args (the
     fallback of :func:`megatron.checkpoint.key_maps.key_map_for`, asked after T5's)."""
     return "num_layers" in args

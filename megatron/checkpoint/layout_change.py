@@ -96,7 +96,7 @@ def _rank_states(root, iteration):
     return states, saved, folder
 
 
-def saved_layout_differs(root, iteration, cfg):
+def saved_layout_differs(root: str, iteration: int, cfg: Any) -> bool:
     """Whether the checkpoint's (tp, pp, v) differs from the run's (reads one file's args;
     v: chunks per pipeline rank, 1 for checkpoints that do not record it)."""
     files = rank_files(iteration_dir(root, iteration))
@@ -193,7 +193,7 @@ def _check_vocab(saved, cfg, folder):
                               f"entries, this run's tokenizer {run_vocab}")
 
 
-def weights_for_run(full, cfg, where):
+def weights_for_run(full: Any, cfg: Any, where: str) -> Dict[str, torch.Tensor]:
     """This rank's model state dict of a whole model (a :class:`~.native_reader.FullCheckpoint`
     read from any format) for the run's layout and padded vocabulary.
 
@@ -208,7 +208,8 @@ def weights_for_run(full, cfg, where):
     return _this_rank(full.state, _target_args(full.args, cfg), keys, true_vocab)
 
 
-def read_at_new_layout(root, iteration, cfg, load_optim):
+def read_at_new_layout(root: str, iteration: int, cfg: Any,
+                       load_optim: bool) -> "RankState":
     """This rank's part of ``root`` at ``iteration`` for the run's layout (no collectives).
 
     Args:

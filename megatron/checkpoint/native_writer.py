@@ -14,6 +14,7 @@ iteration folder is renamed into place, and the tracker is written last.
 """
 import os
 import shutil
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -22,13 +23,13 @@ from ..progress import progress
 from ..tokenizer import vocab_size_with_padding
 from .format import (CHECKPOINT_FORMAT, checkpoint_name, iteration_dir, publish_iteration,
                      uses_pipeline_engine)
-from .chunks import VPP_KEY
+from .chunks import VPP_KEY, Bounds
 from .key_maps import key_map_for
 from .native_reader import FullCheckpoint
 from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size, target_padded_size
 
 
-def check_layout(args, tp, pp):
+def check_layout(args: Dict[str, Any], tp: int, pp: int) -> None:
     """Raise ConfigError unless the model in ``args`` splits into ``tp`` x ``pp``."""
     if tp < 1 or pp < 1:
         raise ConfigError(f"target sizes must be >= 1, got tp={tp}, pp={pp}")
@@ -42,7 +43,7 @@ def check_layout(args, tp, pp):
         raise ConfigError("; ".join(problems))
 
 
-def layout_args(args, tp, pp, vpp=1):
+def layout_args(args: Dict[str, Any], tp: int, pp: int, vpp: int = 1) -> Dict[str, Any]:
     """The saved args of the target layout (sizes a loading run checks); the tools write
     1F1B stages (``vpp`` 1), which an interleaved run loads through a layout change."""
     out = dict(args)
@@ -58,7 +59,8 @@ def _shard(tensor, dim, tp, tp_rank):
     return torch.chunk(tensor, tp, dim=dim)[tp_rank].clone()
 
 
-def stage_state(full_state, args, tp_rank, stage_bounds=None):
+def stage_state(full_state: Dict[str, torch.Tensor], args: Dict[str, Any], tp_rank: int,
+                stage_bounds: Optional[Bounds] = None) -> Dict[str, torch.Tensor]:
     """The state dict one (tp_rank, stage) of the layout in ``args`` loads.
 
     Args:
@@ -90,7 +92,8 @@ def _prepare_output(root, iteration):
     return tmp_root
 
 
-def write_native(ckpt, root, tp=None, pp=None, source="converted"):
+def write_native(ckpt: FullCheckpoint, root: str, tp: Optional[int] = None,
+                 pp: Optional[int] = None, source: str = "converted") -> str:
     """Write ``ckpt`` (a :class:`FullCheckpoint` already padded for ``tp``) as a checkpoint.
 
     Args:
@@ -126,7 +129,8 @@ def write_native(ckpt, root, tp=None, pp=None, source="converted"):
     return iteration_dir(root, ckpt.iteration)
 
 
-def reshard(ckpt, tp, pp, divisible_by=None, true_vocab=None):
+def reshard(ckpt: FullCheckpoint, tp: int, pp: int, divisible_by: Optional[int] = None,
+            true_vocab: Optional[int] = None) -> FullCheckpoint:
     """``ckpt`` with its vocabulary padded for ``tp`` and its args updated (no files written).
 
     Args:

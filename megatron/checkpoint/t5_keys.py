@@ -27,9 +27,10 @@ untied). The relative-bias tables are ``{encoder,decoder}_relative_bias.weight``
 stage that holds layers of that stack.
 """
 import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
-from .chunks import rank_bounds, spec_indices, vpp_of
+from .chunks import Bounds, rank_bounds, spec_indices, vpp_of
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 LM_HEAD = "lm_head.weight"
@@ -53,7 +54,7 @@ _LAYER_KEY = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")
 _PIPE_KEY = re.compile(r"^(\d+)\.(.+)$")
 
 
-def full_keys(num_layers, tied=True):
+def full_keys(num_layers: int, tied: bool = True) -> List[str]:
     """Every key of a full T5Model state dict, in model order."""
     keys = [WORD_EMBEDDINGS]
     for stack, layer_keys in zip(STACKS, (ENCODER_LAYER_KEYS, DECODER_LAYER_KEYS)):
@@ -64,7 +65,7 @@ def full_keys(num_layers, tied=True):
     return keys if tied else keys + [LM_HEAD]
 
 
-def tp_split_dim(key):
+def tp_split_dim(key: str) -> Optional[int]:
     """Dimension along which ``key`` is split across tensor-parallel ranks, None if replicated."""
     if key in (WORD_EMBEDDINGS, LM_HEAD):
         return 0
@@ -74,12 +75,12 @@ def tp_split_dim(key):
     return None
 
 
-def is_pipe_state(state):
+def is_pipe_state(state: Mapping[str, Any]) -> bool:
     """True when ``state`` uses T5ModelPipe's key names (a pipeline-stage file)."""
     return any(k.startswith(PIPE_TIED_PREFIX) or _PIPE_KEY.match(k) for k in state)
 
 
-def pipe_to_full_key(key, num_layers):
+def pipe_to_full_key(key: str, num_layers: int) -> str:
     """A T5ModelPipe stage key -> the T5Model key of the same tensor."""
     L = num_layers
     if key.startswith(PIPE_TIED_PREFIX):
@@ -102,7 +103,7 @@ def pipe_to_full_key(key, num_layers):
     raise CheckpointError(f"unexpected pipeline-stage key {key!r} for a {L}-layer T5")
 
 
-def full_to_pipe_key(key, num_layers):
+def full_to_pipe_key(key: str, num_layers: int) -> str:
     """A T5Model key -> the T5ModelPipe key (inverse of :func:`pipe_to_full_key`)."""
     L = num_layers
     if key.startswith("embedding."):
@@ -121,18 +122,19 @@ def full_to_pipe_key(key, num_layers):
     raise CheckpointError(f"unexpected T5 key {key!r}")
 
 
-def spec_weights(num_layers):
+def spec_weights(num_layers: int) -> List[int]:
     """T5ModelPipe's partition weights: 1 per encoder/decoder layer spec, 0 elsewhere."""
     return [0] + [1] * num_layers + [0] + [1] * num_layers + [0, 0]
 
 
-def stage_spec_bounds(num_layers, pp_size, vpp_size=1):
+def stage_spec_bounds(num_layers: int, pp_size: int, vpp_size: int = 1) -> List[Bounds]:
     """``[start, end)`` layer-spec indices of each stage, as DeepSpeed partitions them
     (with ``vpp_size`` > 1, per rank the list of its chunks' ranges: :mod:`.chunks`)."""
     return rank_bounds(spec_weights(num_layers), pp_size, vpp_size)
 
 
-def stage_full_keys(full_keys_list, num_layers, bounds, tied=True):
+def stage_full_keys(full_keys_list: Sequence[str], num_layers: int, bounds: Bounds,
+                    tied: bool = True) -> Dict[str, str]:
     """``{full key: pipe key}`` for the tensors one stage holds.
 
     Args:
@@ -175,24 +177,25 @@ def _tied(args):
     return not args.get("untie_embeddings", False)
 
 
-def expected_keys(args):
+def expected_keys(args: Dict[str, Any]) -> List[str]:
     """Every key of the full state dict the saved ``args`` describe."""
     return full_keys(args["num_layers"], _tied(args))
 
 
-def describe(args):
+def describe(args: Dict[str, Any]) -> str:
     return f"{args['num_layers']}-layer {'tied' if _tied(args) else 'untied'} T5"
 
 
-def stage_bounds(args, pp):
+def stage_bounds(args: Dict[str, Any], pp: int) -> List[Bounds]:
     return stage_spec_bounds(args["num_layers"], pp, vpp_of(args))
 
 
-def stage_keys(full_keys_list, args, bounds):
+def stage_keys(full_keys_list: Sequence[str], args: Dict[str, Any],
+               bounds: Bounds) -> Dict[str, str]:
     return stage_full_keys(full_keys_list, args["num_layers"], bounds, tied=_tied(args))
 
 
-def stage_replica(key):
+def stage_replica(key: str) -> Optional[str]:
     """Tensors that repeat across pipeline stages (the tied embedding, each stack's
     relative-bias table on every stage of the stack) must agree everywhere."""
     if key == WORD_EMBEDDINGS or ".relative_bias." in key:
@@ -205,12 +208,12 @@ TP_DIVIDES = (("num_attention_heads", "attention heads"), ("ffn_hidden_size", "d
 """Sizes a tensor-parallel layout must divide, with their names in messages."""
 
 
-def pipeline_capacity(args):
+def pipeline_capacity(args: Dict[str, Any]) -> Tuple[int, str]:
     """(most pipeline stages, how to name that limit in a message)."""
     layers = 2 * args["num_layers"]
     return layers, f"the {layers} encoder + decoder layers"
 
 
-def matches(args):
+def matches(args: Dict[str, Any]) -> bool:
     """Whether a checkpoint's saved ``args`` describe a T5 (T5 runs record ``t5_ff``)."""
     return "t5_ff" in args

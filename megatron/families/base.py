@@ -96,7 +96,7 @@ def transformer_kwargs(cfg, dropout: bool = True) -> dict:
         attention_backend=kernels.attention_backend or "auto")
 
 
-def pipeline_topology():
+def pipeline_topology() -> Any:
     """DeepSpeed's pipeline topology of this process grid (same rank order as mpu)."""
     from tds.pipe import PipeModelDataParallelTopology
 

@@ -1,5 +1,7 @@
 """GPT-2, described once: model config from flags, the model (serial or pipeline stages of the
 same layers), its batch and loss, datasets, FLOP count, checkpoint keys and HF adapter."""
+from typing import Any, Callable, Optional, Sequence, Tuple
+
 import torch
 
 from .. import mpu
@@ -10,7 +12,7 @@ from ..model.utils import get_ltor_masks_and_position_ids
 from .base import ModelFamily, pipeline_topology, transformer_kwargs
 
 
-def model_config(cfg, dropout=True):
+def model_config(cfg: Any, dropout: bool = True) -> Any:
     """The :class:`~megatron.model.transformer.TransformerConfig` of a run or a checkpoint
     (arguments: :func:`megatron.families.transformer_kwargs`)."""
     from ..model.transformer import TransformerConfig
@@ -19,7 +21,7 @@ def model_config(cfg, dropout=True):
                              init_method_std=cfg.model.init_method_std, bias=cfg.model.hidden_bias)
 
 
-def build_model(cfg, pipeline, parallel_output=True):
+def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch.nn.Module:
     """GPT2Model, or GPT2ModelPipe (a tds PipelineModule) when ``pipeline``."""
     config = model_config(cfg)
     if pipeline:
@@ -34,7 +36,7 @@ def build_model(cfg, pipeline, parallel_output=True):
                      parallel_output)
 
 
-def make_batch_fn(cfg, tokenizer):
+def make_batch_fn(cfg: Any, tokenizer: Any) -> Callable[[Any], Tuple[tuple, tuple]]:
     """``raw -> ((tokens, position_ids, attention_mask), (labels, loss_mask))``.
 
     Tensor-parallel rank 0 reads (the others pass None) and shares the ``[b, s + 1]`` text
@@ -57,7 +59,8 @@ def make_batch_fn(cfg, tokenizer):
     return batch
 
 
-def build_datasets(cfg, tokenizer, num_samples):
+def build_datasets(cfg: Any, tokenizer: Any, num_samples: Sequence[int]
+                   ) -> Tuple[Optional[Any], Optional[Any], Optional[Any]]:
     """Train/valid/test GPT-2 datasets (None for an empty split)."""
     from ..data.gpt2_dataset import build_train_valid_test_datasets
 
@@ -67,7 +70,7 @@ def build_datasets(cfg, tokenizer, num_samples):
         seed=cfg.model.seed)
 
 
-def flops_per_step(cfg):
+def flops_per_step(cfg: Any) -> float:
     """Matmul FLOPs of one training step (forward + backward = 3 x forward, no recompute),
     from the real sizes: attention width ``heads x kv_channels`` and ``ffn_hidden_size``
     (Megatron's ``72 B s l h^2 (1 + s / 6h + V / 12lh)`` when they are h and 4h).

@@ -17,7 +17,9 @@ validation pass (megatron/config): lengths the span corruption cannot fill,
 relative-attention settings whose buckets are not defined, a tokenizer without sentinels,
 an encoder sample longer than the data.
 """
+import argparse
 from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,7 +60,7 @@ class T5Settings(Section):
     mean_span_length: float
 
 
-def add_t5_args(parser):
+def add_t5_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the T5 group to ``parser`` (an ``extra_args_provider``)."""
     g = parser.add_argument_group("T5")
     g.add_argument("--enc-seq-length", "--encoder-seq-length", dest="enc_seq_length", type=int,
@@ -80,7 +82,7 @@ def add_t5_args(parser):
     return parser
 
 
-def derive(ns):
+def derive(ns: argparse.Namespace) -> None:
     """``--seq-length`` from the encoder length (or the encoder length from ``--seq-length``)
     when only one of them is given."""
     if ns.enc_seq_length is not None and ns.seq_length is None:
@@ -142,13 +144,14 @@ def _data_problems(ns, plan, problems):
         problems.append(str(exc))
 
 
-def validate(ns, problems):
+def validate(ns: argparse.Namespace, problems: List[str]) -> None:
     """The T5 flag checks that need no files."""
     _length_problems(ns, problems)
     _relative_attention_problems(ns, problems)
 
 
-def validate_with_tokenizer(ns, tokenizer, problems):
+def validate_with_tokenizer(ns: argparse.Namespace, tokenizer: Any,
+                            problems: List[str]) -> None:
     """Span-corruption checks: the tokenizer's sentinels and the data's train split."""
     from ..data.t5_dataset import make_plan
 
@@ -164,7 +167,7 @@ def validate_with_tokenizer(ns, tokenizer, problems):
         _data_problems(ns, plan, problems)
 
 
-def model_config(cfg, dropout=True):
+def model_config(cfg: Any, dropout: bool = True) -> Any:
     """The :class:`~megatron.model.t5_layers.T5TransformerConfig` of a run or a checkpoint
     (arguments: :func:`megatron.families.transformer_kwargs`)."""
     from ..model.t5_layers import T5TransformerConfig
@@ -177,7 +180,7 @@ def model_config(cfg, dropout=True):
         tie_embeddings=not t5.untie_embeddings)
 
 
-def build_model(cfg, pipeline, parallel_output=True):
+def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch.nn.Module:
     """T5Model, or T5ModelPipe (a tds PipelineModule) when ``pipeline``."""
     config = model_config(cfg)
     if pipeline:
@@ -190,7 +193,7 @@ def build_model(cfg, pipeline, parallel_output=True):
     return T5Model(config, parallel_output)
 
 
-def make_batch_fn(cfg, tokenizer):
+def make_batch_fn(cfg: Any, tokenizer: Any) -> Callable[[Any], Tuple[tuple, tuple]]:
     """``raw -> ((enc_ids, dec_ids, enc_mask, dec_mask, cross_mask), (labels, loss_mask))``.
 
     Tensor-parallel rank 0 reads (the others pass None) and shares the ``[b, s]`` integer
@@ -209,7 +212,8 @@ def make_batch_fn(cfg, tokenizer):
     return batch
 
 
-def build_datasets(cfg, tokenizer, num_samples):
+def build_datasets(cfg: Any, tokenizer: Any, num_samples: Sequence[int]
+                   ) -> Tuple[Optional[Any], Optional[Any], Optional[Any]]:
     """Train/valid/test span-corruption datasets (None for an empty split)."""
     from ..data.t5_dataset import build_train_valid_test_datasets
 
@@ -220,7 +224,7 @@ def build_datasets(cfg, tokenizer, num_samples):
         noise_density=cfg.t5.noise_density, mean_span_length=cfg.t5.mean_span_length)
 
 
-def flops_per_step(cfg):
+def flops_per_step(cfg: Any) -> float:
     """Matmul FLOPs of one training step (see :func:`megatron.model.t5_model.t5_flops_per_step`)."""
     from ..model.t5_model import t5_flops_per_step
 

@@ -14,6 +14,8 @@ pipeline run and a plain run of the same model take the same steps. The loop
 small interface (:class:`TrainingBackend`, its ``state_io`` for checkpoints) and never ask
 which one it is.
 """
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
 from ..learning_rates import AnnealingLR
 from ..optimizer import MegatronOptimizer, build_grad_scaler, get_param_groups
 from ..optimizer.adamw import build_adamw
@@ -39,7 +41,8 @@ class TrainingBackend:
             model, optimizer, lr_scheduler, cfg
         self.state_io = state_io_class(self)
 
-    def train_step(self, forward_step_func, data_iterator):
+    def train_step(self, forward_step_func: Callable, data_iterator: Optional[Iterator]
+                   ) -> Tuple[List[Dict[str, Any]], Any, Any]:
         """One optimizer step over the global batch.
 
         Returns:
@@ -49,37 +52,39 @@ class TrainingBackend:
         """
         raise NotImplementedError
 
-    def eval_step(self, forward_step_func, data_iterator):
+    def eval_step(self, forward_step_func: Callable,
+                  data_iterator: Optional[Iterator]) -> List[Dict[str, Any]]:
         """Forward passes of one global batch; returns the per-micro-batch stats."""
         raise NotImplementedError
 
-    def train(self):
+    def train(self) -> None:
         self.model.train()
 
-    def eval(self):
+    def eval(self) -> None:
         self.model.eval()
 
     @property
-    def lr(self):
+    def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> float:
         return 1.0
 
-    def take_back_skipped_steps(self, count):
+    def take_back_skipped_steps(self, count: int) -> None:
         """``count`` steps since the last call were skipped on the device (an fp16 overflow
         the step did not read): the loop learns it at log time. The DDP backend advanced its
         LR schedule for them and takes those steps back."""
 
-    def module(self):
+    def module(self) -> Any:
         """The bare model (no DDP or engine wrapper): what the checkpoints hold."""
         from ..utils import unwrap_model
 
         return unwrap_model(self.model)
 
 
-def build_optimizer_and_scheduler(module, cfg, for_engine):
+def build_optimizer_and_scheduler(module: Any, cfg: Any,
+                                  for_engine: bool) -> Tuple[Any, AnnealingLR]:
     """AdamW over ``module``'s parameters (no decay on biases and norms) and the LR schedule.
 
     Args:

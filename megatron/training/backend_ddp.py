@@ -7,6 +7,7 @@ compute uses torch.amp autocast over fp32 parameters; fp16 adds a dynamic loss s
 DeepSpeed's semantics, its overflow handled on the device (megatron/optimizer).
 """
 import contextlib
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -15,14 +16,14 @@ from .. import mpu
 from .backend import TrainingBackend, build_optimizer_and_scheduler
 
 
-def autocast(precision):
+def autocast(precision: Any) -> ContextManager:
     """autocast to the compute dtype of a PrecisionConfig (a no-op in fp32)."""
     if precision.dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=mpu.get_device().type, dtype=precision.dtype)
 
 
-def wrap_data_parallel(model):
+def wrap_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
     """torch DDP over the data-parallel group (nothing to do with one replica)."""
     group = mpu.get_data_parallel_group()
     if mpu.get_data_parallel_world_size() == 1:
@@ -40,7 +41,7 @@ class DDPBackend(TrainingBackend):
     """Sequence-parallel parameters whose tp sum the step does (once, after the backward)."""
 
     @classmethod
-    def build(cls, module, cfg):
+    def build(cls, module: torch.nn.Module, cfg: Any) -> "DDPBackend":
         # sequence-parallel gradients: summed over tp once per step (train_step), not per use
         sp_params = mpu.defer_sequence_parallel_grads(module)
         model = wrap_data_parallel(module)
@@ -50,10 +51,11 @@ class DDPBackend(TrainingBackend):
         return backend
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> Any:
         return self.optimizer.loss_scale
 
-    def train_step(self, forward_step_func, data_iterator):
+    def train_step(self, forward_step_func: Callable, data_iterator: Optional[Iterator]
+                   ) -> Tuple[List[Dict[str, Any]], Any, Any]:
         gas = self.cfg.batch.gas
         self.optimizer.zero_grad()
         per_micro_batch = []
@@ -75,11 +77,12 @@ class DDPBackend(TrainingBackend):
             self.lr_scheduler.step()
         return per_micro_batch, updated, grad_norm
 
-    def take_back_skipped_steps(self, count):
+    def take_back_skipped_steps(self, count: int) -> None:
         if count:
             self.lr_scheduler.step(-count)
 
-    def eval_step(self, forward_step_func, data_iterator):
+    def eval_step(self, forward_step_func: Callable,
+                  data_iterator: Optional[Iterator]) -> List[Dict[str, Any]]:
         per_micro_batch = []
         for _ in range(self.cfg.batch.gas):
             with autocast(self.cfg.precision):

@@ -8,6 +8,7 @@ schedule come from the same factory as the DDP backend's, so both take the same 
 """
 import functools
 import json
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .. import mpu
 from ..errors import ConfigError, not_text
@@ -47,7 +48,7 @@ def _precision(config, cfg, path):
         config["bf16"] = {**config.get("bf16", {}), "enabled": True}
 
 
-def build_deepspeed_config(cfg, pipeline):
+def build_deepspeed_config(cfg: Any, pipeline: bool) -> Dict[str, Any]:
     """DeepSpeed's config dict: ``--deepspeed_config`` (if any) checked against the flags.
 
     The batch sizes and clipping come from the flags (BATCHSIZE x GAS x dp, --clip-grad); a
@@ -83,7 +84,7 @@ def build_deepspeed_config(cfg, pipeline):
     return config
 
 
-def attach_deepspeed_comm(cfg):
+def attach_deepspeed_comm(cfg: Any) -> None:
     """Attach DeepSpeed's communication layer to the default group (megatron.initialize
     started torch.distributed; this creates no other group)."""
     import tds as deepspeed
@@ -111,7 +112,8 @@ class EngineBackend(TrainingBackend):
         self.name = "pipeline" if pipeline else "deepspeed"
 
     @classmethod
-    def build(cls, module, cfg, pipeline, batch_fn=None):
+    def build(cls, module: Any, cfg: Any, pipeline: bool,
+              batch_fn: Optional[Callable] = None) -> "EngineBackend":
         """``tds.initialize`` the module with our optimizer and schedule.
 
         A pipeline engine gets the batch function and Megatron's gradient clipping (each
@@ -131,11 +133,12 @@ class EngineBackend(TrainingBackend):
         return cls(engine, ds_optimizer, lr_scheduler, cfg, pipeline)
 
     @property
-    def loss_scale(self):
+    def loss_scale(self) -> float:
         return getattr(self.optimizer, "cur_scale", None) or \
             getattr(self.optimizer, "loss_scale", None) or 1.0
 
-    def train_step(self, forward_step_func, data_iterator):
+    def train_step(self, forward_step_func: Callable, data_iterator: Optional[Iterator]
+                   ) -> Tuple[List[Dict[str, Any]], Any, Any]:
         engine = self.model
         if self.pipeline:
             loss = engine.train_batch(data_iter=data_iterator)
@@ -151,7 +154,8 @@ class EngineBackend(TrainingBackend):
         # a device tensor or a float (DeepSpeed's choice): the loop reads it at log time
         return per_micro_batch, updated, engine.get_global_grad_norm()
 
-    def eval_step(self, forward_step_func, data_iterator):
+    def eval_step(self, forward_step_func: Callable,
+                  data_iterator: Optional[Iterator]) -> List[Dict[str, Any]]:
         if self.pipeline:
             return [{"lm loss": self.model.eval_batch(data_iterator).detach().float()}]
         return [forward_step_func(data_iterator, self.model)[1]

@@ -6,9 +6,13 @@
 - otherwise torch DDP with our AdamW wrapper.
 """
 import inspect
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import mpu
 from ..checkpoint.format import uses_pipeline_engine
+
+if TYPE_CHECKING:
+    from .backend import TrainingBackend
 
 
 def _call_provider(model_provider, pipeline):
@@ -26,7 +30,8 @@ def _report_parameters(model):
               f"({state.tp_rank}, {state.pp_rank}): {count}", flush=True)
 
 
-def build_backend(cfg, model_provider, batch_fn=None):
+def build_backend(cfg: Any, model_provider: Callable,
+                  batch_fn: Optional[Callable] = None) -> "TrainingBackend":
     """Build the model through ``model_provider`` and the backend that trains it.
 
     Args:

@@ -9,6 +9,7 @@ rewrites the tracker, so a crash at any point leaves the previous checkpoint in 
 import os
 import random
 import shutil
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ from ..utils import print_rank_0, raise_if_any_rank_failed, warn_rank_0
 
 
 # ---------------------------------------------------------------- RNG state
-def get_rng_state():
+def get_rng_state() -> Dict[str, Any]:
     """This rank's generator states, in types ``weights_only`` loading accepts."""
     np_state = np.random.get_state()
     return {
@@ -40,7 +41,7 @@ def get_rng_state():
     }
 
 
-def set_rng_state(state):
+def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate(state["random"])
     np_state = state["np"]
     np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
@@ -96,7 +97,7 @@ def _publish(root, tmp_root, iteration):
     print(f"> saved checkpoint at iteration {iteration} to {root}", flush=True)
 
 
-def new_async_writer():
+def new_async_writer() -> Any:
     """Collective: the background writer of ``--async-save`` (:mod:`.async_save`)."""
     from .async_save import AsyncCheckpointWriter
 
@@ -105,7 +106,8 @@ def new_async_writer():
                                  lambda *a: _publish(*a))
 
 
-def save_checkpoint(iteration, backend, cfg, train_state, writer=None):
+def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
+                    writer: Optional[Any] = None) -> None:
     """Write a complete checkpoint for ``iteration`` (collective: every rank calls it).
 
     Data-parallel rank 0 of each (tp, pp) writes the model, schedule, RNG and progress. A
@@ -269,7 +271,7 @@ def _restore_rng(cfg, state):
                     f"weights-only checkpoint); random streams start from --seed")
 
 
-def load_checkpoint(backend, cfg, train_state):
+def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
     """Resume from ``--load`` if it holds a checkpoint (collective). Returns the iteration.
 
     A missing tracker starts from scratch with a warning (so ``--save`` and ``--load`` can

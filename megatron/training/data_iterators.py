@@ -6,6 +6,8 @@ last pipeline stages. The others get None and receive their batch through
 ``mpu.broadcast_data``. Readers read ``--prefetch-batches`` batches ahead on a background
 thread (megatron/data/prefetch.py).
 """
+from typing import Any, Callable, Iterable, List, Optional, Tuple
+
 from .. import mpu
 from ..data.data_samplers import build_pretraining_data_loader
 from ..data.prefetch import Prefetcher
@@ -13,14 +15,14 @@ from ..errors import DataError
 from ..utils import print_rank_0
 
 
-def reads_data():
+def reads_data() -> bool:
     """Whether this rank pulls batches from the data iterator."""
     state = mpu.get_parallel_state()
     on_edge = state.pp_size == 1 or state.pp_rank in (0, state.pp_size - 1)
     return state.tp_rank == 0 and on_edge
 
 
-def train_valid_test_num_samples(cfg):
+def train_valid_test_num_samples(cfg: Any) -> List[int]:
     """Samples each split must provide for the whole run (Megatron's sizing)."""
     gbs, iters, log = cfg.batch.global_batch_size, cfg.batch.train_iters, cfg.logging
     evaluations = iters // log.eval_interval + 1
@@ -31,7 +33,8 @@ def _iterator(loader, depth):
     return Prefetcher(loader, depth) if depth > 0 else iter(loader)
 
 
-def build_train_valid_test_data_iterators(provider, cfg, state):
+def build_train_valid_test_data_iterators(provider: Callable, cfg: Any, state: Any
+                                          ) -> Tuple[Optional[Any], ...]:
     """Call ``provider`` and wrap each split; sets ``state.do_train/do_valid/do_test``.
 
     Returns:
@@ -61,7 +64,7 @@ def build_train_valid_test_data_iterators(provider, cfg, state):
     return tuple(iterators)
 
 
-def close_iterators(iterators):
+def close_iterators(iterators: Iterable[Optional[Any]]) -> None:
     """Stop the prefetching threads of ``iterators`` (None entries allowed)."""
     for iterator in iterators:
         if isinstance(iterator, Prefetcher):

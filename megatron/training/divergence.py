@@ -20,6 +20,7 @@ are checked before a save. ``--skip-nonfinite-steps`` gives fp32/bf16 runs the s
 """
 import os
 import re
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ def _all_ranks_max(tensor):
     return tensor
 
 
-def check_pending(cfg, iteration, pending):
+def check_pending(cfg: Any, iteration: int, pending: List[Dict[str, Any]]) -> None:
     """Raise :class:`DivergenceError` if a step since the last check was not finite.
 
     Collective when torch.distributed is initialised (every rank calls it at the same point).
@@ -75,7 +76,7 @@ def check_pending(cfg, iteration, pending):
     _fail(cfg, f"gradient norm is not finite at iteration {step}", step - 1)
 
 
-def check_weights(cfg, iteration, model):
+def check_weights(cfg: Any, iteration: int, model: Any) -> None:
     """Before saving ``iteration``: every rank's weights are finite, or raise (collective).
 
     Args:
@@ -92,7 +93,7 @@ def check_weights(cfg, iteration, model):
         _fail(cfg, f"weights are not finite after iteration {iteration}", iteration - 1)
 
 
-def newest_checkpoint_up_to(root, limit):
+def newest_checkpoint_up_to(root: Optional[str], limit: int) -> Optional[int]:
     """The largest iteration ``<= limit`` with a published ``iter_*`` folder in ``root``."""
     if not root or not os.path.isdir(root):
         return None

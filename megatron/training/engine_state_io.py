@@ -12,7 +12,7 @@ on the optimizer the engine built:
 - DeepSpeed's fp16/bf16 optimizers without ZeRO: only at the saved dp size and layout.
 """
 import inspect
-from typing import Dict, List
+from typing import Any, Dict, List, Optional
 
 from .. import mpu
 from ..checkpoint.zero_state import load_engine_optimizer_file, load_named
@@ -28,17 +28,17 @@ class EngineStateIO(OptimizerStateIO):
     sharded = True
 
     @property
-    def engine(self):
+    def engine(self) -> Any:
         return self.backend.model
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> Any:
         return self.backend.optimizer
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
-    def named_optimizer(self):
+    def named_optimizer(self) -> Optional[Any]:
         # fp32 without ZeRO: the engine steps our AdamW itself
         return self.optimizer if self.optimizer is self.engine.basic_optimizer else None
 

@@ -4,10 +4,12 @@ A flag reduced over NCCL would need a device tensor and a host read of the resul
 of the training stream); over gloo the tensor lives in host memory, so agreeing on a stop
 costs one small host-side all-reduce and never waits for the GPU's queued work.
 """
+from typing import Optional
+
 import torch.distributed as dist
 
 
-def new_host_group():
+def new_host_group() -> Optional[dist.ProcessGroup]:
     """Collective (every rank, same order): a new gloo group of all ranks.
 
     A separate group rather than the world group even under gloo, so that its collectives

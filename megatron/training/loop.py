@@ -15,6 +15,7 @@ How a step runs (DDP or a DeepSpeed / tds engine) is the training backend's busi
 (megatron/training/backend_factory.py); this loop only counts, logs, evaluates and saves.
 """
 from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,8 @@ def _reduce_stats(per_micro_batch):
     return dict(zip(names, local))
 
 
-def train_step(forward_step_func, data_iterator, backend):
+def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
+               backend: Any) -> Tuple[Dict[str, Any], Any, Any]:
     """One optimizer step over the global batch.
 
     Returns:
@@ -79,7 +81,8 @@ def train_step(forward_step_func, data_iterator, backend):
     return _reduce_stats(per_micro_batch), updated, grad_norm
 
 
-def evaluate(forward_step_func, data_iterator, backend, cfg):
+def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], backend: Any,
+             cfg: Any) -> float:
     """Average validation loss over ``--eval-iters`` global batches."""
     backend.eval()
     totals = []
@@ -130,7 +133,9 @@ def _every(iteration, interval):
     return bool(interval) and iteration % interval == 0
 
 
-def train(forward_step_func, backend, train_iterator, valid_iterator, cfg, state, guard=None):
+def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[Iterator],
+          valid_iterator: Optional[Iterator], cfg: Any, state: "TrainState",
+          guard: Optional[Any] = None) -> "TrainState":
     """Run steps until ``--train-iters``, logging, evaluating and saving on the way (and
     stopping early when ``guard``, a :class:`~.fault_tolerance.RunGuard`, says so)."""
     guard = guard or RunGuard.inactive(cfg)
@@ -199,9 +204,13 @@ def _providers(family, cfg, dataset_provider, model_provider, forward_step_func)
             forward_step_func or family.forward_step(batch_fn), batch_fn)
 
 
-def pretrain(train_valid_test_dataset_provider=None, model_provider=None,
-             forward_step_func=None, extra_args_provider=None, args_defaults=None, argv=None,
-             family=None):
+def pretrain(train_valid_test_dataset_provider: Optional[Callable] = None,
+             model_provider: Optional[Callable] = None,
+             forward_step_func: Optional[Callable] = None,
+             extra_args_provider: Optional[Callable] = None,
+             args_defaults: Optional[Dict[str, Any]] = None,
+             argv: Optional[Sequence[str]] = None,
+             family: Optional[Any] = None) -> "TrainState":
     """Initialise, build model/optimizer/data, resume, train, evaluate, save.
 
     Args:

@@ -8,7 +8,7 @@ Each backend carries one of these (``backend.state_io``), so the checkpoint code
 - ``EngineStateIO`` (:mod:`.engine_state_io`): a DeepSpeed engine's optimizer, whose state
   each data-parallel rank writes to its own file (ZeRO partitions, fp16/bf16 flat buffers).
 """
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -34,7 +34,7 @@ class OptimizerStateIO:
         """What the checkpoint holds of the optimizer."""
         return self.backend.optimizer.state_dict()
 
-    def named_optimizer(self):
+    def named_optimizer(self) -> Optional[Any]:
         """The torch optimizer stepping the model's own parameters (its state is per
         parameter, so a checkpoint can name it and another layout can re-slice it), or None
         when the optimizer holds flat partitions instead (DeepSpeed's ZeRO, fp16, bf16)."""

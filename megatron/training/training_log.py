@@ -1,6 +1,6 @@
 """The training log line: throughput, TFLOP/s per device and MFU, plus TensorBoard scalars."""
 import math
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -20,14 +20,14 @@ PEAKS = {
 H100_NVL_MIN_BYTES = 90 * 2**30
 
 
-def model_flops_per_step(cfg):
+def model_flops_per_step(cfg: Any) -> float:
     """GPT's count for one step (:func:`megatron.families.gpt2.flops_per_step`)."""
     from ..families.gpt2 import flops_per_step
 
     return flops_per_step(cfg)
 
 
-def gpu_model(name, total_memory):
+def gpu_model(name: str, total_memory: int) -> Optional[str]:
     """The :data:`PEAKS` key of a CUDA device, or None when unknown.
 
     Args:
@@ -64,7 +64,7 @@ def device_peak_tflops(name: str, total_memory: int, dtype: torch.dtype,
     return tf32_peak if tf32 and tf32_peak else fp32
 
 
-def peak_tflops(cfg):
+def peak_tflops(cfg: Any) -> Optional[float]:
     """Per-device peak: ``--peak-tflops``, else this GPU's for the run's precision (its name
     and memory as ``torch.cuda.get_device_properties`` reports); None on CPU or unknown GPUs."""
     if cfg.logging.peak_tflops:
@@ -77,7 +77,8 @@ def peak_tflops(cfg):
     return device_peak_tflops(props.name, props.total_memory, cfg.precision.dtype, tf32)
 
 
-def throughput(cfg, seconds_per_step, flops_per_step=None):
+def throughput(cfg: Any, seconds_per_step: float, flops_per_step: Optional[float] = None
+               ) -> Tuple[float, float, Optional[float]]:
     """Tokens/s, TFLOP/s per device and MFU (None where it has no meaning).
 
     Args:
@@ -92,7 +93,8 @@ def throughput(cfg, seconds_per_step, flops_per_step=None):
     return tokens, tflops, (tflops / peak if peak else None)
 
 
-def log_training_step(cfg, state, stats, interval_s, writer):
+def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s: float,
+                      writer: Optional[Any]) -> None:
     """Print the progress line for the last ``cfg.logging.log_interval`` steps and write scalars.
 
     Args:
@@ -130,7 +132,8 @@ def log_training_step(cfg, state, stats, interval_s, writer):
         writer.add_scalar("train/skipped-iterations", state.skipped_in_interval, it)
 
 
-def log_evaluation(cfg, iteration, prefix, loss, writer):
+def log_evaluation(cfg: Any, iteration: int, prefix: str, loss: float,
+                   writer: Optional[Any]) -> None:
     """``validation loss at iteration N | lm loss: x | lm loss PPL: y``."""
     ppl = math.exp(min(20.0, loss))
     line = f"{prefix} loss at iteration {iteration} | lm loss: {loss:.6E} | lm loss PPL: {ppl:.6E}"

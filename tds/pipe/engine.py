@@ -20,6 +20,7 @@ schedule (:mod:`tds.pipe.interleaved`); reductions, the optimizer step and the l
 aggregation stay DeepSpeed's.
 """
 import itertools
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
@@ -74,19 +75,19 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
                                             else c.partitioned)
         self.reset_activation_shape()
 
-    def set_input_type(self, types):
+    def set_input_type(self, types: Sequence[str]) -> None:
         """Per position ``'float'`` / ``'int'`` / ``'bool'``."""
         self._set_contract(types=types)
 
-    def set_input_grad(self, grads):
+    def set_input_grad(self, grads: Sequence[bool]) -> None:
         """Per position: whether its gradient goes back to the previous stage."""
         self._set_contract(grads=grads)
 
-    def set_input_pipe_partitioned(self, partitioned):
+    def set_input_pipe_partitioned(self, partitioned: Sequence[bool]) -> None:
         """Per position: split across tensor-parallel ranks for the send."""
         self._set_contract(partitioned=partitioned)
 
-    def reset_activation_shape(self):
+    def reset_activation_shape(self) -> None:
         super().reset_activation_shape()
         self.recv_meta = self.send_meta = None
         if getattr(self, "interleaved", None) is not None:
@@ -106,7 +107,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         batch = self.batch_fn(raw) if self.batch_fn else raw
         return self._to_device_inputs(batch[0])
 
-    def train_batch(self, data_iter=None):
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         if self.interleaved is not None:
@@ -114,7 +115,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self._ensure_boundary()
         return super().train_batch()
 
-    def eval_batch(self, data_iter, *args, **kwargs):
+    def eval_batch(self, data_iter: Optional[Iterator], *args: Any, **kwargs: Any) -> Any:
         if self.interleaved is not None:
             return self._interleaved_eval(data_iter, *args, **kwargs)
         if self.num_stages > 1 and self.recv_meta is None and self.send_meta is None:
@@ -245,7 +246,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
                   f"_input_grad but got no gradient; sending zeros", flush=True)
 
     # ------------------------------------------------------------ gradient clipping
-    def clip_fp32_gradients(self):
+    def clip_fp32_gradients(self) -> Any:
         """The caller's clip (megatron passes mpu.clip_grad_norm: each parameter counted once
         across tp and pp, tied copies too), else DeepSpeed's.
 

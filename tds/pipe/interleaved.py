@@ -103,7 +103,7 @@ class InterleavedStep(StageCallbacks):
         self.saved: Dict[Tuple[int, int], tuple] = {}
 
     # ------------------------------------------------------------ setup
-    def ensure_boundaries(self):
+    def ensure_boundaries(self) -> None:
         if self.boundaries is None:
             first = self.engine._peek_first_batch() if self.engine.is_first_stage() else None
             self.boundaries = probe_chunks(self.engine, first)

@@ -13,7 +13,7 @@ group a subclass derives from it connect the right ranks.
 DeepSpeed's own forward (activation checkpointing included); the pipeline engine drives
 the chunks through :mod:`tds.pipe.runner` (:mod:`tds.pipe.interleaved`).
 """
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
@@ -77,7 +77,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
                 return chunk
         raise ValueError(f"layer spec {layer_idx} is outside the partition {list(self.parts)}")
 
-    def stage_owner(self, layer_idx):
+    def stage_owner(self, layer_idx: int) -> int:
         if self.num_virtual_stages == 1:
             return super().stage_owner(layer_idx)
         return self.chunk_owner(layer_idx) % self.num_stages
@@ -133,7 +133,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             x = self.activation_checkpoint_func(block, *x) if checkpointable else block(*x)
         return x
 
-    def forward(self, forward_input):
+    def forward(self, forward_input: Any) -> Any:
         if self.num_virtual_stages > 1:
             raise RuntimeError("a PipelineModule with virtual stages runs one chunk at a time: "
                                "call forward_chunk(j, inputs) (the pipeline engine does)")

@@ -13,6 +13,8 @@ Conversion (``tools/convert_checkpoint.py --input-format megatron`` / ``--output
 megatron``) and training (``--load`` of such a folder) use it through the GPT-2 family's
 list of foreign formats. See docs/conversion.md.
 """
+from typing import Any, Dict, Optional
+
 from .files import is_megatron_lm_checkpoint
 from .reader import read_megatron_lm
 from .writer import write_megatron_lm
@@ -22,12 +24,13 @@ NAME = "megatron"
 DESCRIPTION = "Megatron-LM checkpoint"
 
 
-def detect(root):
+def detect(root: str) -> bool:
     """Whether ``root`` holds a Megatron-LM checkpoint."""
     return is_megatron_lm_checkpoint(root)
 
 
-def read_full(root, iteration=None, hints=None):
+def read_full(root: str, iteration: Optional[int] = None,
+              hints: Optional[Dict[str, Any]] = None) -> Any:
     """The whole model (see :func:`.reader.read_megatron_lm`)."""
     return read_megatron_lm(root, iteration, hints)
 

@@ -12,6 +12,7 @@ Megatron-LM variants GPT2Model does not compute are refused: post-LayerNorm resi
 RMSNorm, SwiGLU, grouped-query attention, untied output layers.
 """
 import argparse
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ...errors import CheckpointError, ConfigError
 from .. import gpt2_keys
@@ -26,7 +27,7 @@ _DEFAULTS = {"layernorm_epsilon": 1e-5, "hidden_dropout": 0.1, "attention_dropou
              "init_method_std": 0.02, "make_vocab_size_divisible_by": DEFAULT_DIVISIBLE_BY}
 
 
-def namespace_dict(args):
+def namespace_dict(args: Any) -> Dict[str, Any]:
     """The saved args as a plain dict ({} when absent)."""
     if args is None:
         return {}
@@ -38,7 +39,7 @@ def namespace_dict(args):
                           f"argparse.Namespace")
 
 
-def check_supported(saved):
+def check_supported(saved: Mapping[str, Any]) -> None:
     """Raise ConfigError for a Megatron-LM model GPT2Model does not compute."""
     problems = []
     if saved.get("apply_residual_connection_post_layernorm"):
@@ -64,7 +65,8 @@ def _agree(saved, name, measured, path):
         raise CheckpointError(f"{path}: its args say {name}={value}, its tensors {measured}")
 
 
-def model_args(saved, full, tp, pp, hints, path):
+def model_args(saved: Dict[str, Any], full: Dict[str, Any], tp: int, pp: int,
+               hints: Optional[Dict[str, Any]], path: str) -> Dict[str, Any]:
     """This project's saved-args dict for a whole model read from a Megatron-LM checkpoint.
 
     Args:
@@ -123,7 +125,8 @@ def model_args(saved, full, tp, pp, hints, path):
     return args
 
 
-def megatron_namespace(args, iteration, consumed=(0, 0)):
+def megatron_namespace(args: Dict[str, Any], iteration: int,
+                       consumed: Tuple[int, int] = (0, 0)) -> argparse.Namespace:
     """The ``argparse.Namespace`` a version-3 file saves: every setting Megatron-LM's
     ``check_checkpoint_args`` compares, and the model's sizes.
 

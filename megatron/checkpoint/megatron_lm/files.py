@@ -15,6 +15,7 @@ holds: Megatron-LM's has no saved args *dict*, and its model nests ``language_mo
 """
 import os
 import re
+from typing import Any, Dict, List, Optional, Tuple
 
 from ...errors import CheckpointError
 from ..format import (MODEL_FILENAME, TRACKER_FILENAME, check_rank_layout, iteration_dir,
@@ -25,7 +26,7 @@ RELEASE = "release"
 _CHUNK_KEY = re.compile(r"^model(\d+)$")
 
 
-def read_megatron_tracker(root):
+def read_megatron_tracker(root: str) -> Optional[Tuple[int, bool]]:
     """``(iteration, release)`` from ``root``'s tracker, or None when there is none."""
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
@@ -41,7 +42,7 @@ def read_megatron_tracker(root):
                               f"{text!r}") from None
 
 
-def checkpoint_folder(root, iteration=None):
+def checkpoint_folder(root: str, iteration: Optional[int] = None) -> Tuple[str, int, bool]:
     """``(folder with the mp_rank_* folders, iteration, release)``.
 
     Args:
@@ -77,7 +78,7 @@ def checkpoint_folder(root, iteration=None):
     return folder, iteration, release
 
 
-def layout_files(folder):
+def layout_files(folder: str) -> Tuple[Dict[Tuple[int, int], str], int, int]:
     """``({(tp_rank, pp_rank): path}, tp, pp)`` of an iteration folder, checked complete."""
     files = rank_files(folder)
     if not files:
@@ -88,7 +89,7 @@ def layout_files(folder):
     return files, tp, pp
 
 
-def model_chunks(state, path):
+def model_chunks(state: Dict[str, Any], path: str) -> List[Any]:
     """The model state dicts of one rank file, in virtual-pipeline chunk order."""
     if "model" in state:
         return [state["model"]]
@@ -111,7 +112,7 @@ def _holds_megatron_model(state):
         "language_model" in chunk or any(str(k).startswith("language_model.") for k in chunk))
 
 
-def is_megatron_lm_checkpoint(root):
+def is_megatron_lm_checkpoint(root: str) -> bool:
     """Whether ``root`` holds a Megatron-LM checkpoint (reads the first rank file)."""
     try:
         folder, _, _ = checkpoint_folder(root)
@@ -127,7 +128,7 @@ def is_megatron_lm_checkpoint(root):
         return False
 
 
-def rank_file_name(folder, tp_rank, pp_rank, pp):
+def rank_file_name(folder: str, tp_rank: int, pp_rank: int, pp: int) -> str:
     """Megatron-LM's name of one rank's file: ``mp_rank_XX`` without pipeline stages."""
     sub = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
     return os.path.join(folder, sub, MODEL_FILENAME)

@@ -17,6 +17,7 @@ gives the offset. The per-layer names (``input_layernorm``, ``query_key_value``,
 both projects; only the fused QKV row order differs by version (:mod:`.qkv`).
 """
 import re
+from typing import Any, Dict, Optional, Tuple
 
 from ...errors import CheckpointError
 from .. import gpt2_keys
@@ -34,7 +35,7 @@ _EMBEDDING = {"embedding.word_embeddings.weight": gpt2_keys.WORD_EMBEDDINGS,
 _UNTIED = ("output_layer.weight", "lm_head.weight")
 
 
-def flatten(tree, prefix=""):
+def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     """Nested dicts of tensors -> ``{dotted.name: tensor}``."""
     flat = {}
     for key, value in tree.items():
@@ -46,7 +47,7 @@ def flatten(tree, prefix=""):
     return flat
 
 
-def language_model_part(flat):
+def language_model_part(flat: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[Any]]:
     """The language-model tensors (prefix removed) and the head copy (or None).
 
     A model dict without ``language_model`` is the language model itself, as Megatron-LM's
@@ -72,7 +73,7 @@ def _unknown(keys):
             f"{keys[:4]} (a BERT, T5 or other model, or a newer Megatron-core layout)")
 
 
-def layer_counts(lm):
+def layer_counts(lm: Dict[str, Any]) -> int:
     """Number of transformer layers in one chunk's language-model tensors."""
     found = {int(m.group(1)) for k in lm if (m := _LAYER.match(k))}
     if found and found != set(range(len(found))):
@@ -81,7 +82,7 @@ def layer_counts(lm):
     return len(found)
 
 
-def to_full_keys(lm, offset):
+def to_full_keys(lm: Dict[str, Any], offset: int) -> Dict[str, Any]:
     """One chunk's language-model tensors -> ``{full GPT-2 key: tensor}``.
 
     Args:
@@ -112,12 +113,13 @@ def to_full_keys(lm, offset):
     return out
 
 
-def is_qkv(full_key):
+def is_qkv(full_key: str) -> bool:
     return ".attention.query_key_value." in full_key
 
 
 # ---------------------------------------------------------------- writing (version 3)
-def stage_tree(stage, first_layer, has_head_copy):
+def stage_tree(stage: Dict[str, Any], first_layer: int,
+               has_head_copy: bool) -> Dict[str, Any]:
     """One stage's full-key tensors -> the nested dict Megatron-LM v2.5+ saves as ``model``.
 
     Args:

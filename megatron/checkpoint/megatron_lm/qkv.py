@@ -15,6 +15,8 @@ This project's layout is the last one, per head ``[np, 3, hn]``, so a contiguous
 tensor-parallel split gives whole heads. The reorder is per rank: ``np`` is the rank's own
 number of heads.
 """
+from typing import Any
+
 from ...errors import CheckpointError
 
 KNOWN_VERSIONS = (0, 1, 2, 3)
@@ -22,7 +24,7 @@ KNOWN_VERSIONS = (0, 1, 2, 3)
 WRITE_VERSION = 3.0
 
 
-def check_version(version, path):
+def check_version(version: Any, path: str) -> float:
     """The version as a number this reader knows (0, 1, 2 or 3)."""
     try:
         number = float(version)
@@ -34,7 +36,7 @@ def check_version(version, path):
     return number
 
 
-def to_per_head(shard, version, heads):
+def to_per_head(shard: Any, version: float, heads: int) -> Any:
     """One tp rank's fused QKV weight or bias, reordered from ``version`` to ``[np, 3, hn]``.
 
     Args:

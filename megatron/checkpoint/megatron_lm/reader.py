@@ -14,6 +14,8 @@ The vocabulary keeps its padded rows (``padded_vocab_size``); ``true_vocab_size`
 when a hint gives it, and the conversion pipeline (:func:`..native_writer.reshard`, the HF
 writer) strips or re-pads them.
 """
+from typing import Any, Dict, Optional
+
 from ...errors import CheckpointError
 from ...progress import progress
 from .. import gpt2_keys
@@ -51,7 +53,8 @@ def _chunk_positions(lms, tp, pp):
     return order
 
 
-def read_megatron_lm(root, iteration=None, hints=None):
+def read_megatron_lm(root: str, iteration: Optional[int] = None,
+                     hints: Optional[Dict[str, Any]] = None) -> FullCheckpoint:
     """A Megatron-LM GPT checkpoint as a :class:`FullCheckpoint`.
 
     Args:

@@ -17,6 +17,7 @@ enum of a newer Megatron-core) is refused with a :class:`~megatron.errors.Checkp
 naming it; nothing is ever unpickled without the allow-list.
 """
 import argparse
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ def _numpy_reconstruct():
     return core.multiarray._reconstruct
 
 
-def allowed_globals():
+def allowed_globals() -> List[Any]:
     """The allow-list: ``(object, pickled name)`` pairs ``safe_globals`` accepts."""
     reconstruct = _numpy_reconstruct()
     return [argparse.Namespace, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
@@ -37,7 +38,7 @@ def allowed_globals():
             (reconstruct, "numpy._core.multiarray._reconstruct")]
 
 
-def load_megatron_file(path, mmap=False):
+def load_megatron_file(path: str, mmap: bool = False) -> Dict[str, Any]:
     """The dict a Megatron-LM rank file holds (tensors on the CPU).
 
     Args:

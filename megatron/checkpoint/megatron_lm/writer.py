@@ -18,6 +18,7 @@ atomic like the native writer's: a temporary folder renamed into place, the trac
 """
 import os
 import shutil
+from typing import Any, Optional
 
 import torch
 
@@ -54,7 +55,8 @@ def _shard(tensor, dim, tp, tp_rank):
     return torch.chunk(tensor, tp, dim=dim)[tp_rank].clone()  # clone: save the slice only
 
 
-def write_megatron_lm(ckpt, root, tp=None, pp=None):
+def write_megatron_lm(ckpt: Any, root: str, tp: Optional[int] = None,
+                      pp: Optional[int] = None) -> str:
     """Write ``ckpt`` (already padded for ``tp``) as a Megatron-LM checkpoint under ``root``.
 
     Args:
