@@ -121,7 +121,9 @@ PIPE_CASES = {f"{name}_pipe": _pipe_case(name) for name in CASES}
 def _explain(tp, seed, runs):
     """``(name, dropout, backend) -> (graphs, breaks, reasons)`` for each run on this rank."""
     from megatron import mpu
+    from megatron.model.compile import prepare_for_compile
 
+    prepare_for_compile()  # what --compile (compile_layers) does first
     mpu.initialize_model_parallel(tp, 1)
     mpu.model_parallel_cuda_manual_seed(seed)
     counts = {}

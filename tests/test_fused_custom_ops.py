@@ -11,6 +11,7 @@ import torch
 
 from megatron import fused_kernels
 from megatron.fused_kernels import custom_ops
+from megatron.model.compile import prepare_for_compile
 from megatron.model.fused_layer_norm import MixedFusedLayerNorm, MixedFusedRMSNorm
 from megatron.model.fused_softmax import AttnMaskType, FusedScaleMaskSoftmax
 from megatron.model.transformer import attention_mask_func
@@ -71,6 +72,7 @@ def _fwd_bwd(fn, inputs):
 def _compiled_equals_eager(module, inputs, path_check):
     eager = _fwd_bwd(module, inputs)
     path_check()
+    prepare_for_compile()  # what --compile does first
     compiled = _fwd_bwd(torch.compile(module, backend="aot_eager", fullgraph=True), inputs)
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -153,3 +153,33 @@ def test_the_checker_sees_a_planted_upward_import_and_circle(tmp_path, monkeypat
     assert "megatron.training.loop" in graph["megatron.mpu"]
     assert layer_of("megatron.training.loop") > layer_of("megatron.mpu")
     assert "megatron.mpu" in graph["megatron.training.loop"]
+
+
+def test_start_up_imports_only_what_the_run_uses(gpt2_data, tmp_path):
+    """Every rank pays its imports (~1 s each for DeepSpeed and dynamo on a CPU): importing the
+    library and the entry scripts loads neither, and a run at pp = 1 without --deepspeed
+    (torch DDP) never loads DeepSpeed; --compile's hints load dynamo when asked for."""
+    import subprocess
+    import sys
+
+    from gpt2_runs import gpt2_argv
+
+    argv = gpt2_argv(gpt2_data, "--batch-size", "2", "--train-iters", "2",
+                     "--save", str(tmp_path / "ckpt"), "--save-interval", "2")
+    script = f"""
+import sys
+import megatron.mpu, megatron.model, megatron.training, pretrain_gpt2, pretrain_t5
+loaded = lambda: sorted(m for m in ("deepspeed", "tds", "torch._dynamo") if m in sys.modules)
+assert loaded() == [], loaded()
+pretrain_gpt2.main({argv!r})
+assert "deepspeed" not in sys.modules and "tds" not in sys.modules, loaded()
+from megatron.model.compile import prepare_for_compile
+prepare_for_compile()
+assert "torch._dynamo" in sys.modules
+print("IMPORTS OK")
+"""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, text=True,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0 and "IMPORTS OK" in out.stdout, out.stderr[-3000:]

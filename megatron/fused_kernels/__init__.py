@@ -73,13 +73,14 @@ def get_module(device_type):
     return load_kernels(device_type)
 
 
-@torch.compiler.assume_constant_result
 def kernels_available(device_type: str) -> bool:
     """Whether :func:`get_module` gives kernels for ``device_type`` (building them if needed).
 
     Under ``torch.compile`` this runs once, while the graph is traced, and its answer is a
     constant of the graph: the first call may build the kernels, which cannot be traced,
     and the answer never changes within a process (a build is tried once).
+    :func:`megatron.model.compile.prepare_for_compile` marks it so
+    (``torch.compiler.assume_constant_result``), not this module: marking imports dynamo.
 
     Args:
         device_type: ``tensor.device.type``.

@@ -46,11 +46,11 @@ def stage_layers(spec: MemorySpec) -> List[StageLayers]:
         spec: the run (family, layers, pp).
     """
     kinds = _specs(spec)
-    from tds.pipe import partition_balanced  # here: importing tds starts DeepSpeed
-
     if spec.pp == 1:
         parts = [0, len(kinds)]
     else:
+        from tds.pipe import partition_balanced  # here: importing tds starts DeepSpeed (~1 s)
+
         parts = partition_balanced([1 if k in ("enc", "dec") else 0 for k in kinds], spec.pp)
     out = []
     for stage in range(spec.pp):

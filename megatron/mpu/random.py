@@ -140,21 +140,44 @@ def model_parallel_dropout(dropout, input_, per_rank):
     return in_model_parallel_stream(dropout, input_)
 
 
-@torch.compiler.disable
 def in_model_parallel_stream(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with the model-parallel stream as the device's generator.
 
     Outside ``torch.compile`` this is ``with get_cuda_rng_tracker().fork(): fn(...)``.
-    Inside, the call runs eagerly: the fork's ``torch.get_rng_state`` / ``set_rng_state``
-    cannot be traced, and disabling the whole call costs one graph break per fork instead
-    of the five that tracing into the fork's context manager gives.
+    Inside, once :func:`fork_eagerly_under_compile` has run (``--compile`` does), the call
+    runs eagerly: the fork's ``torch.get_rng_state`` / ``set_rng_state`` cannot be traced,
+    and leaving the whole call to eager mode costs one graph break per fork instead of the
+    five that tracing into the fork's context manager gives.
 
     Args:
         fn: what draws random numbers (a dropout module, SDPA with dropout).
         args, kwargs: its arguments.
     """
+    if _EAGER_FORK is not None and torch.compiler.is_compiling():
+        return _EAGER_FORK(fn, *args, **kwargs)
     with _RNG_TRACKER.fork():
         return fn(*args, **kwargs)
+
+
+def _forked_call(fn, *args, **kwargs):
+    with _RNG_TRACKER.fork():
+        return fn(*args, **kwargs)
+
+
+_EAGER_FORK = None
+"""``torch.compiler.disable(_forked_call)`` once :func:`fork_eagerly_under_compile` ran."""
+
+
+def fork_eagerly_under_compile():
+    """Make :func:`in_model_parallel_stream` one eager call inside compiled code.
+
+    Not done at import: ``torch.compiler.disable`` imports dynamo (about a second per
+    process, on every rank of every run, compiled or not). Idempotent;
+    :func:`megatron.model.compile.prepare_for_compile` calls it.
+    """
+    global _EAGER_FORK
+    if _EAGER_FORK is None:
+        _EAGER_FORK = torch.compiler.disable(_forked_call)
 
 
 # Device-neutral names.
