@@ -89,5 +89,11 @@ def masked_lm_loss(logits, labels):
         labels: ``(ids [b, s], loss_mask [b, s])``; ``loss_mask`` float, 0 where not counted.
     """
     ids, loss_mask = labels
-    losses = mpu.vocab_parallel_cross_entropy(logits, ids)  # [b, s], fp32
+    if logits.dim() == 3 and logits.stride(0) < logits.stride(1):
+        # The models' [b, s, v] output is a view of the [s, b, v] matmul output: the loss on
+        # that tensor itself, with the (small) labels transposed, saves the large logits a
+        # strided pass forward and a copy back to [s, b, v] in the output layer's backward.
+        losses = mpu.vocab_parallel_cross_entropy(logits.transpose(0, 1), ids.t()).t()
+    else:
+        losses = mpu.vocab_parallel_cross_entropy(logits, ids)  # [b, s], fp32
     return (losses * loss_mask).sum() / loss_mask.sum()
