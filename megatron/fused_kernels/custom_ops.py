@@ -14,6 +14,12 @@ Ops (all functional, no input is written):
 
 An operator returns tensors only, so what the kernels leave out is an empty tensor here:
 ``dead`` when there is no mask, ``mean`` for RMSNorm, ``dbias`` without a bias.
+
+Callers use :func:`masked_softmax` and :func:`norm`: the operators while dynamo traces, and
+outside it plain autograd functions on the same kernels and backward. An operator call goes
+through the dispatcher and the Python wrappers of ``custom_op`` / ``register_autograd``
+(about 100 us of host time per forward and backward on a CPU, several kernel launches'
+worth on a GPU); eager code gains nothing from it.
 Registering the ops builds nothing: the implementations ask :func:`megatron.fused_kernels.
 get_module` for the compiled module when they first run, and callers run them only when
 that module exists (megatron/model/fused_softmax.py, fused_layer_norm.py).
@@ -166,3 +172,56 @@ def _norm_backward(ctx, grad_y, _grad_mean, _grad_rstd):
 
 
 norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup)
+
+
+# ---------------------------------------------------------------- eager paths
+class _EagerMaskedSoftmax(torch.autograd.Function):
+    """:func:`masked_softmax_fwd` and its backward without the operator's dispatch."""
+
+    @staticmethod
+    def forward(ctx, scores, mask, scale, causal):
+        probs, dead = ops.softmax_forward(_module(scores), scores, mask, scale, causal)
+        ctx.save_for_backward(probs, dead)  # None is allowed: no mask, no dead rows
+        ctx.scale, ctx.causal = scale, causal
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_probs):
+        probs, dead = ctx.saved_tensors
+        dscores = ops.softmax_backward(_module(probs), grad_probs, probs, dead, ctx.scale,
+                                       ctx.causal)
+        return dscores, None, None, None
+
+
+class _EagerNorm(torch.autograd.Function):
+    """:func:`norm_fwd` and its backward without the operator's dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        y, mean, rstd = ops.norm_forward(_module(x), x, weight, bias, eps, rms)
+        ctx.save_for_backward(x, weight, mean, rstd)  # mean None for RMSNorm
+        ctx.has_bias, ctx.rms = bias is not None, rms
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = ops.norm_backward(_module(x), grad_y, x, weight, mean, rstd,
+                                       ctx.has_bias, ctx.rms)
+        return dx, dw, db, None, None
+
+
+def masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                   causal: bool) -> torch.Tensor:
+    """The probabilities of :func:`masked_softmax_fwd` (the operator under ``torch.compile``)."""
+    if torch.compiler.is_compiling():
+        return masked_softmax_fwd(scores, mask, scale, causal)[0]
+    return _EagerMaskedSoftmax.apply(scores, mask, scale, causal)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+         rms: bool) -> torch.Tensor:
+    """The output of :func:`norm_fwd` (the operator under ``torch.compile``)."""
+    if torch.compiler.is_compiling():
+        return norm_fwd(x, weight, bias, eps, rms)[0]
+    return _EagerNorm.apply(x, weight, bias, eps, rms)

@@ -121,8 +121,10 @@ def norm_forward(module, x, weight, bias, eps, rms):
     hidden = weight.numel()
     rows = x.numel() // hidden if hidden else 0
     x = _ready(x)
-    w = _ready(weight.detach().float())
-    b = None if bias is None else _ready(bias.detach().float())
+    # No detach: callers run below autograd (an autograd function's forward or backward, or
+    # an operator's kernel), and each extra op is host time (a dispatch) on every call.
+    w = _ready(weight.float())
+    b = None if bias is None else _ready(bias.float())
     y = torch.empty_like(x)
     stats = dict(dtype=torch.float32, device=x.device)
     mean = None if rms else torch.empty(rows, **stats)
@@ -150,11 +152,12 @@ def norm_backward(module, grad, x, weight, mean, rstd, has_bias, rms):
     rows = x.numel() // hidden if hidden else 0
     grad = _ready(grad.to(x.dtype))
     x = _ready(x)
-    w = _ready(weight.detach().float())
+    w = _ready(weight.float())
     dx = torch.empty_like(x)
     stats = dict(dtype=torch.float32, device=x.device)
-    dw = torch.zeros(hidden, **stats)
-    db = torch.zeros(hidden, **stats) if has_bias else None
+    alloc = torch.empty if rows else torch.zeros  # the kernels write every column
+    dw = alloc(hidden, **stats)
+    db = alloc(hidden, **stats) if has_bias else None
     if rows:
         with _on_device(x):
             code = DTYPE_CODES[x.dtype]

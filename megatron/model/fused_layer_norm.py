@@ -27,9 +27,9 @@ CUDA_MAX_HIDDEN = 8192
 
 
 def fused_norm(x, weight, bias, eps, rms):
-    """LayerNorm (bias may be None) or RMSNorm (``rms``), one kernel each way: the
-    ``megatron_tds::norm_fwd`` operator, which the compiler traces."""
-    return custom_ops.norm_fwd(x, weight, bias, eps, rms)[0]
+    """LayerNorm (bias may be None) or RMSNorm (``rms``), one kernel each way (the
+    ``megatron_tds::norm_fwd`` operator under ``torch.compile``, which traces it)."""
+    return custom_ops.norm(x, weight, bias, eps, rms)
 
 
 def norm_kernel_unavailable_reason(x, weight):

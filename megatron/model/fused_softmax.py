@@ -29,8 +29,8 @@ CUDA_MAX_KEYS = 4096
 
 def fused_masked_softmax(scores, mask, scale, causal):
     """softmax(mask ? -10000 : scale * scores) with the causal triangle at 0, one kernel each
-    way: the ``megatron_tds::masked_softmax_fwd`` operator, which the compiler traces."""
-    return custom_ops.masked_softmax_fwd(scores, mask, scale, causal)[0]
+    way (the ``megatron_tds::masked_softmax_fwd`` operator under ``torch.compile``)."""
+    return custom_ops.masked_softmax(scores, mask, scale, causal)
 
 
 def causal_exclusion(sq, sk, device):
