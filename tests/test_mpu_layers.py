@@ -117,11 +117,21 @@ def _cross_entropy(seed):
     dloss = torch.rand(7, 3)
     lp = _shard(logits, -1).clone().requires_grad_()
     lr = logits.clone().requires_grad_()
+    before = lp.detach().clone()
     loss = mpu.vocab_parallel_cross_entropy(lp, target)
     ref = F.cross_entropy(lr.view(-1, 40), target.view(-1), reduction="none").view(7, 3)
     loss.backward(dloss)
     ref.backward(dloss)
-    return {"out": _max_err(loss, ref), "dx": _max_err(_gather(lp.grad, -1), lr.grad)}
+    # in place (the models' loss): the same values and gradients, the logits overwritten
+    li = lp.detach().clone().requires_grad_()
+    scaled = li * 1.0  # not a leaf: what an output layer hands the loss
+    loss_inplace = mpu.vocab_parallel_cross_entropy(scaled, target, inplace=True)
+    loss_inplace.backward(dloss)
+    return {"out": _max_err(loss, ref), "dx": _max_err(_gather(lp.grad, -1), lr.grad),
+            "input_untouched": _max_err(lp.detach(), before),
+            "out_inplace": _max_err(loss_inplace, ref),
+            "dx_inplace": _max_err(_gather(li.grad, -1), lr.grad),
+            "overwritten": float(not torch.equal(scaled.detach(), before))}
 
 
 def _run_all(tp, seed):
@@ -150,7 +160,9 @@ def test_layers_match_pytorch(layer_results, tp):
     for rank, per_layer in enumerate(results[tp]):
         for layer, errors in per_layer.items():
             for what, err in errors.items():
-                if what != "weight":
+                if what == "overwritten":  # in place: the logits now hold the softmax
+                    assert err == 1.0, f"seed={seed} tp={tp} rank={rank}: logits not written"
+                elif what != "weight":
                     assert err < TOL, f"seed={seed} tp={tp} rank={rank} {layer} {what}: {err}"
 
 

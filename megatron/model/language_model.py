@@ -76,7 +76,8 @@ def parallel_lm_logits(hidden, word_embeddings_weight, parallel_output, bias=Non
 
 def lm_loss(logits, labels):
     """Per-token loss ``[b, s]`` from vocab-parallel logits ``[s, b, v/tp]`` and labels ``[b, s]``."""
-    return mpu.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1)
+    return mpu.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1),
+                                            inplace=True).transpose(0, 1)
 
 
 def masked_lm_loss(logits, labels):
@@ -85,7 +86,8 @@ def masked_lm_loss(logits, labels):
 
     Args:
         logits: ``[b, s, v/tp]`` vocab-parallel logits (the model's output, or the pipeline's
-            last stage's).
+            last stage's); fp32 logits are overwritten with the softmax (the loss's own
+            buffer, as in Megatron-LM): compute anything else from them first.
         labels: ``(ids [b, s], loss_mask [b, s])``; ``loss_mask`` float, 0 where not counted.
     """
     ids, loss_mask = labels
@@ -93,7 +95,8 @@ def masked_lm_loss(logits, labels):
         # The models' [b, s, v] output is a view of the [s, b, v] matmul output: the loss on
         # that tensor itself, with the (small) labels transposed, saves the large logits a
         # strided pass forward and a copy back to [s, b, v] in the output layer's backward.
-        losses = mpu.vocab_parallel_cross_entropy(logits.transpose(0, 1), ids.t()).t()
+        losses = mpu.vocab_parallel_cross_entropy(logits.transpose(0, 1), ids.t(),
+                                                  inplace=True).t()
     else:
-        losses = mpu.vocab_parallel_cross_entropy(logits, ids)  # [b, s], fp32
+        losses = mpu.vocab_parallel_cross_entropy(logits, ids, inplace=True)  # [b, s], fp32
     return (losses * loss_mask).sum() / loss_mask.sum()

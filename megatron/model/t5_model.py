@@ -8,6 +8,8 @@ the device from which positions hold real tokens (:func:`t5_attention_masks`). T
 stack (its table lives in the stack, as HF keeps it in the first layer) and shared by every
 layer of the stack.
 """
+import functools
+
 from torch import nn
 
 from .. import mpu
@@ -27,6 +29,13 @@ from .t5_layers import (
 from .utils import init_rng
 
 
+@functools.lru_cache(maxsize=8)
+def _future(sd, device):
+    """The decoder's causal exclusion ``[sd, sd]``, built once per length and device (read
+    only: every mask is a new tensor combined from it)."""
+    return causal_exclusion(sd, sd, device)
+
+
 def t5_attention_masks(enc_real, dec_real):
     """The three attention masks of a T5 batch, built where its ids are (the device).
 
@@ -43,8 +52,7 @@ def t5_attention_masks(enc_real, dec_real):
     """
     enc_q, enc_k = enc_real[:, None, :, None], enc_real[:, None, None, :]
     dec_q, dec_k = dec_real[:, None, :, None], dec_real[:, None, None, :]
-    sd = dec_real.shape[1]
-    future = causal_exclusion(sd, sd, dec_real.device)  # [sd, sd]
+    future = _future(dec_real.shape[1], dec_real.device)  # [sd, sd]
     return ~(enc_q & enc_k), ~(dec_q & dec_k) | future, ~(dec_q & enc_k)
 
 

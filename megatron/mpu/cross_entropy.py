@@ -16,15 +16,17 @@ from .utils import VocabUtility
 class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, group):
+    def forward(ctx, vocab_parallel_logits, target, group, inplace):
         world = dist.get_world_size(group)
         logits = vocab_parallel_logits.float()  # [*, v/tp]; no copy when already fp32
+        ours = inplace or logits is not vocab_parallel_logits
 
-        # Stable softmax: subtract the global max (out of place: the input is not ours).
+        # Stable softmax: subtract the global max, in the fp32 buffer when it is ours (the
+        # softmax then lives in it: no second [*, v/tp] buffer, no fresh pages to fault in).
         logits_max = logits.amax(dim=-1)
         if world > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
+        shifted = (logits.sub_ if ours else logits.sub)(logits_max.unsqueeze(-1))
 
         part = logits.size(-1)
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -56,20 +58,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, local_target.unsqueeze(-1),
                           outside.logical_not().unsqueeze(-1).to(grad.dtype).neg_())
         grad.mul_(grad_output.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None
+        return grad.to(ctx.input_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                                 group: Optional[dist.ProcessGroup] = None,
+                                 inplace: bool = False) -> torch.Tensor:
     """Per-token cross entropy of vocabulary-split logits.
 
     Args:
         vocab_parallel_logits: ``[*, vocab / tp]`` this rank's slice of the logits.
         target: ``[*]`` integer ids into the full vocabulary.
         group: tensor-parallel group (default: mpu's).
+        inplace: the logits may be overwritten (with the softmax), as Megatron-LM does: for
+            logits nothing else reads, such as the models' training loss. fp16/bf16 logits
+            are never written (their fp32 copy is).
 
     Returns:
         ``[*]`` fp32 losses, identical on every rank of the group.
     """
     group = ps.get_tensor_model_parallel_group() if group is None else group
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group)
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group, inplace)

@@ -174,12 +174,13 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
 
     def _record_loss(self, outputs, buffer_id):
         """Last stage: loss of this micro-batch, and running totals (DeepSpeed's bookkeeping)."""
+        if self.eval_return_logits:  # a copy: a loss may overwrite its logits (in place)
+            self.outputs = outputs.detach().clone() if torch.is_tensor(outputs) else \
+                type(outputs)(x.detach().clone() for x in outputs)
         if self._compute_loss and self.module.loss_fn is not None:
             self.loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
         else:
             self.loss = outputs
-        if self.eval_return_logits:
-            self.outputs = outputs
         detached = self.loss.detach() if torch.is_tensor(self.loss) else \
             [x.detach() for x in self.loss]
         self.fwd_outputs.append(detached)
