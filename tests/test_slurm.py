@@ -37,14 +37,16 @@ def _sbatch(script, env, job_dir):
     env.update(RUN_DIR=str(job_dir))
     # The scripts ask for GPUs and 32 CPUs per node; the command line overrides that for a
     # 2-core machine without GPUs, as a user would for a smaller partition.
-    cmd = ["sbatch", "--wait", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
            "--cpus-per-task=1", "--gpus-per-node=0", "--time=15",
            f"--output={job_dir}/job.out", script]
     job_dir.mkdir(parents=True)
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    submit = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    state = _wait_for(submit.stdout.strip().split(";")[0], env)
     logs = sorted(glob.glob(str(job_dir / "logs" / "*-node*.log")))
     texts = [open(path).read() for path in [str(job_dir / "job.out")] + logs]
-    assert done.returncode == 0, done.stderr + "\n".join(t[-3000:] for t in texts)
+    assert state == "COMPLETED", state + "\n" + "\n".join(t[-3000:] for t in texts)
     assert [os.path.basename(p).split("-")[1] for p in logs] == ["node0.log", "node1.log"]
     return texts
 
@@ -85,6 +87,23 @@ def test_t5_sbatch_two_nodes_match_one_node(slurm, t5_data, tmp_path):
     texts = _sbatch("examples/slurm/t5.sbatch", env, tmp_path / "job")
     assert "2 nodes x 1 processes" in texts[0], texts[0]
     assert len(one) == 3 and log_losses(texts) == one
+
+
+#: Job states after which a job never runs again.
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+
+
+def _wait_for(job, env, timeout=900):
+    """The state ``job`` ended in, polled every 0.25 s (``sbatch --wait`` polls at up to 10 s
+    intervals: seconds of idle machine per job)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state, _ = _job_state(job, env)
+        if state in ENDED:
+            return state
+        assert time.monotonic() < deadline, f"job {job} still {state} after {timeout} s"
+        time.sleep(0.25)
 
 
 def _job_state(job, env):
@@ -133,7 +152,7 @@ def test_usr1_saves_exits_0_and_the_job_requeues_itself_and_finishes(slurm, gpt2
                                env=env, timeout=30)
                 released = True
             assert time.monotonic() < deadline, (state, log.read_text()[-3000:])
-            time.sleep(1)
+            time.sleep(0.25)
     finally:
         subprocess.run(["scancel", job], env=env, timeout=30)
     text, out = log.read_text(), (job_dir / "job.out").read_text()

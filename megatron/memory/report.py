@@ -25,8 +25,8 @@ class StageMemory:
     buffers: int
     """DDP gradient buckets, pipeline output tensors held for the backward."""
     transient: int
-    """The largest short-lived working set: a recomputed group's activations, or the
-    logits and their fp32 copy while the loss runs."""
+    """The largest short-lived working set: a recomputed group's activations, or 16-bit
+    logits next to their fp32 copy while the loss runs."""
 
     @property
     def activations(self) -> int:
@@ -70,7 +70,9 @@ def predict(spec: MemorySpec) -> List[StageMemory]:
         loss = 0
         if layers.head:
             tokens = spec.micro_batch * (spec.dec_seq if spec.family == "t5" else spec.seq)
-            loss = tokens * spec.vocab // spec.tp * (spec.e + 4)
+            # 16-bit logits next to their fp32 copy (which becomes the kept softmax); fp32
+            # logits become the softmax themselves (the loss works in place)
+            loss = tokens * spec.vocab // spec.tp * (spec.e if spec.e < 4 else 0)
         out.append(StageMemory(layers.stage, states, act.saved // spec.vpp, count, buffers,
                                max(act.recompute_peak, loss)))
     return out
