@@ -141,16 +141,20 @@ def test_usr1_saves_exits_0_and_the_job_requeues_itself_and_finishes(slurm, gpt2
             assert time.monotonic() < deadline, (job_dir / "job.out").read_text()[-3000:]
             time.sleep(0.2)
         subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
-        state, restarts, released = None, 0, False
+        state, restarts, released, pending_since = None, 0, False, None
         while state != "COMPLETED":
             state, restarts = _job_state(job, env)
             assert state not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), state
             if state == "PENDING" and restarts and not released:
                 # Slurm holds a requeued job back (its begin time is set ~2 min ahead): a
-                # scheduling policy, not part of what is tested; let it start now
-                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
-                               env=env, timeout=30)
-                released = True
+                # scheduling policy, not part of what is tested; let it start now, but not
+                # within the second of the requeue: slurmd then refuses the new launch
+                # ("Job credential revoked", the old one's revocation has 1 s resolution)
+                pending_since = pending_since or time.monotonic()
+                if time.monotonic() - pending_since >= 2:
+                    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                                   env=env, timeout=30)
+                    released = True
             assert time.monotonic() < deadline, (state, log.read_text()[-3000:])
             time.sleep(0.25)
     finally:
