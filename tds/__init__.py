@@ -1,8 +1,10 @@
 """tds: ``import tds as deepspeed``.
 
-DeepSpeed's public API, unchanged, with one difference: ``initialize()`` on a
+DeepSpeed's public API, unchanged, with two differences: ``initialize()`` on a
 ``PipelineModule`` returns tds's :class:`~tds.pipe.PipelineEngine`, which moves typed
-tuples of tensors between stages (CPM-Pretrain's TDS). Every other attribute is
+tuples of tensors between stages (CPM-Pretrain's TDS), and ``initialize(...,
+sync_free_step=True)`` steps DeepSpeed's ZeRO and bf16 optimizers with no host read
+(:mod:`tds.sync_free`). Every other attribute is
 DeepSpeed's own (``tds.zero``, ``tds.comm``, ``tds.checkpointing``, ...).
 """
 import contextlib
@@ -75,6 +77,7 @@ def _tds_pipeline_engine(clip_grad_norm_fn, pre_reduce_grads_fn):
 def initialize(*args: Any, batch_fn: Optional[Callable] = None,
                clip_grad_norm_fn: Optional[Callable] = None,
                pre_reduce_grads_fn: Optional[Callable[[], Any]] = None,
+               sync_free_step: bool = False,
                **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize``; a ``PipelineModule`` gets tds's pipeline engine.
 
@@ -86,21 +89,35 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
             clips in place (default: DeepSpeed's).
         pre_reduce_grads_fn: pipeline only: called (no arguments) once per step after the
             last micro-batch's backward, before the gradients are reduced.
+        sync_free_step: fp32/bf16: DeepSpeed's ZeRO (stages 1-2) and bf16 optimizers
+            measure and clip the gradient norm on the device, with no host read per step,
+            and apply a step whose norm is inf/nan instead of skipping it
+            (:mod:`tds.sync_free`; needs ``config`` as a dict). ``engine.sync_free_step``
+            says whether the run's optimizer got it.
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed does.
     """
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
+    max_norm = None
+    if sync_free_step:
+        from . import sync_free
+
+        kwargs["config"], max_norm = sync_free.prepare_config(kwargs.get("config"))
     if not isinstance(model, _deepspeed.pipe.PipelineModule):  # DeepSpeed's or ours
         if batch_fn is not None or clip_grad_norm_fn is not None or \
                 pre_reduce_grads_fn is not None:
             raise TypeError("batch_fn, clip_grad_norm_fn and pre_reduce_grads_fn apply to a "
                             "PipelineModule only")
-        return _deepspeed.initialize(*args, **kwargs)
-    with _tds_pipeline_engine(clip_grad_norm_fn, pre_reduce_grads_fn):
         engine, *rest = _deepspeed.initialize(*args, **kwargs)
-    if batch_fn is not None:
-        engine.set_batch_fn(batch_fn)
+    else:
+        with _tds_pipeline_engine(clip_grad_norm_fn, pre_reduce_grads_fn):
+            engine, *rest = _deepspeed.initialize(*args, **kwargs)
+        if batch_fn is not None:
+            engine.set_batch_fn(batch_fn)
+    engine.sync_free_step = False
+    if sync_free_step:
+        sync_free.install(engine, max_norm)
     return (engine, *rest)
 
 

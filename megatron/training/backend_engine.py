@@ -3,7 +3,8 @@
 Used for pipeline runs (``--pipe-parallel-size`` > 1, tds's pipeline engine) and for
 ``--deepspeed`` data parallelism (megatron/training/backend.py decides). DeepSpeed owns
 precision (fp16 with fp32 master weights and its loss scaler, or bf16), ZeRO, clipping and
-the data-parallel reduction; the optimizer (AdamW, no decay on biases and norms) and LR
+the data-parallel reduction (in fp32/bf16 with the norm and clipping kept on the device:
+tds.sync_free, no host read per step); the optimizer (AdamW, no decay on biases and norms) and LR
 schedule come from the same factory as the DDP backend's, so both take the same steps.
 """
 import functools
@@ -127,9 +128,11 @@ class EngineBackend(TrainingBackend):
         pipe = {"batch_fn": batch_fn, "clip_grad_norm_fn": mpu.clip_grad_norm_tensor,
                 "pre_reduce_grads_fn": _coalesced_sequence_parallel_sum(module, cfg)} \
             if pipeline else {"mpu": mpu}
+        # fp32/bf16: DeepSpeed's ZeRO and bf16 optimizers clip on the device (tds.sync_free)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=lr_scheduler,
-            config=build_deepspeed_config(cfg, pipeline), dist_init_required=False, **pipe)
+            config=build_deepspeed_config(cfg, pipeline), dist_init_required=False,
+            sync_free_step=True, **pipe)
         return cls(engine, ds_optimizer, lr_scheduler, cfg, pipeline)
 
     @property
