@@ -131,8 +131,10 @@ class SyncFreeZeroOptimizer(DeepSpeedZeroOptimizer):
         self._global_grad_norm = norm
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
-        if self._clip is not None:
-            torch._foreach_mul_([g for g in grad_groups_flat if torch.is_tensor(g)], self._clip)
+        if self._clip is not None:  # [flat partition] from step(); lists of sub-partitions too
+            torch._foreach_mul_([t for g in grad_groups_flat
+                                 for t in (g if isinstance(g, (list, tuple)) else [g])],
+                                self._clip)
         super().unscale_and_clip_grads(grad_groups_flat, total_norm)  # the loss scale only
 
     def state_dict(self):
