@@ -116,11 +116,13 @@ def _close(a, b, update, rel):
 
 CASES = [
     pytest.param(_config(1), 1e-5, "SyncFreeZeroOptimizer", id="zero1-fp32"),
-    pytest.param(_config(2), 1e-5, "SyncFreeZeroOptimizer", id="zero2-fp32"),
+    pytest.param(_config(2), 1e-5, "SyncFreeZeroOptimizer", id="zero2-fp32",
+                 marks=pytest.mark.slow),
     pytest.param(_config(1, bf16=True), 2e-2, "SyncFreeZeroOptimizer", id="zero1-bf16",
                  marks=[pytest.mark.precision, requires_ds_bf16]),
     pytest.param(_config(1, bf16=True, fp32_accumulation=True), 2e-2, "SyncFreeBF16Optimizer",
-                 id="bf16-optimizer", marks=[pytest.mark.precision, requires_ds_bf16]),
+                 id="bf16-optimizer",
+                 marks=[pytest.mark.slow, pytest.mark.precision, requires_ds_bf16]),
 ]
 
 
