@@ -29,7 +29,9 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    "test": ["pytest", "transformers", "tokenizers", "tensorboard", "wandb", "matplotlib"],
+    # pytest-xdist: the suite runs on every core by default (tests/parallel_suite.py)
+    "test": ["pytest", "pytest-xdist", "transformers", "tokenizers", "tensorboard", "wandb",
+             "matplotlib"],
     "tensorboard": ["tensorboard"],
     "wandb": ["wandb"],  # --wandb-project
     "plot": ["matplotlib"],  # tools/plot_runs.py, benchmarks/kernels.py --plot

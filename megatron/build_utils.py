@@ -6,7 +6,8 @@ the sources' hash plus whatever else the binary depends on (torch, CUDA and Pyth
 versions, flags), so a changed source or an upgraded torch rebuilds, and an unchanged
 one loads in milliseconds. A file lock keeps concurrent builders (several ranks, several
 test processes) from writing the same folder; a killed builder can neither keep it nor
-leave torch's baton file behind to block the next build, and a wait for a live builder is
+leave torch's baton file behind to block the next build, the compiler it left running is
+waited for rather than built alongside, and a wait for a live builder is
 bounded, then the caller falls back (see :mod:`megatron.locks`). Under torch.distributed,
 rank 0 builds first and tells the others whether it worked; they then load from the cache
 (or fall back too).
@@ -60,7 +61,9 @@ def _try_build(name, sources, builder, extra_key):
         directory = build_dir(name, sources, extra_key)
         with owned_lock(directory.with_suffix(".lock"), what=f"the build of {name}"):
             directory.mkdir(parents=True, exist_ok=True)
-            remove_stale_baton(directory)  # a killed build's; torch would wait for it forever
+            # a killed build's baton (torch would wait for it forever), once the ninja and
+            # compiler that build left running in the folder have finished
+            remove_stale_baton(directory)
             return builder(directory), None
     except Exception as exc:  # any failure means: use the PyTorch/NumPy path
         lines = str(exc).strip().splitlines()

@@ -7,7 +7,10 @@
   :class:`LockTimeout`, and the callers fall back (PyTorch paths instead of kernels).
 - :func:`remove_stale_baton`: torch's cpp_extension marks a build with a ``lock`` file
   (its "baton") and waits, forever, for it to disappear. A build killed mid-way leaves it.
-  Under our lock no other builder of the folder is alive, so a baton found there is stale.
+  Under our lock no other builder of the folder is alive, so a baton found there is stale;
+  but the killed builder's ninja and compiler outlive it, still writing into the folder, so
+  those are waited for first (bounded like the lock): building alongside them, two writers
+  of one object file, leaves a broken module in the cache.
 - :func:`tmp_name` / :func:`remove_stale_tmps`: temporary names carry host and pid, so the
   leftovers of a dead process on this host can be recognised and removed.
 """
@@ -98,15 +101,88 @@ def _acquire(fd, path, what, bound):
         time.sleep(0.2)
 
 
-def remove_stale_baton(directory, name="lock"):
+def processes_in(directory):
+    """Live processes of this host working in ``directory`` or below it: their pids, sorted.
+
+    Read from ``/proc/PID/cwd`` (Linux; elsewhere, and for other users' processes, none are
+    found). The ninja and compilers of a build run there.
+    """
+    target = os.path.realpath(str(directory))
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:  # gone, a zombie, or not ours to read
+            continue
+        if cwd == target or cwd.startswith(target + os.sep):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def _describe(pids):
+    names = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                names.append(f"{pid} ({f.read().strip()})")
+        except OSError:
+            names.append(str(pid))
+    return ", ".join(names)
+
+
+def wait_for_leftover_processes(directory, wait_s=None):
+    """Wait until no process works in ``directory`` (see :func:`processes_in`).
+
+    Call it under our lock, where such processes are leftovers of a killed builder (its
+    ninja and compilers: a SIGKILL of the Python process does not reach them).
+
+    Args:
+        directory: the build folder.
+        wait_s: bound on the wait (default :func:`wait_bound_s`).
+
+    Raises:
+        LockTimeout: some are still running after the bound.
+    """
+    bound = wait_bound_s() if wait_s is None else wait_s
+    start, told = time.monotonic(), False
+    while True:
+        pids = processes_in(directory)
+        if not pids:
+            return
+        waited = time.monotonic() - start
+        if waited >= bound:
+            raise LockTimeout(f"processes {_describe(pids)} left by a killed build still run "
+                              f"in {directory} after {waited:.0f}s; end them, or raise "
+                              f"MEGATRON_TDS_LOCK_WAIT_S")
+        if not told and waited >= min(NOTICE_S, bound / 2):
+            logger.warning("waiting for %s, left running in %s by a build that was killed "
+                           "(giving up after %.0fs)", _describe(pids), directory, bound)
+            told = True
+        time.sleep(0.2)
+
+
+def remove_stale_baton(directory, name="lock", wait_s=None):
     """Remove torch cpp_extension's baton file in ``directory``; call it under our lock.
+
+    First waits (bounded) for processes the killed build left running in ``directory``
+    (:func:`wait_for_leftover_processes`): they would write the same files as the new build.
 
     Returns:
         True when a stale baton was found (and removed).
+
+    Raises:
+        LockTimeout: the killed build's processes are still running after the bound.
     """
     baton = os.path.join(str(directory), name)
     if not os.path.exists(baton):
         return False
+    wait_for_leftover_processes(directory, wait_s)
     logger.warning("removing %s, left by a kernel build that was killed", baton)
     with contextlib.suppress(FileNotFoundError):
         os.remove(baton)

@@ -1,10 +1,62 @@
-"""Shared pytest fixtures: fresh random seeds, printed so a failure can be replayed."""
+"""Shared pytest fixtures (fresh random seeds, printed so a failure can be replayed; the
+sample data sets) and the parallel run's hooks (tests/parallel_suite.py)."""
 import os
 import random
 
 import pytest
 
+import parallel_suite
 
+
+# ---------------------------------------------------------------- parallel runs (pytest-xdist)
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads these options
+def pytest_cmdline_main(config):
+    parallel_suite.default_to_parallel(config)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hooks: absent under -p no:xdist
+def pytest_xdist_auto_num_workers(config):
+    return parallel_suite.auto_workers(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    parallel_suite.tell_worker(node)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # before pytest-xdist's default scheduler
+def pytest_xdist_make_scheduler(config, log):
+    return parallel_suite.make_scheduler(config, log)
+
+
+def pytest_configure(config):
+    parallel_suite.start_run(config)
+    folder = parallel_suite.run_folder(config)
+    config.stash[_NEIGHBOURS] = parallel_suite.Neighbours(folder) if folder else None
+
+
+def pytest_unconfigure(config):
+    parallel_suite.end_run(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    parallel_suite.write_groups(config, items)
+
+
+_NEIGHBOURS = pytest.StashKey()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown of a test: alone, or beside others (see parallel_suite)."""
+    neighbours = item.config.stash[_NEIGHBOURS]
+    if neighbours is None:
+        return (yield)
+    with neighbours.hold(alone=item.get_closest_marker("alone") is not None):
+        return (yield)
+
+
+# ---------------------------------------------------------------- fixtures
 @pytest.fixture
 def seed(request):
     """A fresh seed per test (``MEGATRON_TEST_SEED`` pins it), shown in the test report."""
@@ -25,12 +77,17 @@ def _run_tool(*argv):
 
 
 @pytest.fixture(scope="session")
-def gpt2_data(tmp_path_factory):
+def gpt2_data(request, tmp_path_factory):
     """A small real corpus, a GPT-2 BPE vocab trained on it, and its indexed dataset.
 
     Returns a dict with ``prefix``, ``vocab``, ``merges``, ``corpus`` paths (built once per
-    test session with the project's own tools).
+    test run with the project's own tools, shared by the xdist workers).
     """
+    return parallel_suite.once_per_run(request.config, "gpt2_data",
+                                       lambda: _gpt2_data(tmp_path_factory))
+
+
+def _gpt2_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt2_data")
     corpus, tok = root / "corpus.jsonl", root / "tok"
     _run_tool("tools/make_sample_corpus.py", "--output", str(corpus), "--max-mb", "0.4")
@@ -46,23 +103,32 @@ def gpt2_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def gpt2_one_node_losses(gpt2_data, tmp_path_factory):
+def gpt2_one_node_losses(request, gpt2_data, tmp_path_factory):
     """Losses of examples/run_gpt2.sh on one node with 4 processes (tests/launch_runs.py's
     tiny run): the reference the two-node, DeepSpeed-launcher and Slurm launches must match,
-    run once per session."""
+    run once per test run (shared by the xdist workers)."""
     from launch_runs import finish, launch, launch_env, log_losses
 
-    return log_losses(finish([launch(launch_env(gpt2_data,
-                                                tmp_path_factory.mktemp("one_node")))]))
+    def run():
+        env = launch_env(gpt2_data, tmp_path_factory.mktemp("one_node"))
+        return log_losses(finish([launch(env)]))
+
+    return parallel_suite.once_per_run(request.config, "gpt2_one_node_losses", run)
 
 
 @pytest.fixture(scope="session")
-def t5_data(tmp_path_factory):
+def t5_data(request, tmp_path_factory):
     """The sample corpus, a sentencepiece model trained on it (T5 layout: pad=0, eos=1,
     sentinels appended at load time) and its indexed dataset, for pretrain_t5.py.
 
-    Returns a dict with ``prefix``, ``spm`` (the .model), ``corpus`` and ``root``.
+    Returns a dict with ``prefix``, ``spm`` (the .model), ``corpus`` and ``root`` (built once
+    per test run, shared by the xdist workers).
     """
+    return parallel_suite.once_per_run(request.config, "t5_data",
+                                       lambda: _t5_data(tmp_path_factory))
+
+
+def _t5_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("t5_data")
     corpus, tok = root / "corpus.jsonl", root / "tok"
     _run_tool("tools/make_sample_corpus.py", "--output", str(corpus), "--max-mb", "0.4")

@@ -100,6 +100,49 @@ def test_wait_for_a_live_builder_is_bounded_and_falls_back(build_root, monkeypat
         proc.wait(timeout=30)
 
 
+def _killed_build_leftover(directory, seconds):
+    """What a SIGKILLed builder leaves: its baton, and a 'compiler' still working in the folder
+    (the real ninja and c++ are not children the kill reaches) that writes its output last."""
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")
+    code = f"import time; time.sleep({seconds}); open('module.o', 'w').write('complete')"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=directory)
+
+
+def test_a_killed_builds_leftover_compiler_is_waited_for(build_root, caplog):
+    """The next start builds only once the leftover is done: building alongside it (two
+    writers of one object file) cached a module without its init function (seen under load)."""
+    root, source = build_root
+    directory = build_utils.build_dir("fault_probe", [source])
+    leftover = _killed_build_leftover(directory, 2)
+    try:
+        assert locks.processes_in(directory) == [leftover.pid]
+        with caplog.at_level(logging.WARNING):
+            module = build_utils.load_native("fault_probe", [source],
+                                             lambda d: (d / "module.o").read_text())
+        assert module == "complete" and leftover.poll() == 0
+        assert not (directory / "lock").exists() and str(directory / "lock") in caplog.text
+    finally:
+        leftover.kill()
+        leftover.wait(timeout=30)
+
+
+def test_wait_for_a_killed_builds_leftover_is_bounded(build_root, monkeypatch, caplog):
+    root, source = build_root
+    directory = build_utils.build_dir("fault_probe", [source])
+    leftover = _killed_build_leftover(directory, 600)
+    try:
+        monkeypatch.setenv("MEGATRON_TDS_LOCK_WAIT_S", "1")
+        with caplog.at_level(logging.WARNING):
+            module = build_utils.load_native("fault_probe", [source], _baton_builder)
+        assert module is None and leftover.poll() is None  # the fallback; nothing killed
+        assert f"processes {leftover.pid} (python" in caplog.text and "fallback" in caplog.text
+        assert (directory / "lock").exists()  # not removed while its build may still run
+    finally:
+        leftover.kill()
+        leftover.wait(timeout=30)
+
+
 def test_stale_temporary_files_of_dead_processes_are_removed(tmp_path):
     target = tmp_path / "index.npy"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -362,6 +362,7 @@ def _time_bubble(pp, cases, steps, forward_s):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its bounds (10 %) assume idle cores: a busy neighbour halves the margin
 def test_measured_bubble_shrinks_as_predicted():
     """Sleep-calibrated equal stages (50 ms forward, 100 ms backward) on 4 gloo ranks:
     interleaving (v = 2) beats 1F1B by the simulator's ratio, within noise (about 20 s)."""

@@ -13,6 +13,10 @@ import pytest
 from gpt2_runs import REPO
 from launch_runs import finish, free_port, launch_env, log_losses
 
+# One worker runs this file's tests one after the other: one cluster per test run (the fixture
+# is per module, so per worker), and no two jobs competing for its node at once.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 CLUSTER = os.path.join(REPO, "tests", "slurm_cluster.sh")
 # Derived by the sbatch script from Slurm's variables: must not leak in from the test env.
 DERIVED = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CHECKPOINT_PATH")
