@@ -248,13 +248,15 @@ import megatron.training.checkpointing as ck
 moment, argv = sys.argv[1], sys.argv[2:]
 saves = []
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+SECOND = 4  # the second save's iteration: with --async-save the first one's writer may still
+            # be publishing when the second save is called, so the moments key on it
 
 def second(fn, before=True):
     def wrapped(*args, **kwargs):
-        if before and len(saves) == 2:
+        if before and args[-1] == SECOND:
             die()
         out = fn(*args, **kwargs)
-        if not before and len(saves) == 2:
+        if not before and args[-1] == SECOND:
             die()
         return out
     return wrapped
@@ -271,7 +273,7 @@ if moment == "model_file":
     real_torch_save = torch.save
     def half_save(obj, path, *a, **k):
         real_torch_save(obj, path, *a, **k)
-        if len(saves) == 2:
+        if f"iter_{SECOND:07d}" in str(path):
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)
             die()
