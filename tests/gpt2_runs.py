@@ -53,15 +53,16 @@ def user_error(argv):
     return None
 
 
-def run_script(args, nproc=1, timeout=240, env=None):
-    """Run an entry script (python, or torchrun with ``nproc`` ranks); return the result."""
+def run_script(args, nproc=1, timeout=240, env=None, text=True):
+    """Run an entry script (python, or torchrun with ``nproc`` ranks); return the result
+    (``text=False``: the output as bytes, without text mode's newline translation)."""
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--standalone", *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=text, timeout=timeout,
                           env=full_env)
 
 

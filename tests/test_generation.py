@@ -223,8 +223,14 @@ def cli_checkpoint(gpt2_data, tmp_path, seed):
 
 
 def _cli(ckpt, prompts_file, nproc=1):
-    return run_script([TOOL, "--load", ckpt, "--prompt", "def build(", "--sample-input-file",
-                       prompts_file, "--greedy", "--out-seq-length", "8"], nproc=nproc)
+    """The tool's run; its stdout as printed: a random model may generate a "\r" token, which
+    text mode would turn into a newline."""
+    result = run_script([TOOL, "--load", ckpt, "--prompt", "def build(", "--sample-input-file",
+                         prompts_file, "--greedy", "--out-seq-length", "8"], nproc=nproc,
+                        text=False)
+    result.stdout = result.stdout.decode()
+    result.stderr = result.stderr.decode(errors="replace")
+    return result
 
 
 def _check_cli(cli_checkpoint, tmp_path, nproc):
