@@ -81,24 +81,35 @@ def owned_lock(path, what="a build", wait_s=None):
         os.close(fd)
 
 
-def _acquire(fd, path, what, bound):
+def _wait_until(done, bound, timeout_message, notice):
+    """Poll ``done()`` every 0.2 s until it is true; ``notice()`` once after NOTICE_S (or half
+    the bound); :class:`LockTimeout` with ``timeout_message(waited)`` after ``bound`` seconds."""
     start, told = time.monotonic(), False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
+    while not done():
         waited = time.monotonic() - start
         if waited >= bound:
-            raise LockTimeout(f"waited {waited:.0f}s for {path} ({_read_owner(fd)}) to be "
-                              f"released; remove it if that process is stuck, or raise "
-                              f"MEGATRON_TDS_LOCK_WAIT_S")
+            raise LockTimeout(timeout_message(waited))
         if not told and waited >= min(NOTICE_S, bound / 2):
-            logger.warning("%s waits for %s, held by %s (giving up after %.0fs)", what, path,
-                           _read_owner(fd), bound)
+            notice()
             told = True
         time.sleep(0.2)
+
+
+def _try_lock(fd):
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _acquire(fd, path, what, bound):
+    _wait_until(
+        lambda: _try_lock(fd), bound,
+        lambda waited: (f"waited {waited:.0f}s for {path} ({_read_owner(fd)}) to be released; "
+                        f"remove it if that process is stuck, or raise MEGATRON_TDS_LOCK_WAIT_S"),
+        lambda: logger.warning("%s waits for %s, held by %s (giving up after %.0fs)", what,
+                               path, _read_owner(fd), bound))
 
 
 def processes_in(directory):
@@ -150,21 +161,19 @@ def wait_for_leftover_processes(directory, wait_s=None):
         LockTimeout: some are still running after the bound.
     """
     bound = wait_bound_s() if wait_s is None else wait_s
-    start, told = time.monotonic(), False
-    while True:
-        pids = processes_in(directory)
-        if not pids:
-            return
-        waited = time.monotonic() - start
-        if waited >= bound:
-            raise LockTimeout(f"processes {_describe(pids)} left by a killed build still run "
-                              f"in {directory} after {waited:.0f}s; end them, or raise "
-                              f"MEGATRON_TDS_LOCK_WAIT_S")
-        if not told and waited >= min(NOTICE_S, bound / 2):
-            logger.warning("waiting for %s, left running in %s by a build that was killed "
-                           "(giving up after %.0fs)", _describe(pids), directory, bound)
-            told = True
-        time.sleep(0.2)
+    pids = []
+
+    def none_left():
+        pids[:] = processes_in(directory)
+        return not pids
+
+    _wait_until(
+        none_left, bound,
+        lambda waited: (f"processes {_describe(pids)} left by a killed build still run in "
+                        f"{directory} after {waited:.0f}s; end them, or raise "
+                        f"MEGATRON_TDS_LOCK_WAIT_S"),
+        lambda: logger.warning("waiting for %s, left running in %s by a build that was killed "
+                               "(giving up after %.0fs)", _describe(pids), directory, bound))
 
 
 def remove_stale_baton(directory, name="lock", wait_s=None):
