@@ -8,10 +8,11 @@
   and a container's CPU quota, not the host's core count), fewer when memory is short. Most
   tests start several processes, so one worker per core already keeps every core busy.
 - :class:`MarkedGroupScheduling`: ``--dist loadgroup`` keeps the tests of one
-  ``xdist_group`` on one worker. pytest-xdist 3.8 tells its scheduler a test's group by
-  appending it to the test's id, which pytest 9.2 no longer lets it change (so the groups are
-  silently ignored: pytest-dev/pytest-xdist#1386); here the workers write each test's group
-  to the run's folder instead, where the scheduler reads it.
+  ``xdist_group`` on one worker; here also the tests that use a module-scoped fixture of
+  their module (built once per worker: so, once per run). pytest-xdist 3.8 tells its scheduler
+  a test's group by appending it to the test's id, which pytest 9.2 no longer lets it change
+  (so the groups are silently ignored: pytest-dev/pytest-xdist#1386); here the workers write
+  each test's group to the run's folder instead, where the scheduler reads it.
 - :func:`once_per_run`: a session fixture is built once per worker; the expensive ones (a
   training run) are built once per run and shared through the run's folder.
 - :class:`Neighbours`: a test marked ``alone`` runs while no other test runs. An xdist_group
@@ -78,9 +79,28 @@ def run_folder(config):
 
 
 def _group(item):
+    """The test's xdist_group, else its module's when it uses a fixture of its module that
+    outlives a test (:func:`_module_fixture_group`), else None."""
     names = {str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
              for mark in item.iter_markers("xdist_group")}
-    return "_".join(sorted(names)) or None
+    return "_".join(sorted(names)) or _module_fixture_group(item)
+
+
+def _module_fixture_group(item):
+    """A module-scoped fixture is built once per worker: a reference training run, a
+    converted model, compiled objects. The tests of the module that use one share a worker, so
+    that it is built once per run. (Read from pytest's fixture resolution, ``_fixtureinfo``:
+    where that is missing, tests are not grouped, only slower.)"""
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    if info is None or module is None:
+        return None
+    for name in item.fixturenames:
+        for fixturedef in info.name2fixturedefs.get(name, ()):
+            if fixturedef.scope != "function" and \
+                    getattr(fixturedef.func, "__module__", None) == module:
+                return item.nodeid.split("::")[0]
+    return None
 
 
 def write_groups(config, items):

@@ -63,12 +63,7 @@ def wait(job):
     return obj, proc.returncode, log
 
 
-#: The tests of the compiles share one worker (under xdist), so that they compile once.
-NVCC_GROUP = pytest.mark.xdist_group("nvcc_compiles")
-
-
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
-@NVCC_GROUP
 @pytest.mark.parametrize("source", [p.name for p in CU_FILES])
 def test_nvcc_compiles(cuda_objects, source):
     _, jobs = cuda_objects
@@ -83,7 +78,6 @@ def test_every_cuda_source_is_built():
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
-@NVCC_GROUP
 def test_cuda_module_links_and_imports(cuda_objects):
     """Link the objects as the extension would be and import it: every launcher the bindings
     call exists, and errors come back as Python exceptions (no device here: a clean error)."""
