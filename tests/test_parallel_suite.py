@@ -93,3 +93,24 @@ def test_auto_workers_follow_a_cpu_quota_and_the_override(monkeypatch):
     assert parallel_suite.auto_workers(_Config()) <= 3
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "5")
     assert parallel_suite.auto_workers(_Config()) == 5
+
+
+@pytest.fixture(scope="module")
+def _module_resource():
+    return object()
+
+
+def test_a_test_using_a_module_fixture_of_its_module_is_grouped_by_module(_module_resource,
+                                                                            request):
+    """Such tests share one worker, so the fixture is built once per run (read from pytest's
+    fixture resolution: a pytest change that hides it fails here, not silently)."""
+    assert parallel_suite._group(request.node) == request.node.nodeid.split("::")[0]
+
+
+def test_other_tests_are_not_grouped(tmp_path, request):
+    assert parallel_suite._group(request.node) is None
+
+
+@pytest.mark.xdist_group("named")
+def test_a_named_group_wins(_module_resource, request):
+    assert parallel_suite._group(request.node) == "named"
