@@ -62,6 +62,10 @@ def _worker(fn, rank, world_size, port, log_path, result_q, env, threads, args, 
     os.environ.update(env)
     torch.set_num_threads(threads)
     try:
+        if os.environ.get("MEGATRON_TDS_TEST_CPU_FP16"):
+            from precision import emulate_cpu_fp16_if_asked
+
+            emulate_cpu_fp16_if_asked()  # as in the pytest process (tests/precision.py)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -128,6 +132,9 @@ def _collect(procs, result_q, timeout):
         else:
             errors[rank] = payload
             deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+    for rank, proc in enumerate(procs):  # ranks that died while the grace period ran out
+        if rank not in results and rank not in errors and proc.exitcode not in (None, 0):
+            errors[rank] = f"rank {rank} exited with code {proc.exitcode} without reporting"
     return results, errors, timed_out
 
 
