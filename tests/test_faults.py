@@ -220,6 +220,39 @@ def test_precision_switches_take_a_capability_away(monkeypatch):
 
 
 @pytest.mark.precision
+def test_the_tests_cpu_fp16_emulation_adds_fp16_to_the_cpu_accelerator_only(monkeypatch):
+    """MEGATRON_TDS_TEST_CPU_FP16=1 (tests/precision.py, .ci/run's pass on "a CPU with
+    DeepSpeed fp16") makes DeepSpeed's CPU accelerator, and so DeepSpeed itself, report fp16;
+    any other value, or another accelerator, is an error."""
+    import deepspeed.accelerator
+
+    import precision
+    from megatron.config.preflight import deepspeed_precision_support
+
+    cpu = deepspeed.accelerator.get_accelerator()
+    assert cpu.device_name() == "cpu"
+    monkeypatch.setattr(type(cpu), "is_fp16_supported", lambda self: False)  # restored after
+    monkeypatch.delenv("MEGATRON_TDS_DS_FP16", raising=False)
+    monkeypatch.delenv(precision.EMULATE_CPU_FP16, raising=False)
+    assert not precision.emulate_cpu_fp16_if_asked()
+    assert deepspeed_precision_support()["fp16"] is False
+    monkeypatch.setenv(precision.EMULATE_CPU_FP16, "1")
+    assert precision.emulate_cpu_fp16_if_asked()
+    assert deepspeed_precision_support()["fp16"] is True
+    assert __import__("torch").float16 in cpu.supported_dtypes()  # what DeepSpeed checks
+    monkeypatch.setenv("MEGATRON_TDS_DS_FP16", "0")  # the switch still takes it away
+    assert deepspeed_precision_support()["fp16"] is False
+    monkeypatch.setenv(precision.EMULATE_CPU_FP16, "yes")
+    with pytest.raises(ValueError, match="only 1"):
+        precision.emulate_cpu_fp16_if_asked()
+    monkeypatch.setenv(precision.EMULATE_CPU_FP16, "1")
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator",
+                        lambda: EmulatedAccelerator(fp16=False, bf16=True, name="cuda"))
+    with pytest.raises(ValueError, match="this run's is 'cuda'"):
+        precision.emulate_cpu_fp16_if_asked()
+
+
+@pytest.mark.precision
 def test_fp16_pipeline_on_a_device_without_fp16_fails_on_every_rank(gpt2_data):
     from gpt2_runs import error_with_precision_support
     from harness import run_distributed
