@@ -10,8 +10,9 @@ Tests never depend on the host CPU's precision support without saying so:
 ``MEGATRON_TDS_DS_FP16=0`` (``..._BF16=0``) makes the library report the capability as
 missing on any machine (megatron.config.preflight.PRECISION_SWITCHES). The other side, a CPU
 whose DeepSpeed accelerator has fp16, is emulated on one without by ``MEGATRON_TDS_TEST_CPU_FP16=1``
-(:func:`emulate_cpu_fp16_if_asked`, tests only). ``.ci/run`` runs the precision tests once each
-way, so a green CI means green on a CPU with DeepSpeed fp16 and on one without.
+(:func:`emulate_cpu_fp16_if_asked`, tests only). ``.ci/run`` runs the suite on the CPU's own
+kind, then the precision tests with the switch for the other kind, so a green CI means green on
+a CPU with DeepSpeed fp16 and on one without.
 """
 import os
 
