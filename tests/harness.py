@@ -42,6 +42,8 @@ _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "num
 
 #: Seconds the other ranks get to report after the first rank failed.
 ERROR_GRACE_S = 5.0
+#: Seconds the ranks of a successful run get to tear down and exit before they are killed.
+TEARDOWN_WAIT_S = 5.0
 #: Lines of each rank's log shown in a failure message.
 LOG_TAIL_LINES = 40
 
@@ -138,12 +140,20 @@ def _collect(procs, result_q, timeout):
     return results, errors, timed_out
 
 
-def _stop(procs):
+def _stop(procs, failed):
+    """End every rank. After a failure, the ones still running first dump their stacks to
+    their logs (for the report); after success they are only tearing down: a short wait for
+    them to exit, no dump."""
     alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        os.kill(p.pid, signal.SIGUSR1)  # dump stacks to the rank's log
-    if alive:
-        time.sleep(0.5)
+    if failed:
+        for p in alive:
+            os.kill(p.pid, signal.SIGUSR1)  # dump stacks to the rank's log
+        if alive:
+            time.sleep(0.5)
+    else:
+        deadline = time.monotonic() + TEARDOWN_WAIT_S
+        for p in alive:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -179,10 +189,11 @@ def run_distributed(fn, world_size, *args, timeout=180, env=None, threads=1, **k
         ]
         for p in procs:
             p.start()
+        results, errors, timed_out = {}, {}, True
         try:
             results, errors, timed_out = _collect(procs, result_q, timeout)
         finally:
-            _stop(procs)
+            _stop(procs, failed=bool(errors) or timed_out or len(results) < world_size)
         if errors or timed_out or len(results) < world_size:
             raise DistributedTestFailure(_report(fn, world_size, errors, results, timed_out,
                                                  timeout, logs))
