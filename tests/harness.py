@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "numpy", "deepspeed", "tds",
-                              "megatron.training"])
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "numpy", "deepspeed",
+                              "tds", "megatron.training"])
 
 #: Seconds the other ranks get to report after the first rank failed.
 ERROR_GRACE_S = 5.0
