@@ -56,6 +56,7 @@ from deepspeed import (  # noqa: E402  (re-exported API)
     zero,
 )
 
+from . import fp16_loss_scale  # noqa: E402
 from .pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec  # noqa: E402
 
 __version__ = _deepspeed.__version__
@@ -118,6 +119,7 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
     engine.sync_free_step = False
     if sync_free_step:
         sync_free.install(engine, max_norm)
+    fp16_loss_scale.install(engine)  # DeepSpeed 0.19 leaves it out without ZeRO
     return (engine, *rest)
 
 

@@ -28,6 +28,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine as _DeepSpeedPipelineEngine
 
+from .. import fp16_loss_scale
 from .boundary import discover_boundary
 from .contract import StageContract, contract_of
 from .interleaved import InterleavedStep
@@ -194,7 +195,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
 
     def _exec_backward_pass(self, buffer_id):
         if self.is_last_stage():
-            DeepSpeedEngine.backward(self, self.loss)
+            fp16_loss_scale.backward(self, self.loss)  # DeepSpeed's, with the fp16 scale
             return
         outputs = self.pipe_buffers["outputs"][buffer_id]
         grad_positions = [i for i, g in enumerate(self.contract.grads) if g]

@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.engine import DeepSpeedEngine
 
+from .. import fp16_loss_scale
 from .boundary import _ERROR, HEADER_SIZE, _decode, _encode, _side_effect_free
 from .runner import Boundary, ScheduleRunner, StageCallbacks
 from .schedules import interleaved_1f1b
@@ -200,7 +200,7 @@ class InterleavedStep(StageCallbacks):
         if chunk == self.num_chunks - 1:
             if e.using_bf16_optimizer:  # the forward hooks that would clear them are not
                 e.optimizer.clear_lp_grads()  # registered: chunks bypass engine.forward
-            DeepSpeedEngine.backward(e, outputs)  # the loss: gas and fp16 scaling as 1F1B
+            fp16_loss_scale.backward(e, outputs)  # the loss: gas and fp16 scaling as 1F1B
         else:
             pairs = [(t, g) for t, g in zip(outputs, output_grads)
                      if g is not None and t.requires_grad]
