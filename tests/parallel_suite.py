@@ -109,7 +109,7 @@ def write_groups(config, items):
     folder = run_folder(config)
     if folder is None or config.workerinput.get("megatron_tds_dist") != "loadgroup":
         return
-    groups = {item.nodeid: _group(item) for item in items if _group(item)}
+    groups = {item.nodeid: group for item in items if (group := _group(item))}
     path = folder / f"groups-{config.workerinput['workerid']}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(groups))
