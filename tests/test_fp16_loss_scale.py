@@ -90,9 +90,9 @@ def test_the_scale_is_applied_once_whether_deepspeed_applies_it_or_not(deepspeed
     from tds.fp16_loss_scale import LossScale
 
     fix = LossScale(_Engine())
-    loss = torch.rand((), requires_grad=True) * 3.0
+    leaf = torch.rand((), requires_grad=True)
+    loss = leaf * 3.0
     scaled = loss * (256.0 if deepspeed_scaled else 1.0) / 4  # what DeepSpeed's backward runs
-    leaf = loss.grad_fn.next_functions[0][0].variable
     fix.attach(loss)
     scaled.backward()
     assert fix.deepspeed_scales is deepspeed_scaled
