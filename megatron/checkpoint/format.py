@@ -7,9 +7,11 @@ Layout (Megatron-LM's)::
     <root>/latest_checkpointed_iteration.txt
 
 Megatron-LM without pipeline stages names the rank folder ``mp_rank_{tp:02d}``; both are
-read. A writer builds the iteration folder under a temporary root and :func:`publish_iteration`
-renames it into place before the tracker is rewritten (atomically), so a crash at any point
-leaves the previous checkpoint and tracker as they were. Every reader here loads with
+read. A writer builds the iteration folder under a temporary root, each file flushed to disk
+(``fsync``) as it is written; :func:`publish_iteration` flushes the folder's entries, renames
+it into place and flushes its parent, then rewrites the tracker the same way (temporary file,
+flush, rename, flush of the folder), so neither a killed process nor a crashed node leaves a
+tracker naming a half checkpoint (:mod:`megatron.durable`). Every reader here loads with
 ``torch.load(weights_only=True)``: a checkpoint cannot execute code.
 """
 import os
@@ -19,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import durable
 from ..config.run_config import uses_pipeline_engine  # noqa: F401 (part of the format)
 from ..errors import CheckpointError, not_text
 from ..locks import remove_stale_tmps, tmp_name
@@ -86,11 +89,12 @@ def read_tracker(root: str) -> Optional[int]:
 
 
 def write_atomic(path: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` then rename ``tmp`` to ``path`` (a killed writer leaves no half file)."""
+    """``write(tmp)``, flush it, rename it to ``path`` and flush the folder: neither a killed
+    writer nor a crashed node leaves a half file under ``path``."""
     remove_stale_tmps(path)  # a killed writer's leftovers
     tmp = tmp_name(path)
-    write(tmp)
-    os.replace(tmp, path)
+    durable.write_file(tmp, write)
+    durable.replace(tmp, path)
 
 
 def write_tracker(root: str, iteration: int) -> None:
@@ -106,13 +110,14 @@ def publish_iteration(root: str, tmp_root: str, iteration: int) -> None:
     """Move the finished ``tmp_root`` iteration folder into ``root``, then point the tracker
     at it. Re-saving an iteration replaces the old folder whole."""
     final = iteration_dir(root, iteration)
+    durable.fsync_tree(iteration_dir(tmp_root, iteration))  # the files' names (data: writers)
     if os.path.exists(final):
         old = iteration_dir(os.path.join(root, ".old"), iteration)
         shutil.rmtree(old, ignore_errors=True)
         os.makedirs(os.path.dirname(old), exist_ok=True)
         os.replace(final, old)
         shutil.rmtree(old, ignore_errors=True)
-    os.replace(iteration_dir(tmp_root, iteration), final)
+    durable.replace(iteration_dir(tmp_root, iteration), final)
     write_tracker(root, iteration)
 
 

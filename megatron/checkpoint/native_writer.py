@@ -9,8 +9,9 @@ no optimizer state and no RNG state. A training run starts from it with ``--fine
 (iteration 0, fresh optimizer) or resumes with ``--no-load-optim`` (keeps the iteration,
 consumed samples and LR schedule carried over from the source; RNG from ``--seed``).
 
-Writing is atomic: every file goes to ``<root>/.tmp_convert_<pid>/`` first, the finished
-iteration folder is renamed into place, and the tracker is written last.
+Writing is atomic and durable: every file goes to ``<root>/.tmp_convert_<pid>/`` first and is
+flushed to disk, the finished iteration folder is renamed into place, and the tracker is
+written last (:func:`~.format.publish_iteration`).
 """
 import os
 import shutil
@@ -18,6 +19,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .. import durable
 from ..errors import CheckpointError, ConfigError
 from ..progress import progress
 from ..tokenizer import vocab_size_with_padding
@@ -122,7 +124,7 @@ def write_native(ckpt: FullCheckpoint, root: str, tp: Optional[int] = None,
                          **ckpt.extras}
                 path = checkpoint_name(tmp_root, ckpt.iteration, tp_rank, pp_rank)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                torch.save(state, path)
+                durable.write_file(path, lambda name, state=state: torch.save(state, name))
         publish_iteration(root, tmp_root, ckpt.iteration)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)

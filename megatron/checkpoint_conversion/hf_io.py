@@ -12,6 +12,7 @@ import shutil
 
 import torch
 
+from .. import durable
 from ..errors import CheckpointError
 from . import safetensors_io
 
@@ -88,8 +89,11 @@ def write_hf_dir(path, config, state, extra_files=()):
                                  metadata={"format": "pt"})
         for source, name in extra_files:
             shutil.copyfile(source, os.path.join(tmp, name))
+        for name in os.listdir(tmp):
+            durable.fsync_path(os.path.join(tmp, name))
+        durable.fsync_path(tmp)
         if os.path.isdir(path):
             os.rmdir(path)  # empty (checked above)
-        os.replace(tmp, path)
+        durable.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

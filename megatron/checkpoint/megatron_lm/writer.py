@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from ... import durable
 from ...errors import CheckpointError, ConfigError
 from .. import gpt2_keys
 from ..format import TRACKER_FILENAME, iteration_dir, write_atomic
@@ -104,8 +105,9 @@ def write_megatron_lm(ckpt: Any, root: str, tp: Optional[int] = None,
                                              pp > 1 and stage == pp - 1)}
                 path = rank_file_name(os.path.join(tmp_root, name), tp_rank, stage, pp)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                torch.save(state, path)
-        os.replace(os.path.join(tmp_root, name), final)
+                durable.write_file(path, lambda out, state=state: torch.save(state, out))
+        durable.fsync_tree(os.path.join(tmp_root, name))
+        durable.replace(os.path.join(tmp_root, name), final)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
 
