@@ -1,6 +1,6 @@
 """``--async-save``: the same losses and the same files as synchronous saves; a kill -9 at any
 moment of a background write never leaves the tracker on an incomplete checkpoint; a failed
-write stops the run with a clear error."""
+write stops the run with a clear error (tests/test_rank_faults.py)."""
 import os
 import re
 import subprocess
@@ -145,38 +145,3 @@ def test_kill_during_background_write_then_resume(gpt2_data, tmp_path, moment):
     with open(os.path.join(ckpt, TRACKER)) as handle:
         assert handle.read() == str(iters)
     assert "iter_0000004/mp_rank_00_000/model_optim_rng.pt" in _files(ckpt)
-
-
-_FAILING_WRITER = r'''
-import sys
-import megatron.training.checkpointing as ck
-
-real_write = ck._write_file
-def full_disk(path, state):
-    if "iter_0000004" in path:
-        raise OSError(28, "No space left on device")
-    return real_write(path, state)
-ck._write_file = full_disk
-import pretrain_gpt2
-from megatron.errors import run_main
-run_main(pretrain_gpt2.main, sys.argv[1:])
-'''
-
-
-@pytest.mark.slow
-def test_failed_background_write_stops_the_run(gpt2_data, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    script = tmp_path / "failing_writer.py"
-    script.write_text(_FAILING_WRITER)
-    result = run_script([str(script), *_argv(gpt2_data, "--save", ckpt, "--async-save",
-                                             iters=6)],
-                        env=dict(NO_NATIVE, PYTHONPATH=REPO))
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "error: the background write of the checkpoint of iteration 4 failed: OSError: " \
-           "[Errno 28] No space left on device; the tracker still names the previous " \
-           "complete checkpoint" in result.stderr, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    # it stopped at the next save (iteration 6), before writing anything of it
-    with open(os.path.join(ckpt, TRACKER)) as handle:
-        assert handle.read() == "2"
-    assert sorted(d for d in os.listdir(ckpt) if d.startswith("iter_")) == ["iter_0000002"]

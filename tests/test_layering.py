@@ -14,6 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: ("megatron" names the package's own ``__init__`` only).
 LAYERS = [
     ("base", ["megatron", "megatron.errors", "megatron.locks", "megatron.progress",
+              "megatron.agreement", "megatron.durable",
               "megatron.timers", "megatron.utils", "megatron.build_utils",
               "megatron.global_vars", "megatron.metrics_writers", "megatron.run_plots"]),
     ("tds", ["tds"]),

@@ -12,6 +12,7 @@ every op onto the PyTorch path without attempting a build).
 import dataclasses
 import logging
 import os
+from typing import Optional
 
 import torch
 
@@ -23,6 +24,8 @@ ENV_DISABLE = "MEGATRON_TDS_NO_FUSED_KERNELS"
 #: The masked softmax takes ``--[no-]masked-softmax-fusion`` from its model config alone.
 _FLAGS = {"layernorm_fusion": True}
 _STATUS = None
+#: Why every op was put on the PyTorch path after start-up (:func:`force_fallback`), or None.
+_FORCED_OFF = None
 
 
 def add_fused_kernel_args(parser):
@@ -43,7 +46,10 @@ def add_fused_kernel_args(parser):
 
 
 def disabled_reason():
-    """Why the environment forbids the kernels, or None."""
+    """Why the environment (or the ranks' agreement, :func:`force_fallback`) forbids the
+    kernels, or None."""
+    if _FORCED_OFF is not None:
+        return _FORCED_OFF
     if os.environ.get(ENV_DISABLE, "0").strip().lower() not in ("", "0", "false", "no"):
         return f"{ENV_DISABLE} is set"
     return None
@@ -96,6 +102,9 @@ class KernelStatus:
     masked_softmax: str
     layer_norm: str
     target: str = ""
+    build_failure: str = ""
+    """Why the kernels this run asked for could not be built or loaded here ("": they were,
+    or none were asked for)."""
 
     def __str__(self):
         return (f"masked softmax: {self.masked_softmax}; layer norm: {self.layer_norm}"
@@ -130,7 +139,7 @@ def load(kernels=None):
 
     kind = get_device().type
     failure = disabled_reason()
-    module = None
+    module, build_failure = None, ""
     if failure is None and (softmax or _FLAGS["layernorm_fusion"]):
         module = get_module(kind)
         if module is None:
@@ -138,14 +147,29 @@ def load(kernels=None):
 
             error = last_error(kind)
             failure = f"build failed: {error}" if error else "kernels unavailable, see the log"
+            build_failure = failure
     _STATUS = KernelStatus(
         device=kind,
         masked_softmax=_path(softmax, "--no-masked-softmax-fusion", module, failure, kind),
         layer_norm=_path(_FLAGS["layernorm_fusion"], "--no-layernorm-fusion", module, failure,
                          kind),
-        target=module.target() if module is not None else "")
+        target=module.target() if module is not None else "", build_failure=build_failure)
     logger.debug("fused kernels: %s", _STATUS)  # the caller prints it (initialize_megatron)
     return _STATUS
+
+
+def force_fallback(reason: Optional[str]) -> None:
+    """Put every op on the PyTorch path for the rest of the process (None: lift that).
+
+    The ranks agree on the kernels at start-up (:func:`megatron.initialize`): kernels built
+    on some ranks only would give tensor-parallel replicas different arithmetic, so where any
+    rank could not build them every rank falls back.
+
+    Args:
+        reason: said in the status line ("rank 3 could not build them: ...").
+    """
+    global _FORCED_OFF
+    _FORCED_OFF = reason
 
 
 def status():

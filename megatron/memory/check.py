@@ -3,6 +3,7 @@ a run predicted not to fit, before the model is allocated."""
 from dataclasses import fields
 from typing import List, Optional
 
+from ..agreement import agree
 from ..errors import ConfigError, WillNotFitError
 from .planner import Hardware, plan
 from .report import GIB, format_stage, predict
@@ -68,17 +69,24 @@ def check_memory(spec: MemorySpec, free_bytes: Optional[int], enforce: bool = Tr
     return lines + ["WARNING: " + message]
 
 
+def free_device_memory(device) -> Optional[int]:
+    """Bytes free on ``device`` (a ``torch.device``) now, or None on a CPU (not checked)."""
+    import torch
+
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
     """pretrain()'s hook: print the predicted peak per stage on rank 0; on a GPU, raise
-    :class:`WillNotFitError` on every rank for a run predicted not to fit (a warning
-    under ``--no-memory-check``). Models outside the families are not described.
+    :class:`WillNotFitError` on every rank for a run predicted not to fit on any rank's
+    device (a warning under ``--no-memory-check``; collective: the ranks agree, one
+    rank's device with less free memory stops them all). Models outside the families are
+    not described.
 
     Args:
         cfg: the run configuration.
         step_flops: the step's model FLOPs (ranks the suggested changes).
     """
-    import torch
-
     from .. import mpu
     from ..utils import print_rank_0
     from .spec import spec_from_run_config
@@ -91,9 +99,13 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
     except ConfigError as exc:  # a run the model does not describe still trains
         print_rank_0(f"> memory model: no prediction ({exc})")
         return
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    lines = check_memory(spec, free, enforce=cfg.get("memory_check", True),
-                         step_flops=step_flops or 1.0)
+    lines, error = [], None
+    try:  # each rank decides on its own device's free memory; the ranks agree on it below
+        lines = check_memory(spec, free_device_memory(device),
+                             enforce=cfg.get("memory_check", True), step_flops=step_flops or 1.0)
+    except WillNotFitError as exc:
+        error = exc
+    agree(error, "the start-up memory check", error_type=WillNotFitError)
     print_rank_0("> memory model (docs/memory.md):\n  " + "\n  ".join(
         line for line in lines if not line.startswith("WARNING")))
     for line in lines:

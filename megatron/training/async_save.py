@@ -3,17 +3,22 @@
 The training thread copies every tensor of the rank's files to host memory (pinned on a GPU,
 the copies queued on the current stream, so later updates of the weights cannot overtake
 them and the training thread never waits for them) and goes on training. A writer thread
-waits for the copies, writes the files through the same atomic ``write_atomic``, then agrees
-with the other ranks' writers on a gloo group (one all-reduce: did every rank write all its
-files?). Only then does rank 0 publish the folder and rewrite the tracker
-(``publish_iteration``), so a crash at any moment of a background write leaves the previous
-checkpoint as the one resume picks. The next save and the end of the run wait for the
-writer (:meth:`AsyncCheckpointWriter.wait`), which raises if any rank's writer failed.
+waits for the copies, writes the files through the same atomic, flushed ``write_atomic``, then
+agrees with the other ranks' writers on a gloo group (:func:`megatron.agreement.agree`: did
+every rank write all its files, and if not, which and why?). Only then does rank 0 publish the
+folder and rewrite the tracker (``publish_iteration``), and the writers agree once more on
+that, so a crash at any moment of a background write leaves the previous checkpoint as the
+one resume picks, and every rank learns of a failure on any rank. At each step boundary
+while a write is in flight, the ranks check together whether every writer has finished
+(:meth:`AsyncCheckpointWriter.poll`, one host all-reduce): a failed write stops every rank
+at the same step, a step or two after the failure, not at the next save. The next save and
+the end of the run wait for the writer (:meth:`AsyncCheckpointWriter.wait`).
 
 Cost: one host copy of the rank's checkpoint stays alive during the write (host memory of
 the checkpoint's size), and each save still does a few small collectives on the training
 thread (RNG states, the temporary folder) as a synchronous save does.
 """
+import copy
 import os
 import threading
 import time
@@ -22,13 +27,25 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..agreement import agree_on_call
 from ..errors import CheckpointError
 from .host_group import new_host_group
+
+#: Appended to the message of a write that failed on any rank.
+SAVE_FAILED_HINT = ("the tracker still names the previous complete checkpoint (free disk space "
+                    "or fix the --save folder, then resume from it)")
+
+
+#: Values a later step cannot change in place (kept as they are, not copied).
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, range, torch.dtype,
+              torch.device, torch.Size)
 
 
 def snapshot(obj, pin: bool, reuse=None):
     """A copy of ``obj`` with every tensor copied to host memory (nested dicts, lists,
-    tuples; other values as they are).
+    tuples) and every other mutable value deep-copied (a loss scaler object, a set, a
+    counter dict inside an object): the writer thread pickles the snapshot later, when the
+    training thread has already changed the live state.
 
     Args:
         obj: a state dict.
@@ -55,7 +72,9 @@ def snapshot(obj, pin: bool, reuse=None):
         items = [snapshot(v, pin, old[i] if old is not None else None)
                  for i, v in enumerate(obj)]
         return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
-    return obj
+    if isinstance(obj, _IMMUTABLE):
+        return obj
+    return copy.deepcopy(obj)
 
 
 def _has_device_tensors(obj) -> bool:
@@ -81,6 +100,7 @@ class AsyncCheckpointWriter:
                  publish: Callable[[str, str, int], None]):
         self._write_file, self._publish = write_file, publish
         self._group = new_host_group()  # the writers' own: never interleaves with training
+        self._poll_group = new_host_group()  # the training thread's step-boundary check
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[str] = None
         self.iteration: Optional[int] = None
@@ -109,35 +129,42 @@ class AsyncCheckpointWriter:
         self._thread.start()
 
     def _run(self, root, tmp_root, iteration, copies, ready):
+        """The writer thread: files, an agreement of the writers, rank 0's publication, an
+        agreement on it; the outcome (None, or the message every rank raises) is kept for
+        :meth:`wait`."""
         start = time.perf_counter()
-        error = None
+        what = f"the background write of the checkpoint of iteration {iteration} to {root}"
         try:
-            if ready is not None:
-                ready.synchronize()
-            for path, state in copies:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                self._write_file(path, state)
-        except Exception as exc:  # reported by wait(), on the training thread
-            error = f"{type(exc).__name__}: {exc}"
-        failed = self._failed_ranks(error is not None)
-        if error is None and failed:
-            error = f"rank(s) {failed} could not write their files (their logs say why)"
-        if error is None and (not dist.is_initialized() or dist.get_rank() == 0):
-            try:
-                self._publish(root, tmp_root, iteration)
-            except Exception as exc:
-                error = f"publishing the checkpoint failed: {type(exc).__name__}: {exc}"
-        self._error = error
+            agree_on_call(what, self._write_all, copies, ready, group=self._group,
+                          error_type=CheckpointError, hint=SAVE_FAILED_HINT)
+            rank0 = not dist.is_initialized() or dist.get_rank() == 0
+            agree_on_call(f"publishing the checkpoint of iteration {iteration} to {root}",
+                          self._publish if rank0 else lambda *a: None, root, tmp_root,
+                          iteration, group=self._group, error_type=CheckpointError,
+                          hint=SAVE_FAILED_HINT)
+        except Exception as exc:  # reported by wait() / poll(), on the training thread
+            self._error = str(exc) if isinstance(exc, CheckpointError) else \
+                f"{what} failed: {type(exc).__name__}: {exc}"
         self.seconds = time.perf_counter() - start
 
-    def _failed_ranks(self, failed: bool) -> List[int]:
-        """Writer-side collective: the ranks whose writes failed."""
-        if self._group is None:
-            return [0] if failed else []
-        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
-        flags[dist.get_rank()] = int(failed)
-        dist.all_reduce(flags, group=self._group)
-        return [r for r, f in enumerate(flags.tolist()) if f]
+    def _write_all(self, copies, ready):
+        if ready is not None:
+            ready.synchronize()
+        for path, state in copies:
+            self._write_file(path, state)
+
+    def poll(self) -> None:
+        """Collective at a step boundary while a write is in flight: when every rank's writer
+        has finished, take its outcome (raising on every rank at this same step if any rank's
+        write failed, :meth:`wait`); otherwise return at once. One all-reduce of one int in
+        host memory: no device sync."""
+        if self._thread is None:
+            return
+        done = torch.tensor([0 if self._thread.is_alive() else 1], dtype=torch.int32)
+        if self._poll_group is not None:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
+        if int(done[0]):
+            self.wait()
 
     @property
     def busy(self) -> bool:
@@ -157,7 +184,4 @@ class AsyncCheckpointWriter:
         self._thread = None
         error, self._error = self._error, None
         if error is not None:
-            raise CheckpointError(
-                f"the background write of the checkpoint of iteration {self.iteration} "
-                f"failed: {error}; the tracker still names the previous complete checkpoint "
-                f"(free disk space or fix the --save folder, then resume from it)")
+            raise CheckpointError(error)

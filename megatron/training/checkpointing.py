@@ -3,8 +3,10 @@
 The format on disk (Megatron's layout, the tracker, atomic publication, weights-only loads)
 is :mod:`megatron.checkpoint`'s; this module decides what a run puts into it and how a run
 takes it back, through the backend's :class:`~.state_io.OptimizerStateIO`. A save goes to
-``<save>/.tmp/iter_*`` first; rank 0 publishes the folder once every file is complete, then
-rewrites the tracker, so a crash at any point leaves the previous checkpoint in place.
+``<save>/.tmp/iter_*`` first, each file flushed to disk; rank 0 publishes the folder once every
+rank's files are complete, then rewrites the tracker, so a crash (of a process or of a node)
+at any point leaves the previous checkpoint in place, and a failure on one rank (a full disk)
+stops every rank with the same error.
 """
 import os
 import random
@@ -21,10 +23,12 @@ from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker:
     megatron_v2_name, optimizer_shard_name, publish_iteration, read_tracker,
     saved_optimizer_files, write_atomic, write_tracker)
 from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs, weights_for_run
+from ..agreement import agree, agree_on_call
 from ..config import args_to_dict
 from ..errors import CheckpointError, MegatronError
 from ..families import get_family
-from ..utils import print_rank_0, raise_if_any_rank_failed, warn_rank_0
+from ..utils import print_rank_0, warn_rank_0
+from .async_save import SAVE_FAILED_HINT, AsyncCheckpointWriter
 
 
 # ---------------------------------------------------------------- RNG state
@@ -87,8 +91,15 @@ def _main_state(iteration, backend, cfg, train_state, rng_states):
 
 
 def _write_file(path, state):
-    """One complete file (atomically: a killed writer leaves no half file)."""
+    """One complete file (atomically and durably: a killed writer or a crashed node leaves
+    no half file)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     write_atomic(path, lambda tmp: torch.save(state, tmp))
+
+
+def _write_files(files):
+    for path, state in files:
+        _write_file(path, state)
 
 
 def _publish(root, tmp_root, iteration):
@@ -97,11 +108,22 @@ def _publish(root, tmp_root, iteration):
     print(f"> saved checkpoint at iteration {iteration} to {root}", flush=True)
 
 
+def _prepare_folder(tmp_root, iteration):
+    """Rank 0: an empty temporary iteration folder (a failed save's leftovers go)."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(iteration_dir(tmp_root, iteration), ignore_errors=True)
+        os.makedirs(iteration_dir(tmp_root, iteration), exist_ok=True)
+
+
+def save_step(what: str, iteration: int, root: str) -> str:
+    """The name of one step of a save, for the message every rank raises when it fails."""
+    return f"{what} of the checkpoint of iteration {iteration} to {root}"
+
+
 def new_async_writer() -> Any:
     """Collective: the background writer of ``--async-save`` (:mod:`.async_save`)."""
-    from .async_save import AsyncCheckpointWriter
-
-    # through the module's names, so a test's patch of publish_iteration reaches the writer
+    # through the module's names, so a test's patch of _write_file or publish_iteration
+    # reaches the writer
     return AsyncCheckpointWriter(lambda path, state: _write_file(path, state),
                                  lambda *a: _publish(*a))
 
@@ -112,7 +134,11 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
 
     Data-parallel rank 0 of each (tp, pp) writes the model, schedule, RNG and progress. A
     backend whose optimizer state is sharded across data-parallel ranks (DeepSpeed's ZeRO-1,
-    bf16) has every rank write its own optimizer file next to it.
+    bf16) has every rank write its own optimizer file next to it. Each step that can fail on
+    one rank alone (preparing the folder, writing the files, publishing) ends in one
+    agreement (:func:`megatron.agreement.agree`), so a full disk on one node stops every rank
+    with the same :class:`CheckpointError`, and the tracker still names the previous
+    checkpoint.
 
     Args:
         iteration: steps completed.
@@ -122,16 +148,17 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
         writer: an :class:`~.async_save.AsyncCheckpointWriter` (``--async-save``): the
             files are snapshotted and written in the background (the previous background
             write is waited for first); None writes them before returning.
+
+    Raises:
+        CheckpointError: on every rank, naming the ranks that failed and why.
     """
     if writer is not None:
-        writer.wait()  # one write at a time; raises if the previous one failed
+        writer.wait()  # one write at a time; raises (on every rank) if the previous one failed
     root = cfg.checkpoint.save
     tmp_root = os.path.join(root, ".tmp")
     rng_states = _gather_rng_states()
-    if dist.get_rank() == 0:
-        shutil.rmtree(iteration_dir(tmp_root, iteration), ignore_errors=True)
-        os.makedirs(iteration_dir(tmp_root, iteration), exist_ok=True)
-    dist.barrier()
+    agree_on_call(save_step("preparing the folder", iteration, root), _prepare_folder,
+                  tmp_root, iteration, error_type=CheckpointError, hint=SAVE_FAILED_HINT)
     tp, pp, dp = (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
                   mpu.get_data_parallel_rank())
     files = []
@@ -144,13 +171,11 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
     if writer is not None:
         writer.submit(root, tmp_root, iteration, files)
         return
-    for path, state in files:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        _write_file(path, state)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        publish_iteration(root, tmp_root, iteration)
-    dist.barrier()
+    agree_on_call(save_step("writing the files", iteration, root), _write_files, files,
+                  error_type=CheckpointError, hint=SAVE_FAILED_HINT)
+    agree_on_call(save_step("publishing", iteration, root),
+                  publish_iteration if dist.get_rank() == 0 else lambda *a: None,
+                  root, tmp_root, iteration, error_type=CheckpointError, hint=SAVE_FAILED_HINT)
     print_rank_0(f"> saved checkpoint at iteration {iteration} to {root}")
 
 
@@ -300,9 +325,9 @@ def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
             iteration, load_optim = state["iteration"], False
         else:
             state = _load_state(backend, cfg, iteration, load_optim)
-    except MegatronError as exc:
+    except (MegatronError, OSError) as exc:  # one rank's disk or file: told to every rank
         error = exc
-    raise_if_any_rank_failed(error, CheckpointError)
+    agree(error, f"loading the checkpoint in {ckpt.load}", error_type=CheckpointError)
     if not load_optim:
         backend.state_io.after_weights_only_load()
     if ckpt.finetune:

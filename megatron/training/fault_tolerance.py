@@ -46,9 +46,13 @@ class RunGuard:
             self.watchdog.enter(phase, iteration)
 
     def step_done(self, iteration: int) -> bool:
-        """A step ended: restart the step clock; True when the ranks agree to stop on a
-        signal (collective every ``--exit-signal-check-interval`` steps)."""
+        """A step ended: restart the step clock; take a finished background write's outcome
+        (raises on every rank if it failed; collective while one is in flight); True when
+        the ranks agree to stop on a signal (collective every
+        ``--exit-signal-check-interval`` steps)."""
         self._enter("step", iteration)
+        if self.writer is not None:
+            self.writer.poll()
         if self.preemption is None or not self.preemption.should_stop(iteration):
             return False
         self.stopped_at = iteration
