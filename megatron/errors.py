@@ -7,7 +7,9 @@ classes below (all ``ValueError``s) with a message that says what is wrong and h
 a bug and keeps its traceback.
 """
 import functools
+import os
 import sys
+import time
 
 
 class MegatronError(ValueError):
@@ -73,6 +75,7 @@ def run_main(main, *args, **kwargs):
     except _USER_ERRORS as exc:
         rank = _rank_prefix()
         print(f"{rank}error: {exc}", file=sys.stderr, flush=True)
+        _let_peers_report()
         sys.exit(USER_ERROR_EXIT)
     except RuntimeError as exc:
         if not _peer_lost(exc):
@@ -81,6 +84,57 @@ def run_main(main, *args, **kwargs):
         print(f"{_rank_prefix()}error: another rank stopped (killed or crashed; its own log "
               f"says why), so this one stops too: {first}", file=sys.stderr, flush=True)
         sys.exit(PEER_LOST_EXIT)
+
+
+#: Seconds a rank that stops on a user error waits for the other ranks to print theirs.
+REPORT_WAIT_S = 10.0
+_REPORTED_KEY = "megatron_tds/user_error_reported"
+
+
+def _let_peers_report():
+    """Wait (at most :data:`REPORT_WAIT_S`) until every rank has printed its error line.
+
+    torchrun ends every rank as soon as one exits: without this, the ranks that reached the
+    same error (a bad flag, an agreed failure, :mod:`megatron.agreement`) a few
+    milliseconds later are stopped before they print it. Each rank counts itself in the
+    job's rendezvous store and exits once all have; a rank that failed alone exits after
+    the bound. Nothing is waited for without a store (one process, or a launcher without
+    torchrun's agent before torch.distributed starts).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    store = _job_store() if world > 1 else None
+    if store is None:
+        return
+    try:
+        store.add(_REPORTED_KEY, 1)
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while store.add(_REPORTED_KEY, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # the store is gone (the job is ending): nothing to wait for
+        pass
+
+
+def _job_store():
+    """The job's key-value store: torch.distributed's, or torchrun's agent store before
+    torch.distributed started; None without either."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from torch.distributed import distributed_c10d
+
+            return distributed_c10d._get_default_store()  # private; read only here
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             is_master=False, timeout=timedelta(seconds=5))
+    except Exception:
+        return None
 
 
 def _peer_lost(exc):
