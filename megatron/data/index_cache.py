@@ -2,7 +2,8 @@
 
 Global rank 0 builds the arrays and writes them (temporary name + rename, a small
 ``_desc.json`` last, which marks the set complete); then it tells every rank whether that
-worked (a broadcast, which doubles as the barrier), and every rank memory-maps the files.
+worked (:func:`megatron.agreement.agree`, which doubles as the barrier: a failure raises the
+same error, with rank 0's cause, on every rank), and every rank memory-maps the files.
 A rank that cannot see the files afterwards (node-local disks on a multi-node run) builds
 the same arrays itself: the construction is deterministic, so every rank agrees.
 """
@@ -12,6 +13,7 @@ import os
 
 import numpy as np
 
+from megatron.agreement import agree
 from megatron.errors import DataError
 from megatron.locks import remove_stale_tmps, tmp_name
 
@@ -26,17 +28,6 @@ def _dist():
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist
     return None
-
-
-def _rank0_says(dist, ok):
-    import torch
-
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    if device == "cuda":
-        device = f"cuda:{torch.cuda.current_device()}"
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.broadcast(flag, 0)
-    return bool(flag.item())
 
 
 def _valid(paths, desc_path, desc):
@@ -87,7 +78,7 @@ def cached_arrays(paths, desc_path, desc, build):
     """
     dist = _dist()
     rank = dist.get_rank() if dist else 0
-    ok, error, arrays = True, None, None
+    error, arrays = None, None
     if rank == 0 and not _valid(paths, desc_path, desc):
         try:
             arrays = build()
@@ -97,12 +88,10 @@ def cached_arrays(paths, desc_path, desc, build):
             except OSError as exc:  # read-only data folder: keep the arrays in memory
                 logger.warning("cannot write the index cache next to the data (%s); every "
                                "rank builds it in memory", exc)
-        except Exception as exc:
-            ok, error = False, exc
-    if dist and not _rank0_says(dist, ok):
-        raise DataError("rank 0 failed to build the dataset index (see its log)")
-    if error is not None:
-        raise error
+        except Exception as exc:  # told to every rank by the agreement below
+            error = exc
+    # the agreement doubles as the barrier: the files are complete when it returns
+    agree(error, f"building the dataset index {desc_path}", error_type=DataError)
     if _valid(paths, desc_path, desc):
         return _load(paths)
     if arrays is not None:
