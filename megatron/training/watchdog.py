@@ -160,11 +160,18 @@ class Watchdog:
                 pass
 
 
-def start_watchdog(faults) -> Optional[Watchdog]:
-    """A started :class:`Watchdog` for ``cfg.faults`` (None without ``--step-timeout``)."""
+def start_watchdog(faults, startup: Optional[float] = None) -> Optional[Watchdog]:
+    """A started :class:`Watchdog` for ``cfg.faults`` (None without ``--step-timeout``).
+
+    Args:
+        faults: ``cfg.faults``.
+        startup: seconds of the ``startup`` phase (default: ``faults.startup_timeout``;
+            :func:`~.startup_allowance.startup_timeout` computes the run's).
+    """
     if faults.step_timeout is None:
         return None
-    timeouts = {"startup": faults.startup_timeout, "step": faults.step_timeout,
+    startup = faults.startup_timeout if startup is None else startup
+    timeouts = {"startup": startup, "step": faults.step_timeout,
                 "save": faults.save_timeout, "evaluation": faults.save_timeout}
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
