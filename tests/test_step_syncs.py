@@ -44,6 +44,32 @@ def _check(per_rank):
         assert loss_reads == ["Tensor.tolist"], (rank, loss_reads)
 
 
+def engine_step_syncs(argv):
+    """Rank body: :func:`gpt2_step_syncs` and, per engine built, whether DeepSpeed's
+    throughput timer is on in it (tds's pipeline engine never stops it at a step, so it
+    would count no wait there even when on: the setting is checked as well)."""
+    from megatron.training.backend_engine import EngineBackend
+
+    original, timers = EngineBackend.__dict__["build"], []
+
+    def build(cls, *args, **kwargs):
+        backend = original.__func__(cls, *args, **kwargs)
+        timers.append(backend.model.tput_timer.config.enabled)
+        return backend
+
+    EngineBackend.build = classmethod(build)
+    try:
+        return gpt2_step_syncs(argv), timers
+    finally:
+        EngineBackend.build = original
+
+
+def _check_engine(per_rank):
+    """:func:`_check` of :func:`engine_step_syncs`, each rank's one engine with its timer off."""
+    _check([steps for steps, _ in per_rank])
+    assert [timers for _, timers in per_rank] == [[False]] * len(per_rank), per_rank
+
+
 def _loss_flush_line():
     """The line of the log flush that reads the interval's losses."""
     from megatron.training import loop
@@ -118,7 +144,8 @@ def test_no_syncs_ddp_tp2_bf16(gpt2_data):
 
 
 def test_no_syncs_pipeline_pp2_fp32(gpt2_data):
-    _check(run_distributed(gpt2_step_syncs, 2, _argv(gpt2_data, 1, 2, 1), timeout=300))
+    _check_engine(run_distributed(engine_step_syncs, 2, _argv(gpt2_data, 1, 2, 1),
+                                  timeout=300))
 
 
 @pytest.mark.slow
@@ -144,9 +171,8 @@ def test_no_syncs_deepspeed_zero1(gpt2_data, precision):
     either (its own step reads the norm's validity and the clip decision, 3-4 values), and no
     device wait from its throughput timer (off in the config the project builds: the next
     test shows what it costs when on)."""
-    _check(run_distributed(gpt2_step_syncs, 2, _argv(gpt2_data, 1, 1, 2, "--deepspeed",
-                                                     "--zero-stage", "1", *precision),
-                           timeout=300))
+    _check_engine(run_distributed(engine_step_syncs, 2, _argv(
+        gpt2_data, 1, 1, 2, "--deepspeed", "--zero-stage", "1", *precision), timeout=300))
 
 
 @pytest.mark.slow
