@@ -84,6 +84,15 @@ def test_the_flag_sets_the_allowance(tmp_path, capsys):
     assert computed == sa.startup_allowance(_cfg(*load)).seconds > 300.0
     assert f"> watchdog: start-up allowance {computed:.0f} s" in capsys.readouterr().out
     assert sa.startup_timeout(_cfg()) is None  # no --step-timeout: no watchdog
+    from megatron.training.watchdog import start_watchdog
+
+    for given, expected in ((computed, computed), (None, 300.0)):  # None: the base alone
+        dog = start_watchdog(_cfg(*load).faults, given)
+        try:
+            assert dog.timeouts == {"startup": expected, "step": 2.0, "save": 300.0,
+                                    "evaluation": 300.0}
+        finally:
+            dog.stop()
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
