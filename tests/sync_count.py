@@ -8,7 +8,13 @@ instead:
 - dispatched ops that are a sync on CUDA (:data:`SYNC_OPS`), seen by a ``TorchDispatchMode``;
 - explicit host reads of a tensor (``.cpu()``, ``.tolist()``, ``.numpy()``), by patching those
   ``Tensor`` methods while the counter is open (on CPU every tensor "is on the host", so each
-  call is counted: the training thread has no business reading tensors back in a step).
+  call is counted: the training thread has no business reading tensors back in a step);
+- whole-device waits (:data:`DEVICE_SYNCS`): DeepSpeed's ``get_accelerator().synchronize()``
+  (its timers call it), ``torch.cuda.synchronize``, ``torch.accelerator.synchronize`` and this
+  project's ``megatron.timers.synchronize_device``, wrapped while the counter is open and
+  counted on CPU too, where they return at once (DeepSpeed's CPU accelerator) or would fail
+  (CUDA's, with no device: counted, then raised). A wait that calls another (the CUDA
+  accelerator's calls ``torch.cuda.synchronize``) counts once.
 
 Only the thread that opened the counter is counted (the prefetch thread reads and pins host
 batches off the training thread, which is not a sync). ``step_sync_counts`` runs the real
@@ -29,6 +35,10 @@ SYNC_OPS = frozenset({
 })
 #: Tensor methods that copy a tensor to the host.
 HOST_READS = ("cpu", "tolist", "numpy")
+#: Whole-device waits: ``(module path, attribute)``; DeepSpeed's accelerator is added when
+#: DeepSpeed imports (its object's ``synchronize``, see :func:`_device_sync_owners`).
+DEVICE_SYNCS = (("torch.cuda", "synchronize"), ("torch.accelerator", "synchronize"),
+                ("megatron.timers", "synchronize_device"))
 #: Frames that belong to the project (named in the events, to find a sync's source).
 PROJECT_PATHS = ("/megatron/", "/tds/", "pretrain_", "/benchmarks/")
 
@@ -46,6 +56,25 @@ def _internal(filename):
         "/torch/_dynamo/" in filename or filename.endswith("/torch/_compile.py")
 
 
+def _device_sync_owners():
+    """``[(owner, attribute, label)]``: the objects whose ``synchronize`` the counter wraps."""
+    import importlib
+
+    owners = []
+    for module, attr in DEVICE_SYNCS:
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:
+            continue
+        if hasattr(owner, attr):
+            owners.append((owner, attr, f"{module}.{attr}"))
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        return owners
+    return owners + [(get_accelerator(), "synchronize", "accelerator.synchronize")]
+
+
 class SyncCounter(TorchDispatchMode):
     """Context manager: counts the syncs of the opening thread while it is open.
 
@@ -59,6 +88,8 @@ class SyncCounter(TorchDispatchMode):
         self.events, self.ops, self.count_ops = [], Counter(), count_ops
         self._thread = None
         self._saved = {}
+        self._wrapped = []  # (owner, attribute, original, was an attribute of the owner)
+        self._waiting = threading.local()  # inside a counted device wait (count it once)
 
     def _record(self, name):
         if threading.get_ident() != self._thread:
@@ -92,6 +123,34 @@ class SyncCounter(TorchDispatchMode):
                 return _original(tensor, *args, **kwargs)
 
             setattr(torch.Tensor, method, counted)
+        for owner, attr, label in _device_sync_owners():
+            self._wrap_device_sync(owner, attr, label)
+
+    def _wrap_device_sync(self, owner, attr, label):
+        original = getattr(owner, attr)
+
+        def counted(*args, **kwargs):
+            outer = not getattr(self._waiting, "depth", 0)
+            if outer:
+                self._record(label)
+            self._waiting.depth = getattr(self._waiting, "depth", 0) + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._waiting.depth -= 1
+
+        self._wrapped.append((owner, attr, original, attr in vars(owner)))
+        setattr(owner, attr, counted)
+
+    def _unpatch(self):
+        for method, original in self._saved.items():
+            setattr(torch.Tensor, method, original)
+        for owner, attr, original, own in reversed(self._wrapped):
+            if own:
+                setattr(owner, attr, original)
+            else:  # a bound method of the class (DeepSpeed's accelerator): unshadow it
+                delattr(owner, attr)
+        self._saved, self._wrapped = {}, []
 
     def __enter__(self):
         self._thread = threading.get_ident()
@@ -99,14 +158,22 @@ class SyncCounter(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for method, original in self._saved.items():
-            setattr(torch.Tensor, method, original)
-        self._saved = {}
+        self._unpatch()
         return super().__exit__(*exc)
 
     @property
     def count(self):
         return len(self.events)
+
+    @property
+    def device_waits(self):
+        """The events that are whole-device waits (:data:`DEVICE_SYNCS`, the accelerator's)."""
+        return [event for event in self.events if is_device_wait(event[0])]
+
+
+def is_device_wait(name):
+    """Whether an event's name is a whole-device wait (not a value read or a host copy)."""
+    return name.endswith("synchronize") or name.endswith("synchronize_device")
 
 
 def _steps_counted(counter, boundaries):

@@ -140,6 +140,48 @@ def test_checker_rejects_a_grad_sent_to_the_wrong_peer():
     _raises(actions, 4, 1, 4, f"rank 2 action {index}", "names peer rank 3")
 
 
+def _last_chunk_swapped(p, v, m):
+    """Interleaved 1F1B's computation orders with the last chunk's forward and backward of
+    micro-batches 0 and 1 swapped on its rank, lowered: well formed, well paired and
+    deadlock-free, but the last chunk runs micro-batch 1 first while chunk 0 loads 0."""
+    from tds.pipe.schedules import _alternate, interleaved_order, interleaved_warmup, lower
+
+    last = p * v - 1
+
+    def swap(step):
+        if isinstance(step, tuple):
+            return tuple(swap(action) for action in step)
+        if isinstance(step, (Forward, Backward)) and step.chunk == last and step.mb < 2:
+            return type(step)(last, 1 - step.mb)
+        return step
+
+    steps = [_alternate(interleaved_order(p, v, m, r, backward=False),
+                        interleaved_order(p, v, m, r, backward=True),
+                        interleaved_warmup(p, v, m, r), paired=True) for r in range(p)]
+    steps[last % p] = [swap(step) for step in steps[last % p]]
+    return lower(steps, p, v)
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8)])
+def test_checker_rejects_labels_read_in_another_order_than_inputs(p, v, m):
+    """The interleaved step reads chunk 0's inputs and the last chunk's labels from the data
+    in call order: a schedule whose last chunk runs the micro-batches in another order would
+    train micro-batch 1's inputs against micro-batch 0's labels."""
+    from tds.pipe.schedule_check import simulate_deadlock
+
+    actions, last = _last_chunk_swapped(p, v, m), p * v - 1
+    simulate_deadlock(actions, match_messages(actions))  # every other property holds
+    read = _find(actions, last % p, lambda a: isinstance(a, Forward) and a.chunk == last)
+    load = _find(actions, 0, lambda a: isinstance(a, Forward) and a.chunk == 0)
+    assert actions[last % p][read] == Forward(last, 1) and actions[0][load] == Forward(0, 0)
+    message = _raises(actions, p, v, m, f"rank {last % p} action {read} "
+                      f"Forward(chunk={last}, mb=1): the last chunk's forward number 1 is "
+                      f"micro-batch 1, but chunk 0's forward number 1 (rank 0 action {load} "
+                      f"Forward(chunk=0, mb=0)) is micro-batch 0",
+                      "same micro-batch order")
+    assert message.startswith("pipeline schedule: "), message
+
+
 # ---------------------------------------------------------------- simulator
 def _formula(name, p, v, m):
     return {"1f1b": (p - 1) / (m + p - 1), "interleaved": (p - 1) / (v * m + p - 1),

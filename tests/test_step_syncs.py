@@ -6,8 +6,12 @@ copies made on the training thread (tests/sync_count.py). The syncs of the first
 of the first 2N must be the same: the steps N+1..2N, neither the first (lazy start-up) nor the
 last (the log line), read nothing, in this project's code or in DeepSpeed's (its ZeRO and
 bf16 optimizers step through tds.sync_free; tests/test_sync_free.py shows DeepSpeed's own
-step reading 3-4 values per step).
+step reading 3-4 values per step). Whole-device waits count too (the accelerator's
+``synchronize()``: DeepSpeed's throughput timer, off in the config the project builds), and
+the final step reads the interval's losses once.
 """
+import inspect
+import json
 import threading
 
 import pytest
@@ -16,7 +20,7 @@ import torch
 from gpt2_runs import gpt2_argv
 from harness import run_distributed
 from precision import requires_ds_bf16
-from sync_count import SyncCounter, gpt2_step_syncs
+from sync_count import SyncCounter, gpt2_step_syncs, is_device_wait
 
 N = 2
 
@@ -34,8 +38,45 @@ def _check(per_rank):
         first_n = sum(len(s) for s in steps[:N])
         first_2n = sum(len(s) for s in steps[:2 * N])
         assert first_2n == first_n, (rank, steps[N:2 * N])
-        # the counter is live: the final (logging) step reads the losses
-        assert steps[-1], rank
+        # the counter is live: the final (logging) step reads the 2N + 1 losses, in one read
+        line = f"/megatron/training/loop.py:{_loss_flush_line()}"
+        loss_reads = [name for name, where in steps[-1] if where.split(" ")[0].endswith(line)]
+        assert loss_reads == ["Tensor.tolist"], (rank, loss_reads)
+
+
+def engine_step_syncs(argv):
+    """Rank body: :func:`gpt2_step_syncs` and, per engine built, whether DeepSpeed's
+    throughput timer is on in it (tds's pipeline engine never stops it at a step, so it
+    would count no wait there even when on: the setting is checked as well)."""
+    from megatron.training.backend_engine import EngineBackend
+
+    original, timers = EngineBackend.__dict__["build"], []
+
+    def build(cls, *args, **kwargs):
+        backend = original.__func__(cls, *args, **kwargs)
+        timers.append(backend.model.tput_timer.config.enabled)
+        return backend
+
+    EngineBackend.build = classmethod(build)
+    try:
+        return gpt2_step_syncs(argv), timers
+    finally:
+        EngineBackend.build = original
+
+
+def _check_engine(per_rank):
+    """:func:`_check` of :func:`engine_step_syncs`, each rank's one engine with its timer off."""
+    _check([steps for steps, _ in per_rank])
+    assert [timers for _, timers in per_rank] == [[False]] * len(per_rank), per_rank
+
+
+def _loss_flush_line():
+    """The line of the log flush that reads the interval's losses."""
+    from megatron.training import loop
+
+    source, start = inspect.getsourcelines(loop._flush_interval)
+    return next(start + i for i, text in enumerate(source)
+                if 'p["lm loss"] for p in pending' in text)
 
 
 def test_counter_sees_value_reads_and_host_copies_on_its_thread_only():
@@ -61,6 +102,38 @@ def test_counter_sees_value_reads_and_host_copies_on_its_thread_only():
     assert torch.Tensor.cpu is not None and x.cpu() is x  # methods restored
 
 
+def test_counter_sees_device_waits_once_each_and_restores_them(monkeypatch):
+    """DeepSpeed's accelerator ``synchronize()`` (a no-op on CPU), ``torch.cuda.synchronize``
+    (raises without CUDA: counted first) and the project's timer sync are counted; a wait
+    that calls another counts once; the originals are back afterwards."""
+    import megatron.timers
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    before = (torch.cuda.synchronize, megatron.timers.synchronize_device)
+    with SyncCounter() as counter:
+        accelerator.synchronize()
+        try:
+            torch.cuda.synchronize()
+        except (AssertionError, RuntimeError):
+            assert not torch.cuda.is_available()
+        x = torch.ones(2) * 3  # no wait: not counted
+    names = [name for name, _ in counter.events]
+    assert names == ["accelerator.synchronize", "torch.cuda.synchronize"], names
+    assert counter.device_waits == counter.events and float(x.sum()) == 6
+    assert (torch.cuda.synchronize, megatron.timers.synchronize_device) == before
+    assert "synchronize" not in vars(accelerator)  # the class's method shows through again
+    # as on a GPU: the project's timer sync calls torch.cuda.synchronize (here a stand-in)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))
+    with SyncCounter() as nested:
+        megatron.timers.synchronize_device()
+    assert calls == [()] and [n for n, _ in nested.events] == [
+        "megatron.timers.synchronize_device"], nested.events  # one wait, counted once
+
+
 def test_no_syncs_ddp_tp1_fp32(gpt2_data):
     _check(run_distributed(gpt2_step_syncs, 1, _argv(gpt2_data, 1, 1, 1), timeout=300))
 
@@ -71,7 +144,8 @@ def test_no_syncs_ddp_tp2_bf16(gpt2_data):
 
 
 def test_no_syncs_pipeline_pp2_fp32(gpt2_data):
-    _check(run_distributed(gpt2_step_syncs, 2, _argv(gpt2_data, 1, 2, 1), timeout=300))
+    _check_engine(run_distributed(engine_step_syncs, 2, _argv(gpt2_data, 1, 2, 1),
+                                  timeout=300))
 
 
 @pytest.mark.slow
@@ -90,12 +164,61 @@ def test_no_syncs_pipeline_pp2_bf16(gpt2_data):
                            timeout=300))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("precision", [(), pytest.param(
-    ("--bf16",), marks=[pytest.mark.precision, requires_ds_bf16])])
+    ("--bf16",), marks=[pytest.mark.slow, pytest.mark.precision, requires_ds_bf16])])
 def test_no_syncs_deepspeed_zero1(gpt2_data, precision):
     """DeepSpeed's ZeRO-1 optimizer, stepped by tds.sync_free: no read in DeepSpeed's code
-    either (its own step reads the norm's validity and the clip decision, 3-4 values)."""
-    _check(run_distributed(gpt2_step_syncs, 2, _argv(gpt2_data, 1, 1, 2, "--deepspeed",
-                                                     "--zero-stage", "1", *precision),
-                           timeout=300))
+    either (its own step reads the norm's validity and the clip decision, 3-4 values), and no
+    device wait from its throughput timer (off in the config the project builds: the next
+    test shows what it costs when on)."""
+    _check_engine(run_distributed(engine_step_syncs, 2, _argv(
+        gpt2_data, 1, 1, 2, "--deepspeed", "--zero-stage", "1", *precision), timeout=300))
+
+
+@pytest.mark.slow
+def test_deepspeed_throughput_timer_when_the_user_turns_it_on(gpt2_data, tmp_path):
+    """A ds config that asks for DeepSpeed's throughput timer gets it, and the counter sees
+    its cost: from DeepSpeed's third step on, one accelerator ``synchronize()`` at each
+    micro-batch's ``forward()`` and one at its ``step()``: 2 x gas = 4 per step, on every
+    rank (what test_no_syncs_deepspeed_zero1 fails with if the timer is back on)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"timers": {"throughput": {"enabled": True}}}))
+    per_rank = run_distributed(gpt2_step_syncs, 2, _argv(
+        gpt2_data, 1, 1, 2, "--deepspeed", "--zero-stage", "1", "--deepspeed_config",
+        str(path)), timeout=300)
+    for steps in per_rank:
+        waits = [[name for name, _ in step if is_device_wait(name)] for step in steps]
+        assert waits[N:2 * N] == [["accelerator.synchronize"] * 4] * N, waits
+        assert all("deepspeed/utils/timer.py" in where for step in steps[N:2 * N]
+                   for _, where in step), steps[N:2 * N]
+
+
+def _ds_config(tmp_path, user, pipeline):
+    from megatron.config import parse_args
+    from megatron.training.backend_engine import build_deepspeed_config
+
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--batch-size", "2", "--train-iters", "4",
+            "--lr", "1e-3", "--tokenizer-type", "GPT2BPETokenizer", "--deepspeed"]
+    if user is not None:
+        (tmp_path / "ds.json").write_text(json.dumps(user))
+        argv += ["--deepspeed_config", str(tmp_path / "ds.json")]
+    if pipeline:
+        argv += ["--pipe-parallel-size", "2"]
+    cfg = parse_args(argv, world_size=2 if pipeline else 1, rank=0, check_files=False)
+    return build_deepspeed_config(cfg, pipeline)  # data-parallel size 1
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["deepspeed", "pipeline"])
+def test_deepspeed_timers_off_unless_the_ds_config_asks(tmp_path, pipeline):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    off = _ds_config(tmp_path, None, pipeline)
+    assert off["timers"] == {"throughput": {"enabled": False}}
+    assert off["wall_clock_breakdown"] is False
+    parsed = DeepSpeedConfig(off)  # DeepSpeed reads it as meant
+    assert not parsed.timers_config.enabled and not parsed.wall_clock_breakdown
+    for user in ({"wall_clock_breakdown": True}, {"flops_profiler": {"enabled": True}}):
+        assert "timers" not in _ds_config(tmp_path, user, pipeline), user  # DeepSpeed's default
+    user = {"timers": {"throughput": {"synchronized": False}}}
+    assert _ds_config(tmp_path, user, pipeline)["timers"] == user["timers"]  # untouched

@@ -157,7 +157,8 @@ def add_fault_tolerance_args(parser):
                         "rank's stack and ends it (non-zero); off by default")
     g.add_argument("--startup-timeout", type=float, default=None,
                    help="seconds from start-up to the end of the first step (default: 10 x "
-                        "--step-timeout, at least 300)")
+                        "--step-timeout, at least 300, plus the --load checkpoint's size at "
+                        "100 MB/s and 600 with --compile)")
     g.add_argument("--save-timeout", type=float, default=None,
                    help="seconds a checkpoint save may take (default: 10 x --step-timeout, at "
                         "least 300)")

@@ -272,7 +272,8 @@ class FaultConfig(Section):
     step_timeout: Optional[float]
     """Seconds a step may take before the watchdog ends the process (None: no watchdog)."""
     startup_timeout: Optional[float]
-    """Seconds from start-up to the first step's end (derived from step_timeout)."""
+    """Seconds from start-up to the first step's end (None: computed when the watchdog
+    starts, from step_timeout, the checkpoint to load and --compile)."""
     save_timeout: Optional[float]
     """Seconds a save may take (derived from step_timeout)."""
 

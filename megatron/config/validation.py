@@ -5,6 +5,7 @@ at once. Nothing here communicates: it runs on every rank before torch.distribut
 so every rank fails the same way and none waits on another.
 """
 import argparse
+import math
 import os
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -184,18 +185,18 @@ def _faults(args, problems):
         problems.append("--async-save needs --save (the folder the background writer fills)")
     for flag in ("step_timeout", "startup_timeout", "save_timeout"):
         value = getattr(args, flag)
-        if value is not None and value <= 0:
-            problems.append(f"--{flag.replace('_', '-')} must be > 0 seconds, got {value}")
+        if value is not None and not (math.isfinite(value) and value > 0):
+            problems.append(f"--{flag.replace('_', '-')} must be > 0 seconds, got {value} "
+                            f"(a finite number; leave --step-timeout out for no watchdog)")
     if args.step_timeout is None:
         if args.startup_timeout is not None or args.save_timeout is not None:
             problems.append("--startup-timeout / --save-timeout need --step-timeout (the "
                             "watchdog is off without it)")
         return
-    # Start-up (model build, data index, resume) and a save of a large model take far
-    # longer than a step: by default they get ten steps' worth, and at least five minutes.
-    floor = max(10 * args.step_timeout, 300.0)
-    args.startup_timeout = args.startup_timeout or floor
-    args.save_timeout = args.save_timeout or floor
+    # A save of a large model takes far longer than a step: by default it gets ten steps'
+    # worth, and at least five minutes. Start-up's default follows the checkpoint to load
+    # and --compile, computed when the watchdog starts (training/startup_allowance.py).
+    args.save_timeout = args.save_timeout or max(10 * args.step_timeout, 300.0)
 
 
 def _split(args, problems):

@@ -49,12 +49,29 @@ def _precision(config, cfg, path):
         config["bf16"] = {**config.get("bf16", {}), "enabled": True}
 
 
+def _quiet_timers(config):
+    """DeepSpeed's timers off unless the JSON asks for them (pretrain() logs its own times).
+
+    Its throughput timer is on by default and calls the accelerator's ``synchronize()`` in
+    every ``forward()`` and ``step()`` from its third step on (4 device waits per step at gas
+    2); its wall-clock breakdown syncs in every timer it reads. A JSON that sets
+    ``timers.throughput``, ``wall_clock_breakdown: true`` or an enabled ``flops_profiler``
+    asked for DeepSpeed's timing and keeps DeepSpeed's defaults for what it did not set.
+    """
+    config.setdefault("wall_clock_breakdown", False)
+    asked = config["wall_clock_breakdown"] or "throughput" in config.get("timers", {}) or \
+        bool(config.get("flops_profiler", {}).get("enabled", False))
+    if not asked:
+        config.setdefault("timers", {})["throughput"] = {"enabled": False}
+
+
 def build_deepspeed_config(cfg: Any, pipeline: bool) -> Dict[str, Any]:
     """DeepSpeed's config dict: ``--deepspeed_config`` (if any) checked against the flags.
 
     The batch sizes and clipping come from the flags (BATCHSIZE x GAS x dp, --clip-grad); a
     JSON value that disagrees is an error rather than a silent override. Precision follows
-    the flags; the JSON's fp16 block supplies loss-scaler settings.
+    the flags; the JSON's fp16 block supplies loss-scaler settings. DeepSpeed's timers are
+    off unless the JSON asks for them (:func:`_quiet_timers`: they wait for the device).
     """
     path = cfg.parallel.deepspeed_config or "(flags)"
     config = _read_json(cfg.parallel.deepspeed_config) if cfg.parallel.deepspeed_config else {}
@@ -71,7 +88,7 @@ def build_deepspeed_config(cfg: Any, pipeline: bool) -> Dict[str, Any]:
                           f"--clip-grad is {cfg.optim.clip_grad}; make them agree")
     config["gradient_clipping"] = cfg.optim.clip_grad
     config.setdefault("steps_per_print", 10**9)  # pretrain() logs
-    config.setdefault("wall_clock_breakdown", False)
+    _quiet_timers(config)
     _precision(config, cfg, path)
     if cfg.parallel.zero_stage is not None:
         config["zero_optimization"] = {**config.get("zero_optimization", {}),

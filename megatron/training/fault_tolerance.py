@@ -12,6 +12,7 @@ from typing import Optional
 from ..utils import print_rank_0
 from . import checkpointing
 from .preemption import PreemptionHandler, clear_marker
+from .startup_allowance import startup_timeout
 from .watchdog import start_watchdog
 
 
@@ -25,7 +26,8 @@ class RunGuard:
     def __init__(self, cfg):
         faults = cfg.faults
         self.save_dir = cfg.checkpoint.save
-        self.watchdog = start_watchdog(faults)  # start-up runs until the first step ends
+        # start-up runs until the first step ends; its allowance follows the checkpoint
+        self.watchdog = start_watchdog(faults, startup_timeout(cfg))
         self.preemption: Optional[PreemptionHandler] = None
         if faults.exit_signal_handler:
             self.preemption = PreemptionHandler(faults.exit_signal_check_interval).install()

@@ -117,7 +117,8 @@ def _flush_interval(cfg, state, pending, backend, timers, writer):
     check_pending(cfg, state.iteration, pending)
     state.lr = backend.lr
     state.loss_scale = backend.loss_scale
-    losses = [float(x) for x in torch.stack([p["lm loss"] for p in pending])] if pending else []
+    # [n] losses of the interval: one host read for all of them
+    losses = torch.stack([p["lm loss"] for p in pending]).tolist() if pending else []
     state.losses.extend(losses)
     stats = {"lm loss": sum(losses) / len(losses)} if losses else {}
     norms = [p["grad norm"] for p in pending

@@ -29,6 +29,8 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
+from .startup_allowance import STARTUP_FLOOR_S, STARTUP_STEPS
+
 #: Exit status of a rank the watchdog ended.
 WATCHDOG_EXIT = 4
 
@@ -160,11 +162,21 @@ class Watchdog:
                 pass
 
 
-def start_watchdog(faults) -> Optional[Watchdog]:
-    """A started :class:`Watchdog` for ``cfg.faults`` (None without ``--step-timeout``)."""
+def start_watchdog(faults, startup: Optional[float] = None) -> Optional[Watchdog]:
+    """A started :class:`Watchdog` for ``cfg.faults`` (None without ``--step-timeout``).
+
+    Args:
+        faults: ``cfg.faults``.
+        startup: seconds of the ``startup`` phase (default: ``faults.startup_timeout``, else
+            the base allowance; :func:`~.startup_allowance.startup_timeout` computes the
+            run's, with its checkpoint and ``--compile``).
+    """
     if faults.step_timeout is None:
         return None
-    timeouts = {"startup": faults.startup_timeout, "step": faults.step_timeout,
+    if startup is None:
+        startup = faults.startup_timeout or \
+            max(STARTUP_STEPS * faults.step_timeout, STARTUP_FLOOR_S)
+    timeouts = {"startup": startup, "step": faults.step_timeout,
                 "save": faults.save_timeout, "evaluation": faults.save_timeout}
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

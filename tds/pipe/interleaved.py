@@ -180,7 +180,8 @@ class InterleavedStep(StageCallbacks):
         e = self.engine
         e.tput_timer.start()
         outputs = self.module.forward_chunk(chunk // self.pp_size, inputs)
-        if chunk == self.num_chunks - 1:  # the labels are read in micro-batch order
+        if chunk == self.num_chunks - 1:  # labels in call order: the order of load()'s
+            # inputs (schedule_check.check_micro_batch_order proves it before any step)
             labels = e._next_batch()[1]
             labels = labels.to(e.device) if torch.is_tensor(labels) else \
                 tuple(t.to(e.device) for t in labels)

@@ -17,7 +17,7 @@ for the computations; it owns only the tensors in transit:
 
 ``schedule_check.check_schedule`` proves the whole schedule (every rank's list, which every
 rank holds) when the runner is built, so a bad schedule raises the same ValueError on
-every rank instead of hanging. With NCCL, torch requires a collective on the default group
+every rank instead of hanging (or pairing one micro-batch's inputs with another's labels). With NCCL, torch requires a collective on the default group
 (a barrier, say) before the first batched point-to-point call of a job.
 """
 from dataclasses import dataclass
@@ -55,7 +55,11 @@ class StageCallbacks:
     """
 
     def load(self, mb: int) -> Tuple[torch.Tensor, ...]:
-        """Inputs of chunk 0 for micro-batch ``mb`` (called on the rank holding chunk 0)."""
+        """Inputs of chunk 0 for micro-batch ``mb`` (called on the rank holding chunk 0).
+
+        The checked schedule calls it in the micro-batch order in which the last chunk's
+        ``forward`` runs, so inputs and labels may both be read from the data in call order.
+        """
         raise NotImplementedError
 
     def forward(self, chunk: int, mb: int, inputs: Tuple[torch.Tensor, ...]) -> Any:

@@ -14,7 +14,11 @@ raises ``ValueError`` naming the rank, the action index and the action when:
    rank a sends to rank b must be the k-th that b receives from a, same kind, chunk and
    micro-batch. At pp = 2 the next and the previous stage are one rank: the activation and
    the gradient travel the same channel and must not be confused;
-4. the ranks can deadlock. The simulation is stricter than NCCL and gloo: a send blocks
+4. the first chunk loads micro-batches in another order than the last chunk reads their
+   labels: engines read both from their data iterator in call order (the k-th chunk-0
+   forward takes the k-th micro-batch's inputs, the k-th last-chunk forward the k-th one's
+   labels), so the two orders must be one, or inputs meet another micro-batch's labels;
+5. the ranks can deadlock. The simulation is stricter than NCCL and gloo: a send blocks
    until its receive is posted (no buffering), a rank posts the operations of one action
    at a time in list order, and an ``Exchange`` completes only together with every action
    holding one of its partner operations, all of them posted at once. A schedule that
@@ -155,6 +159,39 @@ class _RankState:
         return None
 
 
+def _forwards_of(per_rank_actions, chunk: int, pp_size: int):
+    """``[(action index, Forward)]`` of ``chunk`` on its owner, in the order it runs them."""
+    rank = chunk % pp_size
+    return rank, [(index, action) for index, action in enumerate(per_rank_actions[rank])
+                  if isinstance(action, Forward) and action.chunk == chunk]
+
+
+def check_micro_batch_order(per_rank_actions: Sequence[Sequence], pp_size: int,
+                            num_chunks: int) -> None:
+    """The first chunk's input loads and the last chunk's label reads see one order.
+
+    Args:
+        per_rank_actions: one action list per pipeline rank (each forward present once).
+        pp_size: pipeline ranks p.
+        num_chunks: chunks p v.
+
+    Raises:
+        ValueError: naming the last chunk's rank and action where the orders first differ,
+            and the chunk-0 action it would be paired with.
+    """
+    first_rank, loads = _forwards_of(per_rank_actions, 0, pp_size)
+    last_rank, reads = _forwards_of(per_rank_actions, num_chunks - 1, pp_size)
+    for k, ((i, load), (j, read)) in enumerate(zip(loads, reads)):
+        if load.mb != read.mb:
+            raise ValueError(
+                f"{_where(last_rank, j, read)}: the last chunk's forward number {k + 1} is "
+                f"micro-batch {read.mb}, but chunk 0's forward number {k + 1} (rank "
+                f"{first_rank} action {i} {load}) is micro-batch {load.mb}; inputs and labels "
+                f"are read from the data in call order, so micro-batch {read.mb}'s inputs "
+                f"would meet another micro-batch's labels: run the first and the last "
+                f"chunk's forwards in the same micro-batch order")
+
+
 def match_messages(per_rank_actions: Sequence[Sequence]) -> Dict[Slot, Slot]:
     """Pair every send with the receive it meets (k-th send a -> b with k-th receive on b).
 
@@ -251,7 +288,8 @@ def simulate_deadlock(per_rank_actions: Sequence[Sequence], partner: Dict[Slot, 
 
 def check_schedule(per_rank_actions: Sequence[Sequence], pp_size: int, vpp_size: int,
                    num_micro_batches: int) -> None:
-    """Prove a schedule complete, well paired and deadlock-free (see the module docstring).
+    """Prove a schedule complete, well paired, in one micro-batch order for inputs and labels,
+    and deadlock-free (see the module docstring).
 
     Args:
         per_rank_actions: one action list per pipeline rank.
@@ -275,4 +313,5 @@ def check_schedule(per_rank_actions: Sequence[Sequence], pp_size: int, vpp_size:
         missing = state.missing(rank, pp_size, num_chunks, num_micro_batches)
         if missing:
             raise ValueError(f"pipeline schedule: rank {rank} {missing}")
+    check_micro_batch_order(per_rank_actions, pp_size, num_chunks)
     simulate_deadlock(per_rank_actions, match_messages(per_rank_actions))
