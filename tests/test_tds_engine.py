@@ -156,7 +156,7 @@ def test_virtual_stages_match_serial(seed):
 
 def _interleaved_contract_error(seed):
     try:
-        engine = _engine(seed, 1, 2, 1, 1, (["float", "int"], [True, False], [False, False]),
+        engine = _engine(seed, 1, 2, 1, 1, (["float", "float"], [True, True], [False, False]),
                          vpp=2)
         engine.train_batch(iter(_batches(seed, 1)))
     except ValueError as exc:
@@ -166,7 +166,7 @@ def _interleaved_contract_error(seed):
 
 def test_virtual_stage_contract_error_names_the_chunk_on_every_rank(seed):
     messages = run_distributed(_interleaved_contract_error, 2, seed, timeout=120)
-    expected = "pipeline chunk 0 output: position 1 is a torch.bool tensor but _input_type[1]"
+    expected = "pipeline chunk 0 output: position 1 is a torch.bool tensor but _input_grad[1]"
     assert all(m is not None and expected in m for m in messages), messages
 
 
@@ -215,8 +215,8 @@ def _contract_error(seed, contract, seq):
      "position 1 is 'int' but _input_grad[1] is True"),
     ((["float", "bool"], [True, False], [False, True]), 3,
      "position 1 (shape (3, 1), 3 elements) is marked _input_pipe_partitioned"),
-    ((["float", "int"], [True, False], [True, False]), SEQ,
-     "position 1 is a torch.bool tensor but _input_type[1] is 'int'"),
+    ((["bool", "bool"], [False, False], [False, False]), SEQ,
+     "position 0 is a torch.float32 tensor but _input_type[0] is 'bool'"),
 ])
 def test_contract_errors_raise_on_every_rank(seed, contract, seq, message):
     messages = run_distributed(_contract_error, 4, seed, contract, seq, timeout=120)

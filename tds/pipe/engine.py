@@ -30,6 +30,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine as _DeepSpeedPipelineEn
 
 from .. import fp16_loss_scale
 from .boundary import discover_boundary
+from .clip import clip_grad_norm_over_grid
 from .contract import StageContract, contract_of
 from .interleaved import InterleavedStep
 from .p2p import StageLink
@@ -214,6 +215,8 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
 
     def _exec_send_activations(self, buffer_id):
         outputs = self.pipe_buffers["outputs"][buffer_id]
+        self.contract.check_shapes(outputs, self.send_meta,
+                                   f"pipeline stage {self.stage_id} output")
         for pos, tensor in enumerate(outputs):
             self.link.send(tensor, self.next_rank, self.contract.partitioned[pos])
 
@@ -249,16 +252,16 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
 
     # ------------------------------------------------------------ gradient clipping
     def clip_fp32_gradients(self) -> Any:
-        """The caller's clip (megatron passes mpu.clip_grad_norm: each parameter counted once
-        across tp and pp, tied copies too), else DeepSpeed's.
+        """The caller's clip (megatron passes mpu.clip_grad_norm_tensor), else
+        :func:`~tds.pipe.clip.clip_grad_norm_over_grid`: each parameter counted once across
+        tp and pp, tied copies too, so the norm is the serial model's at any layout.
 
-        DeepSpeed's fp32 path counts replicated parameters only on pipeline stage 0 and
-        counts the tied embedding on both stages, so its norm is wrong once pp > 1.
+        DeepSpeed's own fp32 clip counts replicated parameters only on pipeline stage 0 and
+        the tied embedding on both stages, so its norm is wrong once pp > 1.
         """
-        if self.clip_grad_norm_fn is None:
-            return super().clip_fp32_gradients()
-        self._global_grad_norm = self.clip_grad_norm_fn(self.module.parameters(),
-                                                        self.gradient_clipping())
+        clip = self.clip_grad_norm_fn or \
+            (lambda params, max_norm: clip_grad_norm_over_grid(params, max_norm, self.grid))
+        self._global_grad_norm = clip(self.module.parameters(), self.gradient_clipping())
 
     def _exec_reduce_grads(self):
         """The caller's gradient work of the step (``pre_reduce_grads_fn``: megatron sums
