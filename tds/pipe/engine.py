@@ -62,6 +62,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self.next_rank = self.grid.stage_to_global(self.next_stage) \
             if self.stage_id < self.num_stages - 1 else None
         self._warned_missing_grad = False
+        _keep_gradless_blocks_out_of_checkpoints(self.module)
         # v chunks per rank: interleaved 1F1B through tds.pipe.runner (interleaved.py)
         self.interleaved = InterleavedStep(self) \
             if getattr(self.module, "num_virtual_stages", 1) > 1 else None
@@ -167,7 +168,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self.tput_timer.start()
         outputs = DeepSpeedEngine.forward(self, self.pipe_buffers["inputs"][buffer_id])
         if not self.module.training and \
-                self.module.activation_checkpoint_func is ds_checkpointing.checkpoint:
+                _unwrapped(self.module.activation_checkpoint_func) is ds_checkpointing.checkpoint:
             ds_checkpointing.reset()
         if self.is_last_stage():
             self._record_loss(outputs, buffer_id)
@@ -282,6 +283,33 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         schedule.SendGrad: _exec_send_grads,
         schedule.RecvGrad: _exec_recv_grads,
     }
+
+
+def _unwrapped(func):
+    return getattr(func, "_tds_wraps", func)
+
+
+def _keep_gradless_blocks_out_of_checkpoints(module):
+    """Run a block none of whose inputs needs a gradient without the reentrant checkpoint.
+
+    A reentrant checkpoint's output requires grad only if an input does, so a first block
+    fed token ids and masks (an embedding) would get no parameter gradients. DeepSpeed 0.19
+    skips such blocks only for classes named ``GPT2ModelPipe`` / ``GPTModelPipe`` (or with
+    ``checkpointable_layers``); CPM-1's ``T5ModelPipe`` is neither. Such a block is cheap
+    (the embedding) and holds no activation worth recomputing.
+    """
+    func = module.activation_checkpoint_func
+    if func is not ds_checkpointing.checkpoint:  # non-reentrant, a user's, or wrapped already
+        return
+
+    def checkpoint(function, *args):
+        if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad
+                                               for a in args):
+            return function(*args)
+        return func(function, *args)
+
+    checkpoint._tds_wraps = func
+    module.activation_checkpoint_func = checkpoint
 
 
 def _accumulate(total, value):
