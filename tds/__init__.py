@@ -56,10 +56,12 @@ from deepspeed import (  # noqa: E402  (re-exported API)
     zero,
 )
 
-from . import fp16_loss_scale  # noqa: E402
+from . import comm_ready, fp16_loss_scale  # noqa: E402
 from .pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec  # noqa: E402
 
 __version__ = _deepspeed.__version__
+
+comm_ready.install()  # CPM's order: a PipelineModule built before deepspeed.init_distributed
 
 
 @contextlib.contextmanager
@@ -87,7 +89,8 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
         batch_fn: pipeline only: ``raw batch -> (inputs, labels)``, applied on the first
             and last stage to what the data iterator yields (DeepSpeed's ``set_batch_fn``).
         clip_grad_norm_fn: pipeline only: ``f(parameters, max_norm) -> total norm`` that
-            clips in place (default: DeepSpeed's).
+            clips in place (default: :func:`tds.pipe.clip.clip_grad_norm_over_grid`, the
+            model's norm with each parameter counted once across tp and pp).
         pre_reduce_grads_fn: pipeline only: called (no arguments) once per step after the
             last micro-batch's backward, before the gradients are reduced.
         sync_free_step: fp32/bf16: DeepSpeed's ZeRO (stages 1-2) and bf16 optimizers
@@ -100,6 +103,8 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed does.
     """
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
+    if comm_ready.torch_dist.is_initialized():
+        comm_ready.ensure_backend()  # else DeepSpeed initialises the process group itself
     max_norm = None
     if sync_free_step:
         from . import sync_free

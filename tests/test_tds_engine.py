@@ -156,7 +156,7 @@ def test_virtual_stages_match_serial(seed):
 
 def _interleaved_contract_error(seed):
     try:
-        engine = _engine(seed, 1, 2, 1, 1, (["float", "int"], [True, False], [False, False]),
+        engine = _engine(seed, 1, 2, 1, 1, (["float", "float"], [True, True], [False, False]),
                          vpp=2)
         engine.train_batch(iter(_batches(seed, 1)))
     except ValueError as exc:
@@ -166,7 +166,7 @@ def _interleaved_contract_error(seed):
 
 def test_virtual_stage_contract_error_names_the_chunk_on_every_rank(seed):
     messages = run_distributed(_interleaved_contract_error, 2, seed, timeout=120)
-    expected = "pipeline chunk 0 output: position 1 is a torch.bool tensor but _input_type[1]"
+    expected = "pipeline chunk 0 output: position 1 is a torch.bool tensor but _input_grad[1]"
     assert all(m is not None and expected in m for m in messages), messages
 
 
@@ -215,8 +215,8 @@ def _contract_error(seed, contract, seq):
      "position 1 is 'int' but _input_grad[1] is True"),
     ((["float", "bool"], [True, False], [False, True]), 3,
      "position 1 (shape (3, 1), 3 elements) is marked _input_pipe_partitioned"),
-    ((["float", "int"], [True, False], [True, False]), SEQ,
-     "position 1 is a torch.bool tensor but _input_type[1] is 'int'"),
+    ((["bool", "bool"], [False, False], [False, False]), SEQ,
+     "position 0 is a torch.float32 tensor but _input_type[0] is 'bool'"),
 ])
 def test_contract_errors_raise_on_every_rank(seed, contract, seq, message):
     messages = run_distributed(_contract_error, 4, seed, contract, seq, timeout=120)
@@ -259,3 +259,34 @@ def test_initialize_on_a_plain_module_is_deepspeed(seed):
     (losses,) = run_distributed(_plain_module_engine, 1, seed)
     assert losses["tds"] == losses["deepspeed"]
     assert losses["tds"][0] == "DeepSpeedEngine"
+
+
+def test_contract_names_a_shape_change_and_accepts_cpm_declarations():
+    """CPM's TDS sent every tensor in its own dtype: a float mask declared 'int' passes;
+    a batch whose shape differs from the learned one names the position and the fix."""
+    from tds.pipe import StageContract
+
+    contract = StageContract.build(["float", "int"], [True, False], [True, False])
+    hidden, float_mask = torch.randn(4, 2, 8), torch.ones(2, 1, 4, 4)
+    contract.check_tensors((hidden, float_mask), 2, "stage 0 output")
+    meta = [((4, 2, 8), torch.float32), ((2, 1, 4, 4), torch.float32)]
+    contract.check_shapes((hidden, float_mask), meta, "stage 0 output")
+    with pytest.raises(ValueError, match=r"position 0 is \(5, 2, 8\) torch.float32, but the "
+                                         r"first batch's was \(4, 2, 8\).*reset_activation_shape"):
+        contract.check_shapes((torch.randn(5, 2, 8), float_mask), meta, "stage 0 output")
+    with pytest.raises(ValueError, match="the stage produced 1 tensors but the contract "
+                                         "describes 2 positions"):
+        contract.check_tensors((hidden,), 2, "stage 0 output")
+
+
+def test_pipeline_module_without_a_process_group_names_the_call():
+    import torch.distributed as dist
+    from deepspeed import comm as ds_comm
+    from deepspeed.pipe import PipelineModule as DeepSpeedPipelineModule
+
+    import tds  # noqa: F401  (readies DeepSpeed's PipelineModule)
+
+    if dist.is_initialized() or ds_comm.is_initialized():
+        pytest.skip("this process already has a process group")
+    with pytest.raises(RuntimeError, match=r"call torch.distributed.init_process_group\(\)"):
+        DeepSpeedPipelineModule(layers=[torch.nn.Linear(2, 2)], num_stages=1)

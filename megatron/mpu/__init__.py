@@ -1,8 +1,9 @@
 """Tensor-model parallelism with Megatron-LM v2.6's public API (and a little of core's).
 
 See docs/mpu.md (the contract and every name). "Model parallel" here always means the
-tensor x pipeline replica (v2.6's get_model_parallel_group). Megatron v1/CPM code, where it
-meant tensor-parallel, imports ``from megatron.mpu import v1 as mpu``.
+tensor x pipeline replica (v2.6's get_model_parallel_group). Megatron v1.0 code, where it
+meant tensor-parallel, imports ``from megatron.mpu import v1 as mpu``; CPM-1-Pretrain code
+``from megatron.mpu import cpm as mpu``.
 Everything runs on CPU with gloo and on CUDA with NCCL.
 """
 from .cross_entropy import vocab_parallel_cross_entropy

@@ -339,7 +339,7 @@ def get_pipeline_model_parallel_prev_rank() -> int:
 # ---------------------------------------------------------------- model replica (tp x pp)
 # One meaning for the whole "model parallel" family: the tensor x pipeline group of this
 # model replica, as get_model_parallel_group() in Megatron v2.6 and DeepSpeed's grid.
-# Megatron v1/CPM meant tensor-parallel by these names: use megatron.mpu.v1 for that.
+# Megatron v1.0 / CPM-1 meant tensor-parallel by these names: megatron.mpu.v1 / .cpm.
 def get_model_parallel_world_size() -> int:
     """Ranks in this model replica (tensor x pipeline)."""
     return len(get_parallel_state().mp_ranks)

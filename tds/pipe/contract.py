@@ -8,6 +8,15 @@ sends to stage k+1 (CPM-Pretrain's TDS attributes):
 - ``_input_pipe_partitioned``: whether it is split across the tensor-parallel ranks for
   the send and all-gathered on receipt (p2p volume / tp).
 
+As in CPM's TDS, every tensor travels in its own dtype (the probe sends it with the
+shapes), so ``'float'`` and ``'int'`` only describe: CPM's T5 declares its float attention
+masks ``'int'`` and they arrive as the floats they are. The one conversion CPM's TDS made
+was for ``'bool'`` positions (sent as half, turned back into bool); bool tensors travel as
+bool here, so a ``'bool'`` position must hold a bool tensor. What is checked: the number
+of positions, a gradient position holding a floating-point tensor, a ``'bool'`` position
+holding a bool tensor, a partitioned size dividing tp, and (every step) the shapes the
+probe learned.
+
 GPT-2: ``(hidden, attention_mask)`` -> ``['float', 'bool']``, ``[True, False]``,
 ``[True, False]``.
 """
@@ -16,8 +25,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-TYPE_NAMES = {"float": None, "int": torch.int64, "bool": torch.bool}
-"""Contract type -> dtype sent (``float`` travels in the activation dtype)."""
+TYPE_NAMES = ("bool", "float", "int")
+"""The declarations ``_input_type`` may hold (tensors travel in their own dtype)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,22 @@ class StageContract:
                                  f"a gradient")
         return cls(types, grads, partitioned)
 
+    def check_shapes(self, tensors: Sequence[torch.Tensor], meta, where: str) -> None:
+        """Check a tuple against the shapes and dtypes learned by the probe.
+
+        Raises:
+            ValueError naming the position, both shapes and the call that relearns them.
+        """
+        if len(tensors) != len(meta):
+            raise ValueError(f"{where}: the stage produced {len(tensors)} tensors, the first "
+                             f"batch had {len(meta)}")
+        for pos, (tensor, (shape, dtype)) in enumerate(zip(tensors, meta)):
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(
+                    f"{where}: position {pos} is {tuple(tensor.shape)} {tensor.dtype}, but the "
+                    f"first batch's was {tuple(shape)} {dtype}; shapes are learned once: call "
+                    f"engine.reset_activation_shape() before a batch of another shape")
+
     def __len__(self):
         return len(self.types)
 
@@ -74,11 +99,15 @@ class StageContract:
             if not torch.is_tensor(tensor):
                 raise ValueError(f"{where}: position {pos} is a {type(tensor).__name__}, "
                                  f"not a tensor")
-            actual = "float" if tensor.is_floating_point() else \
-                "bool" if tensor.dtype == torch.bool else "int"
-            if actual != kind:
+            if self.grads[pos] and not tensor.is_floating_point():
                 raise ValueError(f"{where}: position {pos} is a {tensor.dtype} tensor but "
-                                 f"_input_type[{pos}] is {kind!r}")
+                                 f"_input_grad[{pos}] is True; only a floating-point tensor "
+                                 f"can carry a gradient back (set it to False)")
+            if kind == "bool" and tensor.dtype != torch.bool:
+                raise ValueError(f"{where}: position {pos} is a {tensor.dtype} tensor but "
+                                 f"_input_type[{pos}] is 'bool'; a bool position must hold a "
+                                 f"bool tensor (or declare it 'float' / 'int': tensors travel "
+                                 f"in their own dtype)")
             if self.partitioned[pos] and tensor.numel() % tp_size:
                 raise ValueError(
                     f"{where}: position {pos} (shape {tuple(tensor.shape)}, {tensor.numel()} "

@@ -30,6 +30,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine as _DeepSpeedPipelineEn
 
 from .. import fp16_loss_scale
 from .boundary import discover_boundary
+from .clip import clip_grad_norm_over_grid
 from .contract import StageContract, contract_of
 from .interleaved import InterleavedStep
 from .p2p import StageLink
@@ -61,6 +62,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self.next_rank = self.grid.stage_to_global(self.next_stage) \
             if self.stage_id < self.num_stages - 1 else None
         self._warned_missing_grad = False
+        _keep_gradless_blocks_out_of_checkpoints(self.module)
         # v chunks per rank: interleaved 1F1B through tds.pipe.runner (interleaved.py)
         self.interleaved = InterleavedStep(self) \
             if getattr(self.module, "num_virtual_stages", 1) > 1 else None
@@ -166,7 +168,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self.tput_timer.start()
         outputs = DeepSpeedEngine.forward(self, self.pipe_buffers["inputs"][buffer_id])
         if not self.module.training and \
-                self.module.activation_checkpoint_func is ds_checkpointing.checkpoint:
+                _unwrapped(self.module.activation_checkpoint_func) is ds_checkpointing.checkpoint:
             ds_checkpointing.reset()
         if self.is_last_stage():
             self._record_loss(outputs, buffer_id)
@@ -214,6 +216,8 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
 
     def _exec_send_activations(self, buffer_id):
         outputs = self.pipe_buffers["outputs"][buffer_id]
+        self.contract.check_shapes(outputs, self.send_meta,
+                                   f"pipeline stage {self.stage_id} output")
         for pos, tensor in enumerate(outputs):
             self.link.send(tensor, self.next_rank, self.contract.partitioned[pos])
 
@@ -249,16 +253,16 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
 
     # ------------------------------------------------------------ gradient clipping
     def clip_fp32_gradients(self) -> Any:
-        """The caller's clip (megatron passes mpu.clip_grad_norm: each parameter counted once
-        across tp and pp, tied copies too), else DeepSpeed's.
+        """The caller's clip (megatron passes mpu.clip_grad_norm_tensor), else
+        :func:`~tds.pipe.clip.clip_grad_norm_over_grid`: each parameter counted once across
+        tp and pp, tied copies too, so the norm is the serial model's at any layout.
 
-        DeepSpeed's fp32 path counts replicated parameters only on pipeline stage 0 and
-        counts the tied embedding on both stages, so its norm is wrong once pp > 1.
+        DeepSpeed's own fp32 clip counts replicated parameters only on pipeline stage 0 and
+        the tied embedding on both stages, so its norm is wrong once pp > 1.
         """
-        if self.clip_grad_norm_fn is None:
-            return super().clip_fp32_gradients()
-        self._global_grad_norm = self.clip_grad_norm_fn(self.module.parameters(),
-                                                        self.gradient_clipping())
+        clip = self.clip_grad_norm_fn or \
+            (lambda params, max_norm: clip_grad_norm_over_grid(params, max_norm, self.grid))
+        self._global_grad_norm = clip(self.module.parameters(), self.gradient_clipping())
 
     def _exec_reduce_grads(self):
         """The caller's gradient work of the step (``pre_reduce_grads_fn``: megatron sums
@@ -279,6 +283,33 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         schedule.SendGrad: _exec_send_grads,
         schedule.RecvGrad: _exec_recv_grads,
     }
+
+
+def _unwrapped(func):
+    return getattr(func, "_tds_wraps", func)
+
+
+def _keep_gradless_blocks_out_of_checkpoints(module):
+    """Run a block none of whose inputs needs a gradient without the reentrant checkpoint.
+
+    A reentrant checkpoint's output requires grad only if an input does, so a first block
+    fed token ids and masks (an embedding) would get no parameter gradients. DeepSpeed 0.19
+    skips such blocks only for classes named ``GPT2ModelPipe`` / ``GPTModelPipe`` (or with
+    ``checkpointable_layers``); CPM-1's ``T5ModelPipe`` is neither. Such a block is cheap
+    (the embedding) and holds no activation worth recomputing.
+    """
+    func = module.activation_checkpoint_func
+    if func is not ds_checkpointing.checkpoint:  # non-reentrant, a user's, or wrapped already
+        return
+
+    def checkpoint(function, *args):
+        if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad
+                                               for a in args):
+            return function(*args)
+        return func(function, *args)
+
+    checkpoint._tds_wraps = func
+    module.activation_checkpoint_func = checkpoint
 
 
 def _accumulate(total, value):

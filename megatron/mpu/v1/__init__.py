@@ -1,4 +1,7 @@
-"""Megatron-LM v1 / CPM-Pretrain's ``mpu`` API: ``from megatron.mpu import v1 as mpu``.
+"""Megatron-LM v1.0's ``mpu`` API: ``from megatron.mpu import v1 as mpu``.
+
+CPM-1-Pretrain (Megatron v1.1.5 with DeepSpeed's topology; linears returning ``(output,
+bias)``) has its own namespace, :mod:`megatron.mpu.cpm`.
 
 A package with v1's submodules, so v1 code ports by its import alone, whether it uses the
 top-level names (``mpu.ColumnParallelLinear``), a submodule (``from megatron.mpu.v1 import
