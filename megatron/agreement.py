@@ -12,6 +12,8 @@ their causes, before anyone enters another collective.
 The collective (``all_gather_object``) is taken on the group the caller gives, which may be
 a host (gloo) group on a background thread (the asynchronous checkpoint writer does so), and
 costs one small exchange on a path that is rare (a save, start-up), never inside a step.
+``tds``, which imports nothing of megatron, follows the same rule with its own exchange where
+its pipeline contract is checked (tds/pipe/boundary.py, tds/pipe/interleaved.py).
 """
 from typing import List, Optional, Tuple, Type, Union
 
