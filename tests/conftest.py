@@ -31,8 +31,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_configure(config):
     parallel_suite.start_run(config)
-    folder = parallel_suite.run_folder(config)
-    config.stash[_NEIGHBOURS] = parallel_suite.Neighbours(folder) if folder else None
+    # serial runs and every worker of every run on this host: alone means alone on the host
+    config.stash[_NEIGHBOURS] = parallel_suite.Neighbours(parallel_suite.machine_folder())
 
 
 def pytest_unconfigure(config):

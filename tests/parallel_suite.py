@@ -15,8 +15,11 @@
   each test's group to the run's folder instead, where the scheduler reads it.
 - :func:`once_per_run`: a session fixture is built once per worker; the expensive ones (a
   training run) are built once per run and shared through the run's folder.
-- :class:`Neighbours`: a test marked ``alone`` runs while no other test runs. An xdist_group
-  only keeps tests on one worker; the other workers go on meanwhile.
+- :class:`Neighbours`: a test marked ``alone`` runs while no other test runs, on this machine:
+  its locks live in a folder every test run of this project on the host shares
+  (:func:`machine_folder`), so two runs at once (two clones, a developer's and CI's) wait for
+  each other's ``alone`` tests too. An xdist_group only keeps tests on one worker; the other
+  workers go on meanwhile.
 """
 import contextlib
 import fcntl
@@ -234,6 +237,13 @@ def once_per_run(config, name, build):
         value = build()
         result.write_text(json.dumps(value))
         return value
+
+
+def machine_folder():
+    """The folder every test run of this project on this host shares (the ``alone`` locks)."""
+    folder = Path(tempfile.gettempdir()) / "megatron-tds-tests"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 class Neighbours:

@@ -49,8 +49,13 @@ write_config() {
   # the CPUs to one per socket when it cannot read the machine's topology.
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
+  # Job ids from a random start: the run scripts derive MASTER_PORT from the job id, and two
+  # test clusters on one host (two test runs at once) would otherwise both run job 1 on the
+  # same port.
+  local first_job=$(( $(od -An -N2 -tu2 /dev/urandom) % 19000 + 1 ))
   cat >"$dir/slurm.conf" <<EOF
 ClusterName=tdstest
+FirstJobId=$first_job
 SlurmctldHost=$node(127.0.0.1)
 SlurmctldPort=$(free_port)
 SlurmdPort=$(free_port)
