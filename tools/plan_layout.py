@@ -1,13 +1,16 @@
 """Every (tp, pp, dp, micro-batch, recompute, ZeRO, SP) layout of a config that fits.
 
     python tools/plan_layout.py --config configs/gpt2/gpt2_345m.yaml --gpus 64 \
-        --gpu-memory 80GiB [--nodes 8] [--json]
+        --gpu-memory 80GiB [--reserve 4GiB] [--nodes 8] [--global-batch 512] [--json]
 
-Memory per stage from megatron/memory (docs/memory.md), step time from the family's FLOP
-count at --efficiency of --peak-tflops, communication over --intra-node-gbps /
---inter-node-gbps, the schedule's bubble; fastest first.
+Memory per stage from megatron/memory (docs/memory.md) against the GPU's memory less
+--reserve; step time from megatron/memory/step_time.py (shape-dependent GEMM efficiency,
+attention, tensor/pipeline/data-parallel communication, bubble, optimizer); ranked by
+tokens per second per GPU at the global batch. The config's own layout is evaluated the
+same way, at the same global batch. ``--json`` writes only JSON on stdout (logs go to stderr).
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -35,13 +38,18 @@ def _args(argv):
     p.add_argument("--family", default="gpt2", choices=["gpt2", "t5"])
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB")
+    p.add_argument("--reserve", default="4GiB",
+                   help="per GPU memory tensors cannot use: CUDA context, NCCL buffers, "
+                        "allocator fragmentation (e.g. 4GiB)")
     p.add_argument("--nodes", type=int, default=None, help="default: gpus / 8")
     p.add_argument("--vocab-size", type=int, default=50257,
                    help="tokenizer vocabulary (padded as the run would)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step (default: the config's micro-batch x gas x dp)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--efficiency", type=float, default=0.4)
+    p.add_argument("--efficiency", type=float, default=0.75,
+                   help="share of the peak a large GEMM reaches")
+    p.add_argument("--hbm-gbps", type=float, default=3350.0, help="HBM bandwidth, GB/s")
     p.add_argument("--intra-node-gbps", type=float, default=450.0, help="NVLink, GB/s")
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="InfiniBand, GB/s")
     p.add_argument("--top", type=int, default=20, help="layouts printed (text output)")
@@ -87,53 +95,87 @@ def _check(args):
         problems.append(f"--nodes {args.nodes} must be >= 1 and divide --gpus {args.gpus}")
     if not 0 < args.efficiency <= 1:
         problems.append(f"--efficiency is a share of the peak in (0, 1], got {args.efficiency}")
-    for flag in ("peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+    for flag in ("peak_tflops", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
         if getattr(args, flag) <= 0:
             problems.append(f"--{flag.replace('_', '-')} must be > 0")
     if args.global_batch is not None and args.global_batch < 1:
         problems.append(f"--global-batch must be >= 1, got {args.global_batch}")
     if parse_bytes(args.gpu_memory) <= 0:
         problems.append(f"--gpu-memory must be > 0, got {args.gpu_memory}")
+    elif not 0 <= parse_bytes(args.reserve) < parse_bytes(args.gpu_memory):
+        problems.append(f"--reserve {args.reserve} must be >= 0 and below --gpu-memory")
     if problems:
         raise ConfigError("plan_layout: " + "; ".join(problems))
 
 
-def main(argv=None):
-    from megatron.memory.planner import Hardware, evaluate, plan
-    from megatron.memory.report import GIB
+def _config_plan(cfg, base, hw, batch, flops):
+    """The config's own layout at ``batch`` (None when it is for another GPU count or the
+    batch does not split into its micro-batches), and why not."""
+    from dataclasses import replace
 
-    args = _args(argv)
+    from megatron.memory.planner import evaluate
+
+    if base.world != hw.gpus:
+        return None, f"the config's layout uses {base.world} GPUs"
+    per_replica = batch // base.dp if batch % base.dp == 0 else 0
+    if not per_replica or per_replica % base.micro_batch:
+        return None, (f"global batch {batch} does not split into dp {base.dp} x micro-batch "
+                      f"{base.micro_batch}")
+    spec = replace(base, num_micro_batches=per_replica // base.micro_batch)
+    return evaluate(spec, hw, flops), ""
+
+
+def _plan(args):
+    from megatron.memory.planner import Hardware, plan
+
     _check(args)
     cfg, family, base = _base(args)
     nodes = args.nodes or max(1, args.gpus // 8)
     hw = Hardware(gpus=args.gpus, gpu_memory=parse_bytes(args.gpu_memory), nodes=nodes,
                   peak_tflops=args.peak_tflops, efficiency=args.efficiency,
-                  intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps)
+                  intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
+                  hbm_gbps=args.hbm_gbps, reserve=parse_bytes(args.reserve))
     batch = args.global_batch or cfg.batch.global_batch_size
     flops = family.flops_per_step(cfg.replace(global_batch_size=batch))
-    plans = plan(base, hw, batch, flops)
-    # the config's own layout, at its own global batch (micro-batch x gas x dp)
-    mine = evaluate(base, hw, family.flops_per_step(cfg)) if base.world == args.gpus else None
-    if args.json:
-        print(json.dumps({"config": args.config, "gpus": args.gpus, "nodes": nodes,
-                          "gpu_memory_bytes": hw.gpu_memory, "global_batch": batch,
-                          "dtype": base.dtype, "efficiency": hw.efficiency,
-                          "peak_tflops": hw.peak_tflops,
-                          "config_layout": mine.to_dict() if mine else None,
-                          "layouts": [p.to_dict() for p in plans]}, indent=1))
-        return 0
+    mine, why = _config_plan(cfg, base, hw, batch, flops)
+    return hw, base, batch, plan(base, hw, batch, flops), mine, why
+
+
+def _print(args, hw, base, batch, plans, mine, why):
+    from megatron.memory.report import GIB
+
     print(f"{args.config}: {len(plans)} layouts fit on {args.gpus} GPUs x "
-          f"{hw.gpu_memory / GIB:.0f} GiB ({nodes} nodes), global batch {batch}, "
-          f"{base.dtype}, {hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s")
-    rows = [("config", mine)] if mine else []
-    if mine:
-        print(f"  config: the YAML's own layout at its global batch "
-              f"{cfg.batch.global_batch_size}; then the {min(args.top, len(plans))} fastest")
-    for label, p in rows + [("", p) for p in plans[:args.top]]:
+          f"{hw.gpu_memory / GIB:.0f} GiB less {hw.reserve / GIB:.1f} GiB reserve "
+          f"({hw.nodes} nodes), global batch {batch}, {base.dtype}, {hw.peak_tflops:g} TFLOP/s "
+          f"peak, GEMMs at up to {hw.efficiency:.0%}")
+    print("  config: the YAML's own layout at the same global batch" if mine else
+          f"  config: not evaluated ({why})")
+    print(f"  {'':6s} {'tok/s/GPU':>9s} {'s/step':>8s} {'TFLOP/s':>7s}  layout")
+    for label, p in ([("config", mine)] if mine else []) + [("", p) for p in plans[:args.top]]:
         stages = " ".join(f"{s.peak / GIB:.1f}" for s in p.stages)
-        fits = "" if p.fits(hw.gpu_memory) else "  DOES NOT FIT"
-        print(f"  {label:6s} {p.step_time:8.3f} s/step  {p.layout():66s} bubble {p.bubble:.2f}  "
-              f"comm {p.comm_bytes / GIB:.2f} GiB  peak/stage GiB: {stages}{fits}")
+        fits = "" if p.fits(hw.usable) else "  DOES NOT FIT"
+        print(f"  {label:6s} {p.tokens_per_gpu_s:9.0f} {p.step_time:8.3f} "
+              f"{p.tflops_per_gpu:7.1f}  {p.layout():66s} bubble {p.bubble:.2f}  "
+              f"peak/stage GiB: {stages}{fits}")
+
+
+def main(argv=None):
+    args = _args(argv)
+    if not args.json:
+        _print(args, *_plan(args))
+        return 0
+    # Pure JSON on stdout: whatever an import or a library prints goes to stderr.
+    real_stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        hw, base, batch, plans, mine, why = _plan(args)
+    json.dump({"config": args.config, "gpus": args.gpus, "nodes": hw.nodes,
+               "gpu_memory_bytes": hw.gpu_memory, "reserve_bytes": hw.reserve,
+               "usable_bytes": hw.usable, "global_batch": batch, "dtype": base.dtype,
+               "efficiency": hw.efficiency, "peak_tflops": hw.peak_tflops,
+               "config_layout": mine.to_dict() if mine else None,
+               "config_layout_note": why, "layouts": [p.to_dict() for p in plans]},
+              real_stdout, indent=1)
+    real_stdout.write("\n")
     return 0
 
 
