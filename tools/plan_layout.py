@@ -161,13 +161,13 @@ def _print(args, hw, base, batch, plans, mine, why):
 
 def main(argv=None):
     args = _args(argv)
-    if not args.json:
-        _print(args, *_plan(args))
-        return 0
-    # Pure JSON on stdout: whatever an import or a library prints goes to stderr.
+    # Only the answer on stdout: whatever an import or a library prints goes to stderr.
     real_stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):
         hw, base, batch, plans, mine, why = _plan(args)
+    if not args.json:
+        _print(args, hw, base, batch, plans, mine, why)
+        return 0
     json.dump({"config": args.config, "gpus": args.gpus, "nodes": hw.nodes,
                "gpu_memory_bytes": hw.gpu_memory, "reserve_bytes": hw.reserve,
                "usable_bytes": hw.usable, "global_batch": batch, "dtype": base.dtype,
