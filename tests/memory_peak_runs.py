@@ -48,11 +48,6 @@ def measure_interleaved(layouts, seed):
     from megatron.training.backend_factory import build_backend
 
     fam = get_family("gpt2")
-    from megatron.fused_kernels import kernels_available
-
-    # the kernel build agrees across ranks by a collective: run it on every rank now, not
-    # inside the first chunk's forward on rank 0 while the others wait for its activation
-    kernels_available("cpu")
     out = []
     for argv in layouts:
         cfg = run_config("gpt2", argv)
