@@ -1,10 +1,12 @@
-"""Rank bodies of tests/test_memory_peak.py: the real interleaved pipeline engine's
-activations alive at once, counted per (chunk, micro-batch), next to the memory model's
-per-rank figure (each chunk charged its own bytes)."""
+"""Rank bodies of tests/test_memory_peak.py: one real pipeline step (1F1B or interleaved)
+per layout; its activations alive at once (per micro-batch, or per (chunk, micro-batch)),
+its weights, gradients and optimizer tensors, next to the memory model's per-stage figures
+(each chunk charged its own bytes)."""
 import torch
 
 from megatron import mpu
-from memory_runs import gpt2_batch, run_config, setup
+from memory_runs import (_reachable_tensors, _storages, _watch_engine, gpt2_batch, run_config,
+                         setup)
 
 
 def _watch_interleaved(engine, module):
@@ -40,9 +42,17 @@ def _watch_interleaved(engine, module):
     return state
 
 
-def measure_interleaved(layouts, seed):
-    """For each ``argv``: (measured, predicted) peak activation bytes on this rank during
-    one real interleaved step."""
+def _states(backend, module, grads):
+    """Bytes of this rank's parameters, gradients and optimizer tensors after a step."""
+    params = _storages(module.parameters(), ())
+    held = _storages([p.grad for p in module.parameters() if p.grad is not None], ())
+    optim = _storages(_reachable_tensors(backend.optimizer), set(params) | set(held))
+    return sum(params.values()) + sum(grads.values()) + sum(optim.values())
+
+
+def measure_peaks(layouts, seed):
+    """For each ``argv``: this rank's measured activation peak during one real step and
+    its model states after it, with the model's stage figures."""
     from megatron.families import get_family
     from megatron.memory import predict, spec_from_run_config
     from megatron.training.backend_factory import build_backend
@@ -57,12 +67,17 @@ def measure_interleaved(layouts, seed):
         backend = build_backend(cfg, lambda pipeline: fam.build_model(cfg, pipeline),
                                 batch_fn=lambda raw: raw)
         module = backend.module()
-        state = _watch_interleaved(backend.model, module)
+        grads = {}
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: grads.update(_storages([p.grad], ())))
+        watch = _watch_interleaved if cfg.parallel.vpp > 1 else _watch_engine
+        state = watch(backend.model if cfg.parallel.vpp > 1 else backend, module)
         backend.train()
         backend.train_step(fam.forward_step(lambda raw: raw), batches)
-        spec = spec_from_run_config(cfg, device="cpu")
-        stage = predict(spec)[mpu.get_pipeline_model_parallel_rank()]
-        average = stage.activations_per_micro_batch * stage.in_flight  # the old figure
-        out.append({"argv": " ".join(argv), "stage": stage.stage, "measured": state["peak"],
-                    "predicted": stage.activations, "averaged": average})
+        stage = predict(spec_from_run_config(cfg, device="cpu"))[
+            mpu.get_pipeline_model_parallel_rank()]
+        out.append({"argv": " ".join(argv), "stage": stage.stage,
+                    "activations": state["peak"], "states": _states(backend, module, grads),
+                    "predicted": stage.to_dict(),
+                    "averaged": stage.activations_per_micro_batch * stage.in_flight})
     return out
