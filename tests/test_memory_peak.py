@@ -22,14 +22,14 @@ from memory_peak_runs import measure_peaks
 TOL = 0.05
 
 
-def _base(micro, layers):
+def _base(micro, layers, attention_dropout=0.0):
     return ["--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--batch-size",
-            str(micro), "--train-iters", "1", "--lr", "1e-3", "--attention-dropout", "0",
-            "--gas", "4"]
+            str(micro), "--train-iters", "1", "--lr", "1e-3", "--attention-dropout",
+            str(attention_dropout), "--gas", "4"]
 
 
-@pytest.mark.slow  # ~15 s: four pipeline engines built and stepped on 4 ranks
+@pytest.mark.slow  # ~15 s: five pipeline engines built and stepped on 4 ranks
 def test_stage_peaks_match_a_real_step_for_1f1b_and_interleaved():
     micro = random.choice([1, 2])
     interleaved = ["--virtual-pipeline-model-parallel-size", "2"]
@@ -38,7 +38,10 @@ def test_stage_peaks_match_a_real_step_for_1f1b_and_interleaved():
                                   "--sequence-parallel"],
                _base(micro, 8) + ["--pipe-parallel-size", "4"] + interleaved,
                _base(micro, 4) + ["--model-parallel-size", "2", "--pipe-parallel-size", "2",
-                                  "--sequence-parallel"] + interleaved]
+                                  "--sequence-parallel"] + interleaved,
+               # bf16 weights: DeepSpeed's BF16_Optimizer; attention dropout on: the CPU's
+               # SDPA math path, which computes in fp32
+               _base(micro, 4, attention_dropout=0.1) + ["--pipe-parallel-size", "2", "--bf16"]]
     results = run_distributed(measure_peaks, 4, layouts, random.randrange(2**31), timeout=300)
     errors = {"activation peak": [], "stage peak": []}
     for rank, per_layout in enumerate(results):

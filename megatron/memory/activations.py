@@ -99,10 +99,11 @@ def attention_core(spec: MemorySpec, shape: Shape) -> int:
     scores = a * shape.b * shape.sq * shape.sk // t
     if cpu_math_path(spec):
         # PyTorch's CPU kernel has no dropout: its math path keeps scaled queries,
-        # transposed keys, softmax, mask and dropped probabilities; under autocast it runs
-        # in fp32 and keeps an fp32 copy of the values as well
-        e = 4 if spec.autocast else e
-        tokens = shape.b * (shape.sq + shape.sk * (2 if spec.autocast else 1))
+        # transposed keys, softmax, mask and dropped probabilities; for 16-bit inputs
+        # (autocast or 16-bit weights) it runs in fp32 and keeps an fp32 copy of the values
+        half = spec.e < 4
+        e = 4 if half else e
+        tokens = shape.b * (shape.sq + shape.sk * (2 if half else 1))
         return tokens * proj * e // t + 3 * scores * e + shape.sq * shape.b * proj * spec.e // t
     context = shape.sq * shape.b * proj * e // t
     if spec.attention == "sdpa":
@@ -125,7 +126,7 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     tokens = s * b
     total = 2 * norm_bytes(spec, tokens)
     total += 2 * tokens * h * e // sp_divisor(spec)  # QKV and fc1 inputs (shards under SP)
-    if not (cpu_math_path(spec) and spec.autocast):  # there only its fp32 copies are kept
+    if not (cpu_math_path(spec) and spec.e < 4):  # there only its fp32 copies are kept
         total += 3 * tokens * proj * e // t  # q, k, v
     total += attention_core(spec, Shape(s, s, b))
     total += 2 * tokens * f * e // t  # GeLU input and output (fc2's input)
