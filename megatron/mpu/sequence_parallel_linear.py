@@ -8,10 +8,10 @@ kept for the backward, where it is all-gathered again. That is what makes a laye
 are the two ``2 s b h`` terms.
 
 Backward, in Megatron's order: launch the all-gather of the saved shard (async), compute the
-input gradient ``dY W`` (it does not need the input), wait, then the weight gradient
-``dY^T X`` and the reduce-scatter of the input gradient. With NCCL the all-gather runs while
-the input-gradient GEMM runs; gloo has no reduce-scatter, so there it is an all-reduce and a
-slice (CPU only).
+input gradient ``dY W`` (it does not need the input), wait, launch the reduce-scatter of the
+input gradient (async), compute the weight gradient ``dY^T X``, wait. With NCCL each
+collective runs under a GEMM; gloo has no reduce-scatter, so there it is an all-reduce and
+a slice (CPU only, synchronous).
 """
 from typing import Optional
 
@@ -50,11 +50,26 @@ class _LinearWithSequenceParallelGather(torch.autograd.Function):
         grad_output = grad_output.contiguous()
         grad_total = grad_output.matmul(weight)  # [s, b, in]: overlaps the all-gather
         handle.wait()
-        grad_shard = _reduce_scatter_first_dim(grad_total, ctx.group)  # [s/t, b, in]
+        grad_shard, pending = _reduce_scatter_async(grad_total, ctx.group)  # [s/t, b, in]
         out = grad_output.size(-1)
         grad_weight = grad_output.reshape(-1, out).t().matmul(total.reshape(-1, total.size(-1)))
         grad_bias = grad_output.reshape(-1, out).sum(0) if ctx.has_bias else None
+        if pending is not None:  # the reduce-scatter ran under the weight-gradient GEMM
+            pending.wait()
         return grad_shard, grad_weight, grad_bias, None
+
+
+def _reduce_scatter_async(grad_total, group):
+    """``[s, ...] -> [s/t, ...]`` summed over ``group``: launched asynchronously where the
+    backend has a reduce-scatter (NCCL), so it overlaps the weight-gradient GEMM; gloo has
+    none (an all-reduce and a slice, synchronous). Returns (output, handle or None)."""
+    if dist.get_backend(group) == "gloo":
+        return _reduce_scatter_first_dim(grad_total, group), None
+    world = dist.get_world_size(group)
+    output = torch.empty((grad_total.size(0) // world,) + tuple(grad_total.shape[1:]),
+                         dtype=grad_total.dtype, device=grad_total.device)
+    handle = dist.reduce_scatter_tensor(output, grad_total, group=group, async_op=True)
+    return output, handle
 
 
 def _autocast_inputs(shard, weight, bias):
