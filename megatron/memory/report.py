@@ -25,8 +25,9 @@ class StageMemory:
     buffers: int
     """DDP gradient buckets, pipeline output tensors held for the backward."""
     transient: int
-    """The largest short-lived working set: a recomputed group's activations, or 16-bit
-    logits next to their fp32 copy while the loss runs."""
+    """The largest short-lived working set: a recomputed group's activations, 16-bit
+    logits next to their fp32 copy while the loss runs, or under SP a re-gathered layer
+    input and its gradient in the backward."""
     activation_peak: Optional[int] = None
     """Interleaved: the most bytes alive at once, each chunk charged its own bytes (the
     head and the embedding in the chunks that hold them); None: per micro-batch x count."""
@@ -52,6 +53,16 @@ def _hidden_out(spec: MemorySpec) -> int:
     tokens = spec.micro_batch * (spec.seq + (spec.dec_seq if spec.family == "t5" else 0))
     return tokens * spec.hidden * spec.residual_bytes // (spec.tp if spec.sequence_parallel
                                                           else 1)
+
+
+def _sp_gather(spec: MemorySpec) -> int:
+    """Under SP, a column-parallel layer's backward holds its re-gathered ``[s, b, h]`` input
+    and that input's ``[s, b, h]`` gradient before the reduce-scatter
+    (megatron/mpu/sequence_parallel_linear.py): the largest such pair."""
+    if not spec.sequence_parallel or spec.tp == 1:
+        return 0
+    s = max(spec.seq, spec.dec_seq)
+    return 2 * s * spec.micro_batch * spec.hidden * spec.e
 
 
 def predict(spec: MemorySpec) -> List[StageMemory]:
@@ -88,7 +99,7 @@ def predict(spec: MemorySpec) -> List[StageMemory]:
             # logits become the softmax themselves (the loss works in place)
             loss = tokens * spec.vocab // spec.tp * (spec.e if spec.e < 4 else 0)
         out.append(StageMemory(layers.stage, states, act.saved // spec.vpp, count, buffers,
-                               max(act.recompute_peak, loss), peak))
+                               max(act.recompute_peak, loss, _sp_gather(spec)), peak))
     return out
 
 
