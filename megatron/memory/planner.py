@@ -198,4 +198,4 @@ def plan(base: MemorySpec, hw: Hardware, global_batch: int, step_flops: float,
              if keep is None or keep(s)]
     # equal throughput (ZeRO-1 moves as many bytes as DDP): the smaller peak first
     return sorted((p for p in plans if p.fits(hw.usable)),
-                  key=lambda p: (-p.tokens_per_gpu_s, p.peak))
+                  key=lambda p: (-p.tokens_per_gpu_s, p.step_time, p.peak))
