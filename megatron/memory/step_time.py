@@ -8,7 +8,9 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
   through HBM, never shorter than ``kernel_floor``. Backward = 2 x forward (input and
   weight gradients); full recompute runs the forward once more.
 - **Attention** (scores and context): ``4 b s^2 P / t`` FLOPs forward at ``attention_efficiency``.
-- **Elementwise** (norms, dropouts, residuals, GeLU, bias adds): bytes moved at HBM speed.
+- **Elementwise** (norms, dropouts, residuals, GeLU, bias adds): bytes moved at HBM speed;
+  the unfused attention path also moves its ``[b, a/t, s, s]`` scores and probabilities
+  (written, softmax, dropout, read by the context bmm) through HBM, which SDPA does not.
 - **Tensor parallel**: per layer 2 all-reduces forward and 2 backward (ring
   ``2 (t - 1) / t`` of ``s b h e``); under SP reduce-scatters and all-gathers of the same
   total plus the backward's re-gather of the QKV / fc1 input shards; not overlapped.
@@ -96,7 +98,19 @@ def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int, cross:
     time += attn / (dev.peak_tflops * 1e12 * dev.attention_efficiency)
     c = t if spec.sequence_parallel else 1
     elementwise = tokens * e * (16 * h / c + 4 * f / t)  # norms, dropouts, residuals, GeLU
+    elementwise += _score_bytes(spec, sq, sq) + (_score_bytes(spec, sq, s_kv) if cross else 0)
     return time + elementwise / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
+
+
+def _score_bytes(spec: MemorySpec, sq: int, skv: int) -> float:
+    """HBM bytes of the unfused attention's ``[b, a/t, sq, skv]`` tensors, forward: the
+    scores written, the fused softmax's read and write, attention dropout's read, write and
+    1-byte mask, the context bmm's read. SDPA keeps them in on-chip memory: none."""
+    if spec.attention != "unfused":
+        return 0.0
+    e = spec.e
+    per = e + 2 * e + e + (2 * e + 1 if spec.attention_dropout > 0 else 0)
+    return spec.micro_batch * spec.heads / spec.tp * sq * skv * per
 
 
 def _tp_comm(spec: MemorySpec, dev: Device, tokens: int, per_node: int) -> float:
