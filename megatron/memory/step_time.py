@@ -14,8 +14,9 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
 - **Tensor parallel**: per layer 2 all-reduces forward and 2 backward (ring
   ``2 (t - 1) / t`` of ``s b h e``); under SP reduce-scatters and all-gathers of the same
   total plus the backward's re-gather of the QKV / fc1 input shards; not overlapped.
-- **Pipeline**: ``(m - 1) x`` the slowest stage's micro-batch time + one pass of every
-  stage (``/ v`` interleaved: the bubble), each micro-batch paying its p2p sends.
+- **Pipeline**: ``m x`` the slowest stage's micro-batch time + one pass of every other
+  stage ``/ v`` (the bubble: Narayanan et al.'s ``(p - 1) / v`` stage passes interleaved),
+  each micro-batch paying its p2p sends.
 - **Data parallel**: the gradient ring all-reduce (ZeRO: reduce-scatter + all-gather, the
   same volume); torch DDP overlaps it with the last backward, the engine does not.
 - **Optimizer**: the Adam step's bytes (weights, gradients, moments, masters) at HBM speed.
@@ -48,6 +49,14 @@ class Device:
     """Per GPU across nodes, GB/s (400 Gb/s InfiniBand)."""
     latency_s: float = 10e-6
     """Fixed cost of one collective or p2p message."""
+
+
+#: NVIDIA H100 SXM on NDR InfiniBand (the :class:`Device` defaults).
+H100 = Device()
+#: NVIDIA A100 SXM 80GB in a DGX A100 (Selene): 312 TFLOP/s dense fp16/bf16, HBM2e 2039 GB/s,
+#: NVLink 3 600 GB/s bidirectional (300 per direction), one 200 Gb/s HDR InfiniBand adapter
+#: per GPU (25 GB/s per direction). Only hardware facts differ from :data:`H100`.
+A100 = Device(peak_tflops=312.0, hbm_gbps=2039.0, intra_gbps=300.0, inter_gbps=25.0)
 
 
 def _sat(d: float, half: int) -> float:
@@ -181,7 +190,9 @@ def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: Li
         span = spec.tp * spec.dp + 1  # neighbouring stages are tp x dp ranks apart
         p2p = 2 * v * (act / (_bw(span, per_node, dev) * 1e9) + dev.latency_s)
     slowest = max(per_mb) + p2p
-    pipeline = (m - 1) * slowest + (sum(per_mb) + p * p2p) / v
+    # m passes of the slowest stage + the fill and drain: the other stages once, in chunks
+    # of 1/v (interleaved: (p - 1) / v of a stage; 1F1B, v = 1: (m - 1) slowest + all)
+    pipeline = m * slowest + (sum(per_mb) + p * p2p - slowest) / v
     bubble = 1 - m * slowest / pipeline if pipeline else 0.0
     grad_bytes = params_per_rank * (4 if spec.backend == "ddp" else spec.e)
     dp_bw = _bw(spec.tp * spec.dp, per_node, dev)
