@@ -8,6 +8,12 @@ Memory per stage from megatron/memory (docs/memory.md) against the GPU's memory 
 attention, tensor/pipeline/data-parallel communication, bubble, optimizer); ranked by
 tokens per second per GPU at the global batch. The config's own layout is evaluated the
 same way, at the same global batch. ``--json`` writes only JSON on stdout (logs go to stderr).
+
+    python tools/plan_layout.py --paper narayanan2021 [--json]
+
+evaluates instead the layouts of Narayanan et al. 2021's Table 1 (GPT 1.7B-1T on A100s)
+with the A100 preset and prints predicted against published TFLOP/s per GPU
+(megatron/memory/published.py).
 """
 import argparse
 import contextlib
@@ -34,9 +40,11 @@ def parse_bytes(text: str) -> int:
 
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="a run config YAML (configs/)")
+    p.add_argument("--config", help="a run config YAML (configs/); required unless --paper")
+    p.add_argument("--paper", choices=["narayanan2021"], default=None,
+                   help="evaluate a published table's own layouts instead (A100 preset)")
     p.add_argument("--family", default="gpt2", choices=["gpt2", "t5"])
-    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus", type=int, default=None, help="required unless --paper")
     p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB")
     p.add_argument("--reserve", default="4GiB",
                    help="per GPU memory tensors cannot use: CUDA context, NCCL buffers, "
@@ -89,9 +97,11 @@ def _base(args):
 def _check(args):
     """Every bad planner flag in one error, before the config is read."""
     problems = []
-    if args.gpus < 1:
+    if args.gpus is None or args.config is None:
+        problems.append("give --config and --gpus (or --paper)")
+    elif args.gpus < 1:
         problems.append(f"--gpus must be >= 1, got {args.gpus}")
-    if args.nodes is not None and (args.nodes < 1 or args.gpus % args.nodes):
+    if args.nodes is not None and (args.nodes < 1 or (args.gpus or 1) % args.nodes):
         problems.append(f"--nodes {args.nodes} must be >= 1 and divide --gpus {args.gpus}")
     if not 0 < args.efficiency <= 1:
         problems.append(f"--efficiency is a share of the peak in (0, 1], got {args.efficiency}")
@@ -159,10 +169,30 @@ def _print(args, hw, base, batch, plans, mine, why):
               f"peak/stage GiB: {stages}{fits}")
 
 
+def _paper(args, real_stdout):
+    """--paper: the published rows' own layouts, predicted against published."""
+    from megatron.memory.published import format_table, predict_table
+
+    with contextlib.redirect_stdout(sys.stderr):
+        preds = predict_table()
+    if not args.json:
+        print("Narayanan et al. 2021, Table 1: the paper's layouts through the planner's "
+              "step-time model (A100 preset), TFLOP/s per GPU by the paper's Eq. 3")
+        print(format_table(preds))
+        return 0
+    json.dump([{"params_b": p.row.params_b, "published_tflops": p.row.tflops,
+                "predicted_tflops": p.tflops, "ratio": p.ratio, **p.plan.to_dict()}
+               for p in preds], real_stdout, indent=1)
+    real_stdout.write("\n")
+    return 0
+
+
 def main(argv=None):
     args = _args(argv)
     # Only the answer on stdout: whatever an import or a library prints goes to stderr.
     real_stdout = sys.stdout
+    if args.paper:
+        return _paper(args, real_stdout)
     with contextlib.redirect_stdout(sys.stderr):
         hw, base, batch, plans, mine, why = _plan(args)
     if not args.json:

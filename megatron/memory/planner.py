@@ -51,6 +51,22 @@ class Hardware:
                       gemm_efficiency=self.efficiency, intra_gbps=self.intra_gbps,
                       inter_gbps=self.inter_gbps)
 
+    @classmethod
+    def of(cls, dev: Device, gpus: int, gpu_memory: int, nodes: int = 1,
+           reserve: int = 0) -> "Hardware":
+        """A cluster of ``dev`` GPUs (e.g. :data:`~.step_time.A100`).
+
+        Args:
+            dev: the GPU and link constants.
+            gpus: GPUs in all.
+            gpu_memory: bytes per GPU.
+            nodes: nodes (GPUs per node = gpus / nodes).
+            reserve: bytes of each GPU tensors cannot use.
+        """
+        return cls(gpus=gpus, gpu_memory=gpu_memory, nodes=nodes, peak_tflops=dev.peak_tflops,
+                   efficiency=dev.gemm_efficiency, intra_gbps=dev.intra_gbps,
+                   inter_gbps=dev.inter_gbps, hbm_gbps=dev.hbm_gbps, reserve=reserve)
+
 
 @dataclass(frozen=True)
 class Plan:
