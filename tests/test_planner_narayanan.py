@@ -108,3 +108,16 @@ def test_the_cli_prints_the_table_and_needs_a_config_otherwise(capsys):
     assert out.count("\n| ") == 11  # the header and ten rows
     with pytest.raises(ConfigError, match="give --config and --gpus"):
         plan_layout.main(["--gpus", "8"])
+    # the preset fills the hardware flags a user leaves out, and only those
+    args = plan_layout._args(["--gpu", "a100", "--hbm-gbps", "1555", "--paper", "narayanan2021"])
+    assert (args.peak_tflops, args.hbm_gbps, args.intra_node_gbps, args.inter_node_gbps) == \
+        (312.0, 1555.0, 300.0, 25.0)
+
+
+def test_hardware_of_a_device_keeps_it_or_refuses():
+    from megatron.memory.planner import Hardware
+
+    hw = Hardware.of(A100, gpus=16, gpu_memory=80 * 2**30, nodes=2)
+    assert hw.device() == A100 and hw.per_node == 8
+    with pytest.raises(ValueError, match="other constants are the defaults"):
+        Hardware.of(dataclasses.replace(A100, attention_efficiency=0.6), 16, 80 * 2**30, 2)

@@ -1,7 +1,7 @@
 """Every (tp, pp, dp, micro-batch, recompute, ZeRO, SP) layout of a config that fits.
 
     python tools/plan_layout.py --config configs/gpt2/gpt2_345m.yaml --gpus 64 \
-        --gpu-memory 80GiB [--reserve 4GiB] [--nodes 8] [--global-batch 512] [--json]
+        --gpu-memory 80GiB [--reserve 4GiB] [--nodes 8] [--global-batch 512] [--gpu a100] [--json]
 
 Memory per stage from megatron/memory (docs/memory.md) against the GPU's memory less
 --reserve; step time from megatron/memory/step_time.py (shape-dependent GEMM efficiency,
@@ -25,6 +25,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.errors import ConfigError, run_main  # noqa: E402
+from megatron.memory.step_time import A100, H100  # noqa: E402
+
+PRESETS = {"h100": H100, "a100": A100}
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6,
          "gb": 1e9}
@@ -54,15 +57,23 @@ def _args(argv):
                    help="tokenizer vocabulary (padded as the run would)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step (default: the config's micro-batch x gas x dp)")
-    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--gpu", choices=sorted(PRESETS), default="h100",
+                   help="hardware preset for the next four flags (megatron/memory/step_time.py)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="default: the preset's")
     p.add_argument("--efficiency", type=float, default=0.75,
                    help="share of the peak a large GEMM reaches")
-    p.add_argument("--hbm-gbps", type=float, default=3350.0, help="HBM bandwidth, GB/s")
-    p.add_argument("--intra-node-gbps", type=float, default=450.0, help="NVLink, GB/s")
-    p.add_argument("--inter-node-gbps", type=float, default=50.0, help="InfiniBand, GB/s")
+    p.add_argument("--hbm-gbps", type=float, default=None, help="HBM bandwidth, GB/s")
+    p.add_argument("--intra-node-gbps", type=float, default=None, help="NVLink, GB/s")
+    p.add_argument("--inter-node-gbps", type=float, default=None, help="InfiniBand, GB/s")
     p.add_argument("--top", type=int, default=20, help="layouts printed (text output)")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    dev = PRESETS[args.gpu]
+    for flag, value in (("peak_tflops", dev.peak_tflops), ("hbm_gbps", dev.hbm_gbps),
+                        ("intra_node_gbps", dev.intra_gbps), ("inter_node_gbps", dev.inter_gbps)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    return args
 
 
 class _PlannedGPU:

@@ -54,7 +54,8 @@ class Hardware:
     @classmethod
     def of(cls, dev: Device, gpus: int, gpu_memory: int, nodes: int = 1,
            reserve: int = 0) -> "Hardware":
-        """A cluster of ``dev`` GPUs (e.g. :data:`~.step_time.A100`).
+        """A cluster of ``dev`` GPUs (e.g. :data:`~.step_time.A100`). :meth:`device` gives
+        back ``dev``: a ``dev`` whose other constants are not the defaults is refused.
 
         Args:
             dev: the GPU and link constants.
@@ -63,9 +64,13 @@ class Hardware:
             nodes: nodes (GPUs per node = gpus / nodes).
             reserve: bytes of each GPU tensors cannot use.
         """
-        return cls(gpus=gpus, gpu_memory=gpu_memory, nodes=nodes, peak_tflops=dev.peak_tflops,
-                   efficiency=dev.gemm_efficiency, intra_gbps=dev.intra_gbps,
-                   inter_gbps=dev.inter_gbps, hbm_gbps=dev.hbm_gbps, reserve=reserve)
+        hw = cls(gpus=gpus, gpu_memory=gpu_memory, nodes=nodes, peak_tflops=dev.peak_tflops,
+                 efficiency=dev.gemm_efficiency, intra_gbps=dev.intra_gbps,
+                 inter_gbps=dev.inter_gbps, hbm_gbps=dev.hbm_gbps, reserve=reserve)
+        if hw.device() != dev:
+            raise ValueError(f"Hardware carries the peak, HBM, link speeds and GEMM efficiency "
+                             f"of a Device, the other constants are the defaults: {dev}")
+        return hw
 
 
 @dataclass(frozen=True)
