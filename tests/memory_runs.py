@@ -30,6 +30,11 @@ def setup(cfg):
     import tds
 
     tds.init_distributed(dist_backend="gloo")
+    from megatron.fused_kernels import kernels_available
+
+    # the kernel build agrees across ranks by a collective: run it on every rank here, not
+    # inside a pipeline's first forward on rank 0 while the others wait for its activation
+    kernels_available("cpu")
 
 
 def gpt2_batch(cfg, gen):

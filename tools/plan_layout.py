@@ -1,13 +1,22 @@
 """Every (tp, pp, dp, micro-batch, recompute, ZeRO, SP) layout of a config that fits.
 
     python tools/plan_layout.py --config configs/gpt2/gpt2_345m.yaml --gpus 64 \
-        --gpu-memory 80GiB [--nodes 8] [--json]
+        --gpu-memory 80GiB [--reserve 4GiB] [--nodes 8] [--global-batch 512] [--gpu a100] [--json]
 
-Memory per stage from megatron/memory (docs/memory.md), step time from the family's FLOP
-count at --efficiency of --peak-tflops, communication over --intra-node-gbps /
---inter-node-gbps, the schedule's bubble; fastest first.
+Memory per stage from megatron/memory (docs/memory.md) against the GPU's memory less
+--reserve; step time from megatron/memory/step_time.py (shape-dependent GEMM efficiency,
+attention, tensor/pipeline/data-parallel communication, bubble, optimizer); ranked by
+tokens per second per GPU at the global batch. The config's own layout is evaluated the
+same way, at the same global batch. ``--json`` writes only JSON on stdout (logs go to stderr).
+
+    python tools/plan_layout.py --paper narayanan2021 [--json]
+
+evaluates instead the layouts of Narayanan et al. 2021's Table 1 (GPT 1.7B-1T on A100s)
+with the A100 preset and prints predicted against published TFLOP/s per GPU
+(megatron/memory/published.py).
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -16,6 +25,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.errors import ConfigError, run_main  # noqa: E402
+from megatron.memory.step_time import A100, H100  # noqa: E402
+
+PRESETS = {"h100": H100, "a100": A100}
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6,
          "gb": 1e9}
@@ -31,22 +43,37 @@ def parse_bytes(text: str) -> int:
 
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="a run config YAML (configs/)")
+    p.add_argument("--config", help="a run config YAML (configs/); required unless --paper")
+    p.add_argument("--paper", choices=["narayanan2021"], default=None,
+                   help="evaluate a published table's own layouts instead (A100 preset)")
     p.add_argument("--family", default="gpt2", choices=["gpt2", "t5"])
-    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus", type=int, default=None, help="required unless --paper")
     p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB")
+    p.add_argument("--reserve", default="4GiB",
+                   help="per GPU memory tensors cannot use: CUDA context, NCCL buffers, "
+                        "allocator fragmentation (e.g. 4GiB)")
     p.add_argument("--nodes", type=int, default=None, help="default: gpus / 8")
     p.add_argument("--vocab-size", type=int, default=50257,
                    help="tokenizer vocabulary (padded as the run would)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step (default: the config's micro-batch x gas x dp)")
-    p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--efficiency", type=float, default=0.4)
-    p.add_argument("--intra-node-gbps", type=float, default=450.0, help="NVLink, GB/s")
-    p.add_argument("--inter-node-gbps", type=float, default=50.0, help="InfiniBand, GB/s")
+    p.add_argument("--gpu", choices=sorted(PRESETS), default="h100",
+                   help="hardware preset for the next four flags (megatron/memory/step_time.py)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="default: the preset's")
+    p.add_argument("--efficiency", type=float, default=0.75,
+                   help="share of the peak a large GEMM reaches")
+    p.add_argument("--hbm-gbps", type=float, default=None, help="HBM bandwidth, GB/s")
+    p.add_argument("--intra-node-gbps", type=float, default=None, help="NVLink, GB/s")
+    p.add_argument("--inter-node-gbps", type=float, default=None, help="InfiniBand, GB/s")
     p.add_argument("--top", type=int, default=20, help="layouts printed (text output)")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    dev = PRESETS[args.gpu]
+    for flag, value in (("peak_tflops", dev.peak_tflops), ("hbm_gbps", dev.hbm_gbps),
+                        ("intra_node_gbps", dev.intra_gbps), ("inter_node_gbps", dev.inter_gbps)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    return args
 
 
 class _PlannedGPU:
@@ -81,59 +108,115 @@ def _base(args):
 def _check(args):
     """Every bad planner flag in one error, before the config is read."""
     problems = []
-    if args.gpus < 1:
+    if args.gpus is None or args.config is None:
+        problems.append("give --config and --gpus (or --paper)")
+    elif args.gpus < 1:
         problems.append(f"--gpus must be >= 1, got {args.gpus}")
-    if args.nodes is not None and (args.nodes < 1 or args.gpus % args.nodes):
+    if args.nodes is not None and (args.nodes < 1 or (args.gpus or 1) % args.nodes):
         problems.append(f"--nodes {args.nodes} must be >= 1 and divide --gpus {args.gpus}")
     if not 0 < args.efficiency <= 1:
         problems.append(f"--efficiency is a share of the peak in (0, 1], got {args.efficiency}")
-    for flag in ("peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+    for flag in ("peak_tflops", "intra_node_gbps", "inter_node_gbps", "hbm_gbps"):
         if getattr(args, flag) <= 0:
             problems.append(f"--{flag.replace('_', '-')} must be > 0")
     if args.global_batch is not None and args.global_batch < 1:
         problems.append(f"--global-batch must be >= 1, got {args.global_batch}")
     if parse_bytes(args.gpu_memory) <= 0:
         problems.append(f"--gpu-memory must be > 0, got {args.gpu_memory}")
+    elif not 0 <= parse_bytes(args.reserve) < parse_bytes(args.gpu_memory):
+        problems.append(f"--reserve {args.reserve} must be >= 0 and below --gpu-memory")
     if problems:
         raise ConfigError("plan_layout: " + "; ".join(problems))
 
 
-def main(argv=None):
-    from megatron.memory.planner import Hardware, evaluate, plan
-    from megatron.memory.report import GIB
+def _config_plan(cfg, base, hw, batch, flops):
+    """The config's own layout at ``batch`` (None when it is for another GPU count or the
+    batch does not split into its micro-batches), and why not."""
+    from dataclasses import replace
 
-    args = _args(argv)
+    from megatron.memory.planner import evaluate
+
+    if base.world != hw.gpus:
+        return None, f"the config's layout uses {base.world} GPUs"
+    per_replica = batch // base.dp if batch % base.dp == 0 else 0
+    if not per_replica or per_replica % base.micro_batch:
+        return None, (f"global batch {batch} does not split into dp {base.dp} x micro-batch "
+                      f"{base.micro_batch}")
+    spec = replace(base, num_micro_batches=per_replica // base.micro_batch)
+    return evaluate(spec, hw, flops), ""
+
+
+def _plan(args):
+    from megatron.memory.planner import Hardware, plan
+
     _check(args)
     cfg, family, base = _base(args)
     nodes = args.nodes or max(1, args.gpus // 8)
     hw = Hardware(gpus=args.gpus, gpu_memory=parse_bytes(args.gpu_memory), nodes=nodes,
                   peak_tflops=args.peak_tflops, efficiency=args.efficiency,
-                  intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps)
+                  intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
+                  hbm_gbps=args.hbm_gbps, reserve=parse_bytes(args.reserve))
     batch = args.global_batch or cfg.batch.global_batch_size
     flops = family.flops_per_step(cfg.replace(global_batch_size=batch))
-    plans = plan(base, hw, batch, flops)
-    # the config's own layout, at its own global batch (micro-batch x gas x dp)
-    mine = evaluate(base, hw, family.flops_per_step(cfg)) if base.world == args.gpus else None
-    if args.json:
-        print(json.dumps({"config": args.config, "gpus": args.gpus, "nodes": nodes,
-                          "gpu_memory_bytes": hw.gpu_memory, "global_batch": batch,
-                          "dtype": base.dtype, "efficiency": hw.efficiency,
-                          "peak_tflops": hw.peak_tflops,
-                          "config_layout": mine.to_dict() if mine else None,
-                          "layouts": [p.to_dict() for p in plans]}, indent=1))
-        return 0
+    mine, why = _config_plan(cfg, base, hw, batch, flops)
+    return hw, base, batch, plan(base, hw, batch, flops), mine, why
+
+
+def _print(args, hw, base, batch, plans, mine, why):
+    from megatron.memory.report import GIB
+
     print(f"{args.config}: {len(plans)} layouts fit on {args.gpus} GPUs x "
-          f"{hw.gpu_memory / GIB:.0f} GiB ({nodes} nodes), global batch {batch}, "
-          f"{base.dtype}, {hw.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s")
-    rows = [("config", mine)] if mine else []
-    if mine:
-        print(f"  config: the YAML's own layout at its global batch "
-              f"{cfg.batch.global_batch_size}; then the {min(args.top, len(plans))} fastest")
-    for label, p in rows + [("", p) for p in plans[:args.top]]:
+          f"{hw.gpu_memory / GIB:.0f} GiB less {hw.reserve / GIB:.1f} GiB reserve "
+          f"({hw.nodes} nodes), global batch {batch}, {base.dtype}, {hw.peak_tflops:g} TFLOP/s "
+          f"peak, GEMMs at up to {hw.efficiency:.0%}")
+    print("  config: the YAML's own layout at the same global batch" if mine else
+          f"  config: not evaluated ({why})")
+    print(f"  {'':6s} {'tok/s/GPU':>9s} {'s/step':>8s} {'TFLOP/s':>7s}  layout")
+    for label, p in ([("config", mine)] if mine else []) + [("", p) for p in plans[:args.top]]:
         stages = " ".join(f"{s.peak / GIB:.1f}" for s in p.stages)
-        fits = "" if p.fits(hw.gpu_memory) else "  DOES NOT FIT"
-        print(f"  {label:6s} {p.step_time:8.3f} s/step  {p.layout():66s} bubble {p.bubble:.2f}  "
-              f"comm {p.comm_bytes / GIB:.2f} GiB  peak/stage GiB: {stages}{fits}")
+        fits = "" if p.fits(hw.usable) else "  DOES NOT FIT"
+        print(f"  {label:6s} {p.tokens_per_gpu_s:9.0f} {p.step_time:8.3f} "
+              f"{p.tflops_per_gpu:7.1f}  {p.layout():66s} bubble {p.bubble:.2f}  "
+              f"peak/stage GiB: {stages}{fits}")
+
+
+def _paper(args, real_stdout):
+    """--paper: the published rows' own layouts, predicted against published."""
+    from megatron.memory.published import format_table, predict_table
+
+    with contextlib.redirect_stdout(sys.stderr):
+        preds = predict_table()
+    if not args.json:
+        print("Narayanan et al. 2021, Table 1: the paper's layouts through the planner's "
+              "step-time model (A100 preset), TFLOP/s per GPU by the paper's Eq. 3")
+        print(format_table(preds))
+        return 0
+    json.dump([{"params_b": p.row.params_b, "published_tflops": p.row.tflops,
+                "predicted_tflops": p.tflops, "ratio": p.ratio, **p.plan.to_dict()}
+               for p in preds], real_stdout, indent=1)
+    real_stdout.write("\n")
+    return 0
+
+
+def main(argv=None):
+    args = _args(argv)
+    # Only the answer on stdout: whatever an import or a library prints goes to stderr.
+    real_stdout = sys.stdout
+    if args.paper:
+        return _paper(args, real_stdout)
+    with contextlib.redirect_stdout(sys.stderr):
+        hw, base, batch, plans, mine, why = _plan(args)
+    if not args.json:
+        _print(args, hw, base, batch, plans, mine, why)
+        return 0
+    json.dump({"config": args.config, "gpus": args.gpus, "nodes": hw.nodes,
+               "gpu_memory_bytes": hw.gpu_memory, "reserve_bytes": hw.reserve,
+               "usable_bytes": hw.usable, "global_batch": batch, "dtype": base.dtype,
+               "efficiency": hw.efficiency, "peak_tflops": hw.peak_tflops,
+               "config_layout": mine.to_dict() if mine else None,
+               "config_layout_note": why, "layouts": [p.to_dict() for p in plans]},
+              real_stdout, indent=1)
+    real_stdout.write("\n")
     return 0
 
 

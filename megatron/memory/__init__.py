@@ -8,7 +8,9 @@ One concept per module: :mod:`.spec` (what the model reads), :mod:`.stages` (whi
 pipeline stage holds), :mod:`.model_states` (parameters, gradients, optimizer),
 :mod:`.activations` / :mod:`.t5_activations` (bytes saved for the backward),
 :mod:`.schedule` (in-flight micro-batches, bubble), :mod:`.report` (the per-stage sum),
-:mod:`.planner` (every layout that fits, ranked) and :mod:`.check` (the start-up check).
+:mod:`.planner` (every layout that fits, ranked), :mod:`.step_time` (its step-time model and
+the H100 / A100 presets), :mod:`.published` (that model against Narayanan et al. 2021's
+Table 1) and :mod:`.check` (the start-up check).
 docs/memory.md gives the formulas and their measured error.
 """
 from .report import GIB, StageMemory, format_stage, predict

@@ -9,9 +9,10 @@ t5_layers.py):
 
 - the residual stream is fp32 under the DDP backend's autocast (the fp32 biases promote
   it), the weights' dtype under the engine; norms save their input and fp32 statistics;
-- each linear layer saves its input in the compute dtype; under sequence parallelism that
-  input is the all-gathered ``[s, b, h]`` (this code does not re-gather it in the
-  backward), so only norms and dropouts shrink by ``t``;
+- each linear layer saves its input in the compute dtype; under sequence parallelism a
+  column-parallel layer keeps its ``[s/t, b, h]`` shard and all-gathers it again in the
+  backward (megatron/mpu/sequence_parallel_linear.py), so its input, the norms and the
+  dropouts all shrink by ``t``: ``34 s b h / t`` in Korthikanti's terms;
 - autocast saves the compute-dtype copy of every weight a linear layer reads, once per
   micro-batch (the cast cache lives for one autocast region);
 - SDPA (the default) keeps the query/key/value projection, its output and the fp32
@@ -98,10 +99,11 @@ def attention_core(spec: MemorySpec, shape: Shape) -> int:
     scores = a * shape.b * shape.sq * shape.sk // t
     if cpu_math_path(spec):
         # PyTorch's CPU kernel has no dropout: its math path keeps scaled queries,
-        # transposed keys, softmax, mask and dropped probabilities; under autocast it runs
-        # in fp32 and keeps an fp32 copy of the values as well
-        e = 4 if spec.autocast else e
-        tokens = shape.b * (shape.sq + shape.sk * (2 if spec.autocast else 1))
+        # transposed keys, softmax, mask and dropped probabilities; for 16-bit inputs
+        # (autocast or 16-bit weights) it runs in fp32 and keeps an fp32 copy of the values
+        half = spec.e < 4
+        e = 4 if half else e
+        tokens = shape.b * (shape.sq + shape.sk * (2 if half else 1))
         return tokens * proj * e // t + 3 * scores * e + shape.sq * shape.b * proj * spec.e // t
     context = shape.sq * shape.b * proj * e // t
     if spec.attention == "sdpa":
@@ -123,8 +125,8 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     proj = spec.heads * spec.kv_channels
     tokens = s * b
     total = 2 * norm_bytes(spec, tokens)
-    total += 2 * tokens * h * e  # QKV and fc1 inputs (all-gathered under SP)
-    if not (cpu_math_path(spec) and spec.autocast):  # there only its fp32 copies are kept
+    total += 2 * tokens * h * e // sp_divisor(spec)  # QKV and fc1 inputs (shards under SP)
+    if not (cpu_math_path(spec) and spec.e < 4):  # there only its fp32 copies are kept
         total += 3 * tokens * proj * e // t  # q, k, v
     total += attention_core(spec, Shape(s, s, b))
     total += 2 * tokens * f * e // t  # GeLU input and output (fc2's input)
@@ -172,7 +174,7 @@ def output_and_loss(spec: MemorySpec, b: int, s: int) -> int:
         s: the length the loss runs over (T5: the decoder's).
     """
     tokens, v = s * b, spec.vocab // spec.tp
-    total = tokens * spec.hidden * spec.e  # all-gathered under SP
+    total = tokens * spec.hidden * spec.e // sp_divisor(spec)  # a shard under SP
     if spec.autocast:
         total += v * spec.hidden * spec.e
     total += tokens * v * 4 + tokens * (8 + 1)  # softmax, local targets, outside mask

@@ -9,6 +9,7 @@ backend, precision        weights   grads   optimizer (AdamW: exp_avg, exp_avg_s
 DDP, any (autocast)       4         4       8
 engine fp32               4         4       8
 engine fp16 / bf16        2         2       4 (fp32 master) + 8
+engine bf16, pp > 1       2         2       2 (flat bf16 grad buffer) + 12 / dp
 ZeRO-1 (engine)           w         w       (4 master + 8) / dp
 ZeRO-2 (engine)           w         w / dp  (4 master + 8) / dp
 ========================  ========  ======  =====================================
@@ -99,8 +100,12 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
     if spec.backend == "ddp" or spec.dtype == "fp32" and not spec.zero_stage:
         return ModelStates(n, 4 * n, 4 * g, 8 * n)
     w = 4 if spec.dtype == "fp32" else 2
+    partition = -(-n // spec.dp)  # ceil: DeepSpeed pads the flat buffer to dp parts
+    if spec.zero_stage == 0 and spec.dtype == "bf16" and spec.pp > 1:
+        # DeepSpeed's BF16_Optimizer (bf16 pipelines): a whole flat gradient buffer in the
+        # accumulation dtype (bf16 by default) and the fp32 master + moments over dp
+        return ModelStates(n, w * n, w * g, 2 * n + 12 * partition)
     if spec.zero_stage == 0:
         return ModelStates(n, w * n, w * g, 12 * n)
-    partition = -(-n // spec.dp)  # ceil: DeepSpeed pads the flat buffer to dp parts
     grads = w * g if spec.zero_stage == 1 else w * -(-g // spec.dp)
     return ModelStates(n, w * n, grads, 12 * partition)

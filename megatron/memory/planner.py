@@ -1,20 +1,19 @@
-"""Every (tp, pp, dp, micro-batch, recompute, ZeRO, SP) layout that fits, ranked by a
-predicted step time.
+"""Every (tp, pp, dp, micro-batch, recompute, ZeRO, SP) layout that fits, ranked by
+predicted tokens per second per GPU at the global batch the user gives.
 
-Step time = the step's model FLOPs (the family's count; x 4/3 with full recompute) / (GPUs
-x peak x efficiency), stretched by the pipeline bubble ``(p - 1) / m``, plus communication
-at the given bandwidths, not overlapped (a conservative bound): tensor-parallel
-all-reduces (4 per layer per micro-batch, ring volume ``2 (t - 1) / t``), the
-data-parallel gradient all-reduce (ZeRO's reduce-scatter + all-gather moves the same), and
-pipeline sends (activation forward, gradient back, per micro-batch and boundary). A group
-inside one node uses the intra-node bandwidth, one that spans nodes the inter-node one.
+Memory per stage from :func:`~megatron.memory.report.predict`, held against the GPU's
+memory less a reserve (CUDA context, NCCL, allocator fragmentation). Step time from
+:mod:`.step_time`: shape-dependent GEMM efficiency, attention, elementwise traffic,
+tensor-parallel collectives, the pipeline's bubble and p2p, the data-parallel gradient
+reduction and the optimizer step, each a roofline with stated constants.
 """
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, List, Optional
 
 from .report import StageMemory, predict
-from .schedule import bubble_fraction
 from .spec import MemorySpec
+from .stages import stage_layers
+from .step_time import Device, StepTime, step_time
 
 
 @dataclass(frozen=True)
@@ -26,17 +25,52 @@ class Hardware:
     """Bytes per GPU."""
     nodes: int = 1
     peak_tflops: float = 989.0
-    """Per-GPU dense peak (H100 SXM bf16)."""
-    efficiency: float = 0.4
-    """Share of the peak the matmuls reach."""
+    """Per-GPU dense 16-bit peak (H100 SXM)."""
+    efficiency: float = 0.75
+    """Share of the peak a large GEMM reaches (:class:`~.step_time.Device`)."""
     intra_gbps: float = 450.0
-    """Intra-node bandwidth per GPU, GB/s (NVLink 4)."""
+    """Intra-node collective bandwidth per GPU, GB/s (NVLink 4)."""
     inter_gbps: float = 50.0
     """Inter-node bandwidth per GPU, GB/s (400 Gb/s InfiniBand)."""
+    hbm_gbps: float = 3350.0
+    """HBM bandwidth, GB/s (H100 SXM)."""
+    reserve: int = 0
+    """Bytes of each GPU not available to tensors (CUDA context, NCCL, fragmentation)."""
 
     @property
     def per_node(self) -> int:
         return self.gpus // self.nodes
+
+    @property
+    def usable(self) -> int:
+        """Bytes the predicted peak must stay under."""
+        return self.gpu_memory - self.reserve
+
+    def device(self) -> Device:
+        return Device(peak_tflops=self.peak_tflops, hbm_gbps=self.hbm_gbps,
+                      gemm_efficiency=self.efficiency, intra_gbps=self.intra_gbps,
+                      inter_gbps=self.inter_gbps)
+
+    @classmethod
+    def of(cls, dev: Device, gpus: int, gpu_memory: int, nodes: int = 1,
+           reserve: int = 0) -> "Hardware":
+        """A cluster of ``dev`` GPUs (e.g. :data:`~.step_time.A100`). :meth:`device` gives
+        back ``dev``: a ``dev`` whose other constants are not the defaults is refused.
+
+        Args:
+            dev: the GPU and link constants.
+            gpus: GPUs in all.
+            gpu_memory: bytes per GPU.
+            nodes: nodes (GPUs per node = gpus / nodes).
+            reserve: bytes of each GPU tensors cannot use.
+        """
+        hw = cls(gpus=gpus, gpu_memory=gpu_memory, nodes=nodes, peak_tflops=dev.peak_tflops,
+                 efficiency=dev.gemm_efficiency, intra_gbps=dev.intra_gbps,
+                 inter_gbps=dev.inter_gbps, hbm_gbps=dev.hbm_gbps, reserve=reserve)
+        if hw.device() != dev:
+            raise ValueError(f"Hardware carries the peak, HBM, link speeds and GEMM efficiency "
+                             f"of a Device, the other constants are the defaults: {dev}")
+        return hw
 
 
 @dataclass(frozen=True)
@@ -45,20 +79,39 @@ class Plan:
 
     spec: MemorySpec
     stages: List[StageMemory]
-    step_time: float
-    """Seconds."""
-    compute_time: float
-    comm_time: float
+    time: StepTime
     comm_bytes: int
     """Bytes one rank sends per step (all groups)."""
-    bubble: float
+    step_flops: float
+    """Model FLOPs of the step (no recompute)."""
+    gpus: int
+
+    @property
+    def step_time(self) -> float:
+        """Seconds."""
+        return self.time.total
+
+    @property
+    def bubble(self) -> float:
+        return self.time.bubble
+
+    @property
+    def tokens_per_gpu_s(self) -> float:
+        s = self.spec
+        tokens = s.micro_batch * s.num_micro_batches * s.dp * s.seq
+        return tokens / self.step_time / self.gpus
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (recompute not counted)."""
+        return self.step_flops / self.step_time / self.gpus / 1e12
 
     @property
     def peak(self) -> int:
         return max(s.peak for s in self.stages)
 
-    def fits(self, gpu_memory: int) -> bool:
-        return self.peak <= gpu_memory
+    def fits(self, usable: int) -> bool:
+        return self.peak <= usable
 
     def layout(self) -> str:
         s = self.spec
@@ -66,14 +119,17 @@ class Plan:
                 f"recompute={s.recompute} zero={s.zero_stage} sp={int(s.sequence_parallel)}")
 
     def to_dict(self) -> dict:
-        s = self.spec
+        s, t = self.spec, self.time
         return {"tp": s.tp, "pp": s.pp, "dp": s.dp, "micro_batch": s.micro_batch,
                 "num_micro_batches": s.num_micro_batches, "recompute": s.recompute,
                 "zero_stage": s.zero_stage, "sequence_parallel": s.sequence_parallel,
                 "peak_bytes": self.peak, "stage_peak_bytes": [x.peak for x in self.stages],
-                "step_time_s": self.step_time, "compute_time_s": self.compute_time,
-                "comm_time_s": self.comm_time, "comm_bytes": self.comm_bytes,
-                "bubble": self.bubble}
+                "step_time_s": t.total, "tokens_per_gpu_s": self.tokens_per_gpu_s,
+                "model_tflops_per_gpu": self.tflops_per_gpu,
+                "compute_time_s": t.compute, "tp_comm_time_s": t.tp_comm,
+                "pipeline_time_s": t.pp, "dp_comm_time_s": t.dp_comm,
+                "optimizer_time_s": t.optimizer, "comm_bytes": self.comm_bytes,
+                "bubble": t.bubble}
 
 
 def _divisors(n: int) -> List[int]:
@@ -84,22 +140,17 @@ def _ring(bytes_: float, n: int) -> float:
     return 2 * (n - 1) / n * bytes_ if n > 1 else 0.0
 
 
-def _comm(spec: MemorySpec, hw: Hardware, stages: List[StageMemory]):
-    """(bytes sent per rank per step, seconds) for tp, dp and pp traffic."""
+def _comm_bytes(spec: MemorySpec, stages: List[StageMemory]) -> int:
+    """Bytes one rank sends per step: tp collectives, dp gradient reduction, pp sends."""
     tokens = spec.micro_batch * (spec.seq + spec.dec_seq)
     act = tokens * spec.hidden * spec.e
     layers = spec.num_layers * (2 if spec.family == "t5" else 1) / spec.pp
-    tp_bytes = _ring(act, spec.tp) * 4 * layers * spec.num_micro_batches
+    per_layer = 4 + (1 if spec.sequence_parallel else 0)  # SP: the backward's re-gathers
+    tp_bytes = _ring(act, spec.tp) * per_layer * layers * spec.num_micro_batches
     grad_bytes = max(s.states.params for s in stages) * (4 if spec.backend == "ddp" else spec.e)
     dp_bytes = _ring(grad_bytes, spec.dp)
     pp_bytes = 2 * act / spec.tp * spec.num_micro_batches if spec.pp > 1 else 0
-
-    def bw(span: int) -> float:
-        return (hw.intra_gbps if span <= hw.per_node else hw.inter_gbps) * 1e9
-
-    seconds = (tp_bytes / bw(spec.tp) + dp_bytes / bw(spec.tp * spec.dp)
-               + pp_bytes / bw(spec.world if spec.pp > 1 else 1))
-    return int(tp_bytes + dp_bytes + pp_bytes), seconds
+    return int(tp_bytes + dp_bytes + pp_bytes)
 
 
 def evaluate(spec: MemorySpec, hw: Hardware, step_flops: float) -> Plan:
@@ -111,12 +162,10 @@ def evaluate(spec: MemorySpec, hw: Hardware, step_flops: float) -> Plan:
         step_flops: model FLOPs of one step (the family's count for the global batch).
     """
     stages = predict(spec)
-    flops = step_flops * (4 / 3 if spec.recompute == "full" else 1)
-    compute = flops / (hw.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
-    bubble = bubble_fraction(spec.pp, spec.num_micro_batches, spec.vpp)
-    compute /= 1 - bubble
-    comm_bytes, comm_time = _comm(spec, hw, stages)
-    return Plan(spec, stages, compute + comm_time, compute, comm_time, comm_bytes, bubble)
+    parts = [(x.encoder_layers, x.decoder_layers, x.head) for x in stage_layers(spec)]
+    params = max(s.states.params for s in stages)
+    time = step_time(spec, hw.device(), hw.per_node, parts, params)
+    return Plan(spec, stages, time, _comm_bytes(spec, stages), step_flops, spec.world)
 
 
 def layouts(base: MemorySpec, hw: Hardware, global_batch: int) -> Iterator[MemorySpec]:
@@ -157,7 +206,7 @@ def _variants(base, tp, pp, dp, mb, m):
 
 def plan(base: MemorySpec, hw: Hardware, global_batch: int, step_flops: float,
          keep: Optional[Callable[[MemorySpec], bool]] = None) -> List[Plan]:
-    """Layouts that fit in ``hw.gpu_memory``, fastest first.
+    """Layouts whose peak fits in ``hw.usable``, most tokens per second per GPU first.
 
     Args:
         base: the configured run (sizes, precision, dropout, attention backend).
@@ -168,6 +217,6 @@ def plan(base: MemorySpec, hw: Hardware, global_batch: int, step_flops: float,
     """
     plans = [evaluate(s, hw, step_flops) for s in layouts(base, hw, global_batch)
              if keep is None or keep(s)]
-    # equal times (ZeRO-1 moves as many bytes as DDP): the smaller peak first
-    return sorted((p for p in plans if p.fits(hw.gpu_memory)),
-                  key=lambda p: (p.step_time, p.peak))
+    # equal throughput (ZeRO-1 moves as many bytes as DDP): the smaller peak first
+    return sorted((p for p in plans if p.fits(hw.usable)),
+                  key=lambda p: (-p.tokens_per_gpu_s, p.step_time, p.peak))

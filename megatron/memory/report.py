@@ -1,12 +1,12 @@
 """The per-stage prediction: model states + in-flight activations + buffers = peak."""
 from dataclasses import asdict, dataclass
-from typing import List
+from typing import List, Optional
 
 from .activations import gpt2_stage
 from .model_states import ModelStates, model_states
-from .schedule import in_flight
+from .schedule import activation_peaks, in_flight
 from .spec import MemorySpec
-from .stages import stage_layers
+from .stages import chunk_layers, stage_layers
 from .t5_activations import t5_stage
 
 GIB = 2 ** 30
@@ -25,11 +25,17 @@ class StageMemory:
     buffers: int
     """DDP gradient buckets, pipeline output tensors held for the backward."""
     transient: int
-    """The largest short-lived working set: a recomputed group's activations, or 16-bit
-    logits next to their fp32 copy while the loss runs."""
+    """The largest short-lived working set: a recomputed group's activations, 16-bit
+    logits next to their fp32 copy while the loss runs, or under SP a re-gathered layer
+    input and its gradient in the backward."""
+    activation_peak: Optional[int] = None
+    """Interleaved: the most bytes alive at once, each chunk charged its own bytes (the
+    head and the embedding in the chunks that hold them); None: per micro-batch x count."""
 
     @property
     def activations(self) -> int:
+        if self.activation_peak is not None:
+            return self.activation_peak
         return self.activations_per_micro_batch * self.in_flight
 
     @property
@@ -49,6 +55,16 @@ def _hidden_out(spec: MemorySpec) -> int:
                                                           else 1)
 
 
+def _sp_gather(spec: MemorySpec) -> int:
+    """Under SP, a column-parallel layer's backward holds its re-gathered ``[s, b, h]`` input
+    and that input's ``[s, b, h]`` gradient before the reduce-scatter
+    (megatron/mpu/sequence_parallel_linear.py): the largest such pair."""
+    if not spec.sequence_parallel or spec.tp == 1:
+        return 0
+    s = max(spec.seq, spec.dec_seq)
+    return 2 * s * spec.micro_batch * spec.hidden * spec.e
+
+
 def predict(spec: MemorySpec) -> List[StageMemory]:
     """Predicted memory of every pipeline stage (one entry per stage).
 
@@ -60,10 +76,19 @@ def predict(spec: MemorySpec) -> List[StageMemory]:
     """
     spec.check()
     counts = in_flight(spec.pp, spec.num_micro_batches, spec.vpp)
+    stage_fn = gpt2_stage if spec.family == "gpt2" else t5_stage
+    peaks, chunks = [None] * spec.pp, None
+    if spec.vpp > 1:
+        chunks = [stage_fn(spec, c) for c in chunk_layers(spec)]
+        peaks = activation_peaks(spec.pp, spec.num_micro_batches, spec.vpp,
+                                 tuple(c.saved for c in chunks))
     out = []
-    for layers, count in zip(stage_layers(spec), counts):
+    for layers, count, peak in zip(stage_layers(spec), counts, peaks):
         states = model_states(spec, layers)
-        act = (gpt2_stage if spec.family == "gpt2" else t5_stage)(spec, layers)
+        act = stage_fn(spec, layers)
+        if chunks is not None:  # this rank's chunks: layers.stage, + pp, + 2 pp, ...
+            mine = chunks[layers.stage::spec.pp]
+            act = type(act)(sum(c.saved for c in mine), max(c.recompute_peak for c in mine))
         buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
         if spec.pp > 1 and not layers.head:
             buffers += count * _hidden_out(spec)
@@ -74,7 +99,7 @@ def predict(spec: MemorySpec) -> List[StageMemory]:
             # logits become the softmax themselves (the loss works in place)
             loss = tokens * spec.vocab // spec.tp * (spec.e if spec.e < 4 else 0)
         out.append(StageMemory(layers.stage, states, act.saved // spec.vpp, count, buffers,
-                               max(act.recompute_peak, loss)))
+                               max(act.recompute_peak, loss, _sp_gather(spec)), peak))
     return out
 
 

@@ -45,15 +45,31 @@ def stage_layers(spec: MemorySpec) -> List[StageLayers]:
     Args:
         spec: the run (family, layers, pp).
     """
+    return _partition(spec, spec.pp)
+
+
+def chunk_layers(spec: MemorySpec) -> List[StageLayers]:
+    """Each model chunk's layers under the interleaved schedule: tds's PipelineModule runs
+    DeepSpeed's partition over ``pp x vpp`` chunks, global chunk c on pipeline rank
+    ``c % pp``; the embedding is in chunk 0, the head in the last (``stage`` = chunk).
+
+    Args:
+        spec: the run (family, layers, pp, vpp).
+    """
+    return _partition(spec, spec.pp * spec.vpp)
+
+
+def _partition(spec: MemorySpec, parts_count: int) -> List[StageLayers]:
     kinds = _specs(spec)
-    if spec.pp == 1:
+    if parts_count == 1:
         parts = [0, len(kinds)]
     else:
         from tds.pipe import partition_balanced  # here: importing tds starts DeepSpeed (~1 s)
 
-        parts = partition_balanced([1 if k in ("enc", "dec") else 0 for k in kinds], spec.pp)
+        parts = partition_balanced([1 if k in ("enc", "dec") else 0 for k in kinds],
+                                   parts_count)
     out = []
-    for stage in range(spec.pp):
+    for stage in range(parts_count):
         mine = kinds[parts[stage]:parts[stage + 1]]
         out.append(StageLayers(stage=stage, embedding="embed" in mine,
                                encoder_layers=mine.count("enc"),

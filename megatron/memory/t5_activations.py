@@ -36,7 +36,7 @@ def _attention(spec: MemorySpec, shape: Shape, bias: bool) -> int:
 def _mlp(spec: MemorySpec, tokens: int) -> int:
     f, t, e = spec.ffn, spec.tp, spec.e
     inner = tokens * f // t
-    total = tokens * spec.hidden * e  # fc1 input
+    total = tokens * spec.hidden * e // sp_divisor(spec)  # fc1 input (a shard under SP)
     if spec.ff_type == "gated-gelu":
         total += 2 * inner * e + 2 * inner * e  # fused gate/linear output, GeLU, product
     else:
@@ -74,14 +74,15 @@ def t5_layer(spec: MemorySpec, decoder: bool) -> int:
     tokens = s * b
     norms = 3 if decoder else 2
     total = norms * norm_bytes(spec, tokens, stats=1)
-    total += tokens * spec.hidden * e + 3 * tokens * proj * e // t  # QKV input and output
+    c = sp_divisor(spec)  # under SP a linear layer keeps its input shard
+    total += tokens * spec.hidden * e // c + 3 * tokens * proj * e // t  # QKV in and out
     total += _attention(spec, Shape(s, s, b), bias=True)
     if decoder:
         enc_tokens = spec.seq * b
-        total += tokens * spec.hidden * e  # query input
+        total += tokens * spec.hidden * e // c  # query input
         if not cpu_math_path(spec):  # the math path keeps a scaled copy instead
             total += tokens * proj * e // t
-        total += enc_tokens * spec.hidden * e + 2 * enc_tokens * proj * e // t  # keys/values
+        total += enc_tokens * spec.hidden * e // c + 2 * enc_tokens * proj * e // t  # k, v
         total += _attention(spec, Shape(s, spec.seq, b), bias=False)
     total += _mlp(spec, tokens)
     total += _residual_dropouts(spec, tokens, norms)

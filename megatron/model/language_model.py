@@ -60,13 +60,14 @@ def parallel_lm_logits(hidden, word_embeddings_weight, parallel_output, bias=Non
         true_vocab_size: logits of ids at or beyond it (vocabulary padding) are -inf, so
             they take no probability in the loss, in evaluation or in sampling.
         sequence_parallel: ``hidden`` is this rank's ``[s/tp, b, h]``: all-gather it (the
-            gradient is reduce-scattered back) instead of ``f``.
+            gradient is reduce-scattered back) instead of ``f``, keeping only the shard
+            for the backward.
     """
-    if sequence_parallel:
-        hidden = mpu.gather_from_sequence_parallel_region(hidden, True)  # [s, b, h]
+    if sequence_parallel:  # [s/tp, b, h] -> [s, b, v/tp]; only the shard is saved
+        logits = mpu.linear_with_sequence_parallel_gather(hidden, word_embeddings_weight, bias)
     else:
         hidden = mpu.copy_to_tensor_model_parallel_region(hidden)
-    logits = F.linear(hidden, word_embeddings_weight, bias)
+        logits = F.linear(hidden, word_embeddings_weight, bias)
     # In place on the matmul output (linear does not save it), last partition only.
     mpu.mask_padded_vocab_logits_(logits, true_vocab_size)
     if parallel_output:

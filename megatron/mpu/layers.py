@@ -20,11 +20,11 @@ from .mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from .sequence_parallel import (
-    gather_from_sequence_parallel_region,
     mark_sequence_parallel,
     reduce_scatter_to_sequence_parallel_region,
     sequence_parallel_param,
 )
+from .sequence_parallel_linear import linear_with_sequence_parallel_gather
 from .utils import VocabUtility, divide, get_device
 
 #: ``init_method(tensor)``: fills a full (master) weight in place.
@@ -161,7 +161,9 @@ class ColumnParallelLinear(nn.Module):
         keep_master_weight_for_test: keep the full weight as ``self.master_weight``.
         skip_bias_add: return the bias instead of adding it (for fusing it later).
         sequence_parallel: the input is this rank's part of the sequence ``[s/tp, ...]``:
-            all-gather it along dim 0 (reduce-scatter of its gradient) instead of ``f``.
+            all-gather it along dim 0 (reduce-scatter of its gradient) instead of ``f``;
+            only the shard is saved for the backward, which all-gathers it again
+            (:mod:`.sequence_parallel_linear`).
         params_dtype, device, group, perform_initialization: as in VocabParallelEmbedding.
 
     Returns (forward):
@@ -202,12 +204,13 @@ class ColumnParallelLinear(nn.Module):
 
     # [*, in] -> [*, out] or [*, out/tp]; SP: [s/tp, ...] -> [s, ...]
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if self.sequence_parallel:
-            input_parallel = gather_from_sequence_parallel_region(input_, True, self.group)
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel:  # all-gathered here and again in the backward
+            output_parallel = linear_with_sequence_parallel_gather(input_, self.weight, bias,
+                                                                   self.group)
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, self.group)
-        bias = None if self.skip_bias_add else self.bias
-        output_parallel = F.linear(input_parallel, self.weight, bias)
+            output_parallel = F.linear(input_parallel, self.weight, bias)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel, self.group)
         else:

@@ -12,9 +12,10 @@ ranks instead of replicated. The paper's conjugate operators replace Megatron's 
 - :func:`scatter_to_sequence_parallel_region` (after the embedding): keep this rank's slice
   forward, all-gather backward.
 
-An all-reduce is a reduce-scatter followed by an all-gather, so the communicated volume is
-the same as without sequence parallelism. Every function is the identity when the group has
-one rank. Names and semantics follow Megatron-LM's ``tensor_parallel.mappings``.
+An all-reduce is a reduce-scatter followed by an all-gather, so the forward moves as much as
+without sequence parallelism; a column-parallel layer's backward all-gathers its saved input
+shard once more (megatron/mpu/sequence_parallel_linear.py). Every function is the identity
+when the group has one rank. Names and semantics follow Megatron-LM's ``tensor_parallel.mappings``.
 """
 import torch
 import torch.distributed as dist

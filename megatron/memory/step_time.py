@@ -1,0 +1,207 @@
+"""Predicted time of one training step of a layout, term by term.
+
+Every term is a roofline with stated constants (docs/memory.md, "Step time"):
+
+- **GEMMs**: ``2 M N K`` FLOPs at ``peak x gemm_efficiency x sat(M) sat(N) sat(K)``, with
+  ``sat(d) = d / (d + gemm_half)``: a thin dimension (few tokens in a micro-batch, a narrow
+  tensor-parallel shard) leaves tensor cores idle; never faster than moving the operands
+  through HBM, never shorter than ``kernel_floor``. Backward = 2 x forward (input and
+  weight gradients); full recompute runs the forward once more.
+- **Attention** (scores and context): ``4 b s^2 P / t`` FLOPs forward at ``attention_efficiency``.
+- **Elementwise** (norms, dropouts, residuals, GeLU, bias adds): bytes moved at HBM speed;
+  the unfused attention path also moves its ``[b, a/t, s, s]`` scores and probabilities
+  (written, softmax, dropout, read by the context bmm) through HBM, which SDPA does not.
+- **Tensor parallel**: per layer 2 all-reduces forward and 2 backward (ring
+  ``2 (t - 1) / t`` of ``s b h e``); under SP reduce-scatters and all-gathers of the same
+  total plus the backward's re-gather of the QKV / fc1 input shards; not overlapped.
+- **Pipeline**: ``m x`` the slowest stage's micro-batch time + one pass of every other
+  stage ``/ v`` (the bubble: Narayanan et al.'s ``(p - 1) / v`` stage passes interleaved),
+  each micro-batch paying its p2p sends.
+- **Data parallel**: the gradient ring all-reduce (ZeRO: reduce-scatter + all-gather, the
+  same volume); torch DDP overlaps it with the last backward, the engine does not.
+- **Optimizer**: the Adam step's bytes (weights, gradients, moments, masters) at HBM speed.
+"""
+from dataclasses import dataclass
+from typing import List
+
+from .spec import MemorySpec
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU and its links: the constants of the roofline."""
+
+    peak_tflops: float = 989.0
+    """Dense 16-bit tensor-core peak (H100 SXM; A100: 312)."""
+    hbm_gbps: float = 3350.0
+    """HBM bandwidth, GB/s (H100 SXM; A100 80GB: 2039)."""
+    gemm_efficiency: float = 0.75
+    """Share of the peak a large GEMM reaches."""
+    gemm_half: int = 64
+    """A GEMM dimension of this size runs at half speed (one tensor-core tile)."""
+    attention_efficiency: float = 0.5
+    hbm_efficiency: float = 0.8
+    kernel_floor_s: float = 5e-6
+    """Shortest kernel (launch latency)."""
+    intra_gbps: float = 450.0
+    """Collective bus bandwidth inside a node, GB/s (NVLink 4)."""
+    inter_gbps: float = 50.0
+    """Per GPU across nodes, GB/s (400 Gb/s InfiniBand)."""
+    latency_s: float = 10e-6
+    """Fixed cost of one collective or p2p message."""
+
+
+#: NVIDIA H100 SXM on NDR InfiniBand (the :class:`Device` defaults).
+H100 = Device()
+#: NVIDIA A100 SXM 80GB in a DGX A100 (Selene): 312 TFLOP/s dense fp16/bf16, HBM2e 2039 GB/s,
+#: NVLink 3 600 GB/s bidirectional (300 per direction), one 200 Gb/s HDR InfiniBand adapter
+#: per GPU (25 GB/s per direction). Only hardware facts differ from :data:`H100`.
+A100 = Device(peak_tflops=312.0, hbm_gbps=2039.0, intra_gbps=300.0, inter_gbps=25.0)
+
+
+def _sat(d: float, half: int) -> float:
+    return d / (d + half)
+
+
+def gemm_time(m: int, n: int, k: int, e: int, dev: Device) -> float:
+    """Seconds of one ``[m, k] x [k, n]`` GEMM, forward only.
+
+    Args:
+        m, n, k: the GEMM's sizes.
+        e: bytes per element.
+        dev: the device constants.
+    """
+    eff = dev.gemm_efficiency * _sat(m, dev.gemm_half) * _sat(n, dev.gemm_half) \
+        * _sat(k, dev.gemm_half)
+    compute = 2.0 * m * n * k / (dev.peak_tflops * 1e12 * eff)
+    memory = (m * k + k * n + m * n) * e / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
+    return max(compute, memory, dev.kernel_floor_s)
+
+
+def _collective(bytes_: float, n: int, bw_gbps: float, dev: Device, ring: float) -> float:
+    """One collective over ``n`` ranks moving ``ring x bytes`` per rank."""
+    if n <= 1:
+        return 0.0
+    return ring * (n - 1) / n * bytes_ / (bw_gbps * 1e9) + dev.latency_s
+
+
+def _bw(span: int, per_node: int, dev: Device) -> float:
+    return dev.intra_gbps if span <= per_node else dev.inter_gbps
+
+
+def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int, cross: bool) -> float:
+    """Compute seconds of one layer's forward on one rank (one micro-batch)."""
+    h, t, e, f = spec.hidden, spec.tp, spec.e, spec.ffn
+    proj = spec.heads * spec.kv_channels
+    gated = 2 if spec.family == "t5" and spec.ff_type == "gated-gelu" else 1
+    b = spec.micro_batch
+    time = gemm_time(tokens, 3 * proj // t, h, e, dev) + gemm_time(tokens, h, proj // t, e, dev)
+    time += gemm_time(tokens, gated * f // t, h, e, dev) + gemm_time(tokens, h, f // t, e, dev)
+    sq = tokens // b
+    attn = 4.0 * b * sq * sq * proj / t
+    if cross:  # decoder: cross-attention's projections and core
+        enc = s_kv * b
+        time += gemm_time(tokens, proj // t, h, e, dev) + gemm_time(enc, 2 * proj // t, h, e, dev)
+        time += gemm_time(tokens, h, proj // t, e, dev)
+        attn += 4.0 * b * sq * s_kv * proj / t
+    time += attn / (dev.peak_tflops * 1e12 * dev.attention_efficiency)
+    c = t if spec.sequence_parallel else 1
+    elementwise = tokens * e * (16 * h / c + 4 * f / t)  # norms, dropouts, residuals, GeLU
+    elementwise += _score_bytes(spec, sq, sq) + (_score_bytes(spec, sq, s_kv) if cross else 0)
+    return time + elementwise / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
+
+
+def _score_bytes(spec: MemorySpec, sq: int, skv: int) -> float:
+    """HBM bytes of the unfused attention's ``[b, a/t, sq, skv]`` tensors, forward: the
+    scores written, the fused softmax's read and write, attention dropout's read, write and
+    1-byte mask, the context bmm's read. SDPA keeps them in on-chip memory: none."""
+    if spec.attention != "unfused":
+        return 0.0
+    e = spec.e
+    per = e + 2 * e + e + (2 * e + 1 if spec.attention_dropout > 0 else 0)
+    return spec.micro_batch * spec.heads / spec.tp * sq * skv * per
+
+
+def _tp_comm(spec: MemorySpec, dev: Device, tokens: int, per_node: int) -> float:
+    """Forward + backward tensor-parallel communication of one layer, one micro-batch."""
+    act = tokens * spec.hidden * spec.e
+    bw = _bw(spec.tp, per_node, dev)
+    one = _collective(act, spec.tp, bw, dev, ring=2.0)  # an all-reduce (= RS + AG)
+    total = 4 * one
+    if spec.sequence_parallel:  # the backward all-gathers the QKV and fc1 input shards
+        total += 2 * _collective(act, spec.tp, bw, dev, ring=1.0)
+    return total
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step and its parts."""
+
+    total: float
+    compute: float
+    """The slowest stage's forward + backward (+ recompute) of all its micro-batches."""
+    tp_comm: float
+    pp: float
+    """Bubble and p2p on top of the steady state."""
+    dp_comm: float
+    optimizer: float
+    bubble: float
+    """Idle share of the pipeline part."""
+
+
+def _stage_times(spec: MemorySpec, dev: Device, layers_per_stage: List[tuple],
+                 per_node: int):
+    """Per stage: (compute, tp comm) seconds of one micro-batch, forward + backward."""
+    b = spec.micro_batch
+    out = []
+    passes = 4 if spec.recompute == "full" else 3  # forward, 2 x backward (+ recompute)
+    for enc, dec, head in layers_per_stage:
+        comp = comm = 0.0
+        for n, tokens, s_kv, cross in ((enc, spec.seq * b, spec.seq, False),
+                                       (dec, spec.dec_seq * b, spec.seq, True)):
+            if n:
+                comp += n * passes * _layer_forward(spec, dev, tokens, s_kv, cross)
+                tp = _tp_comm(spec, dev, tokens, per_node)
+                comm += n * tp * (1.5 if spec.recompute == "full" else 1)
+        if head:
+            tokens = (spec.dec_seq if spec.family == "t5" else spec.seq) * b
+            comp += 3 * gemm_time(tokens, spec.vocab // spec.tp, spec.hidden, spec.e, dev)
+        out.append((comp, comm))
+    return out
+
+
+def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: List[tuple],
+              params_per_rank: int) -> StepTime:
+    """Predicted seconds of one step of ``spec`` (see the module docstring).
+
+    Args:
+        spec: the layout.
+        dev: device and link constants.
+        per_node: GPUs per node.
+        layers_per_stage: per pipeline stage ``(encoder layers, decoder layers, has head)``.
+        params_per_rank: parameters the most loaded rank holds (gradients and optimizer).
+    """
+    m, p, v = spec.num_micro_batches, spec.pp, spec.vpp
+    stages = _stage_times(spec, dev, layers_per_stage, per_node)
+    per_mb = [c + t for c, t in stages]
+    p2p = 0.0
+    if p > 1:
+        act = spec.micro_batch * (spec.seq + spec.dec_seq) * spec.hidden * spec.e / spec.tp
+        span = spec.tp * spec.dp + 1  # neighbouring stages are tp x dp ranks apart
+        p2p = 2 * v * (act / (_bw(span, per_node, dev) * 1e9) + dev.latency_s)
+    slowest = max(per_mb) + p2p
+    # m passes of the slowest stage + the fill and drain: the other stages once, in chunks
+    # of 1/v (interleaved: (p - 1) / v of a stage; 1F1B, v = 1: (m - 1) slowest + all)
+    pipeline = m * slowest + (sum(per_mb) + p * p2p - slowest) / v
+    bubble = 1 - m * slowest / pipeline if pipeline else 0.0
+    grad_bytes = params_per_rank * (4 if spec.backend == "ddp" else spec.e)
+    dp_bw = _bw(spec.tp * spec.dp, per_node, dev)
+    dp = _collective(grad_bytes, spec.dp, dp_bw, dev, ring=2.0)
+    if spec.backend == "ddp" and spec.pp == 1:  # buckets overlap the last backward
+        dp = max(0.0, dp - stages[0][0] * 2 / (4 if spec.recompute == "full" else 3))
+    adam_bytes = 16 + 12 if spec.e == 4 else 2 + 16 + 12 + 2  # read p g m v, write p m v
+    shard = spec.dp if spec.zero_stage else 1
+    opt = params_per_rank * adam_bytes / shard / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
+    idx = per_mb.index(max(per_mb))
+    return StepTime(pipeline + dp + opt, m * stages[idx][0], m * stages[idx][1],
+                    pipeline - m * per_mb[idx], dp, opt, bubble)
