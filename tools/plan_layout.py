@@ -32,7 +32,9 @@ def parse_bytes(text: str) -> int:
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="a run config YAML (configs/)")
-    p.add_argument("--family", default="gpt2", choices=["gpt2", "t5"])
+    p.add_argument("--family", default="gpt2",
+                   help="a registered model family with a memory model (gpt2, t5, or one "
+                        "registered by megatron.families.register)")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB")
     p.add_argument("--nodes", type=int, default=None, help="default: gpus / 8")
@@ -69,6 +71,10 @@ def _base(args):
     from megatron.memory.spec import spec_from_run_config
 
     family = get_family(args.family)
+    if family.memory_model is None:
+        raise ConfigError(f"family {family.name!r} has no memory model, so no layout can be "
+                          f"planned for it; set its memory_model ('gpt2' for a decoder-only "
+                          f"transformer) to describe it (docs/memory.md)")
     argv = ["--config", args.config, "--lr", "1e-4", "--train-iters", "1"]
     cfg, _ = build_run_config(argv, family, world_size=args.gpus, rank=0, check_files=False,
                               accelerator=_PlannedGPU())

@@ -8,8 +8,9 @@ from .. import mpu
 from ..checkpoint import gpt2_keys, megatron_lm
 from ..checkpoint_conversion import hf_gpt2
 from ..model.language_model import masked_lm_loss
+from ..model.transformer import ParallelTransformerLayer
 from ..model.utils import get_ltor_masks_and_position_ids
-from .base import ModelFamily, pipeline_topology, transformer_kwargs
+from .base import FEATURES, ModelFamily, pipeline_topology, transformer_kwargs
 
 
 def model_config(cfg: Any, dropout: bool = True) -> Any:
@@ -97,4 +98,6 @@ FAMILY = ModelFamily(
     name="gpt2", add_flags=_add_flags, model_config=model_config, build_model=build_model,
     build_datasets=build_datasets, flops_per_step=flops_per_step, make_batch_fn=make_batch_fn,
     loss_fn=masked_lm_loss, keys=gpt2_keys, hf=hf_gpt2, foreign_checkpoints=(megatron_lm,),
-    flag_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    flag_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    compile_classes=(ParallelTransformerLayer,), supports=frozenset(FEATURES),
+    memory_model="gpt2")

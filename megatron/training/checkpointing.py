@@ -23,7 +23,6 @@ from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker:
 from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs, weights_for_run
 from ..config import args_to_dict
 from ..errors import CheckpointError, MegatronError
-from ..families import get_family
 from ..utils import print_rank_0, raise_if_any_rank_failed, warn_rank_0
 
 
@@ -232,7 +231,7 @@ def _engine_counters(state, cfg):
 def _foreign_format(cfg):
     """The run's model family's foreign checkpoint format the ``--load`` folder holds, or
     None (a native checkpoint, or a family with none)."""
-    family = get_family(getattr(cfg, "family", None))
+    family = getattr(cfg, "model_family", None)  # the run's object: no lookup by name
     for fmt in getattr(family, "foreign_checkpoints", ()):
         if fmt.detect(cfg.checkpoint.load):
             return fmt
