@@ -68,6 +68,8 @@ def _main_state(iteration, backend, cfg, train_state, rng_states):
     state = {
         "format": CHECKPOINT_FORMAT, "iteration": iteration, "args": args_to_dict(cfg),
         "model": backend.module().state_dict(),
+        # how each tensor is split (megatron.checkpoint.sharding): layout change reads it
+        "sharding": _sharding_record(backend.module()), "family": cfg.family,
         "rng_state": rng_states,
         "consumed_train_samples": train_state.consumed_train_samples,
         "consumed_valid_samples": train_state.consumed_valid_samples,
@@ -83,6 +85,13 @@ def _main_state(iteration, backend, cfg, train_state, rng_states):
     if counters:
         state["engine"] = counters
     return state
+
+
+def _sharding_record(module):
+    from ..checkpoint.sharding import pipeline_chunk_of, sharding_record
+
+    return sharding_record(module, mpu.get_pipeline_model_parallel_rank(),
+                           pipeline_chunk_of(module))
 
 
 def _write_file(path, state):
@@ -191,7 +200,8 @@ def _load_optimizer(backend, state, cfg, iteration):
 
 def _load_at_new_layout(backend, cfg, iteration, load_optim):
     """Another tp or pp: this rank's slice of the whole checkpoint (megatron.checkpoint)."""
-    rank = read_at_new_layout(cfg.checkpoint.load, iteration, cfg, load_optim)
+    rank = read_at_new_layout(cfg.checkpoint.load, iteration, cfg, load_optim,
+                              own=_sharding_record(backend.module()))
     backend.module().load_state_dict(rank.model)
     if rank.optimizer is not None:
         backend.state_io.load_named(rank.optimizer)

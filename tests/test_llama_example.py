@@ -1,0 +1,48 @@
+"""The Llama example (examples/llama/llama_model.py) trained by pretrain(): every layout
+equals the serial run, and a checkpoint saved at one layout resumes at another, moved by the
+sharding the checkpoint records (the example has no key map)."""
+import os
+
+import pytest
+
+from harness import run_distributed
+from llama_runs import llama_argv, train_llama
+
+STEPS, AT = 8, 4
+#: name -> (tp, pp, vpp, dp, extra flags)
+LAYOUTS = {
+    "tp2": (2, 1, 1, 1, ()),
+    "pp2 dp2": (1, 2, 1, 2, ()),
+    "pp2 v2": (1, 2, 2, 1, ()),
+    "tp2 pp2 sp recompute": (2, 2, 1, 1, ("--sequence-parallel", "--checkpoint-activations")),
+}
+
+
+def _relative(a, b):
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _run(data, layout, *extra):
+    tp, pp, vpp, dp, flags = LAYOUTS[layout]
+    ranks = run_distributed(train_llama, tp * pp * dp,
+                            llama_argv(data, tp, pp, *flags, *extra, vpp=vpp, steps=STEPS),
+                            timeout=300)
+    return ranks[-1]
+
+
+@pytest.mark.slow
+def test_every_layout_equals_serial_and_resumes_at_another(gpt2_data, tmp_path):
+    (serial,) = run_distributed(train_llama, 1, llama_argv(gpt2_data, 1, 1, steps=STEPS),
+                                timeout=300)
+    names = list(LAYOUTS)
+    for name in names:
+        ckpt = str(tmp_path / name.replace(" ", "_"))
+        losses = _run(gpt2_data, name, "--save", ckpt, "--save-interval", str(AT))
+        assert _relative(losses, serial) < 1e-5, (name, losses, serial)
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as handle:
+            handle.write(str(AT))  # resume from the step-4 checkpoint
+    for i, saved in enumerate(names):
+        at = names[(i + 1) % len(names)]
+        resumed = _run(gpt2_data, at, "--load", str(tmp_path / saved.replace(" ", "_")))
+        assert _relative(resumed, serial[AT:]) < 1e-5, (saved, at, resumed, serial[AT:])
