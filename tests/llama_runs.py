@@ -27,3 +27,69 @@ def train_llama(argv, family=None):
     from megatron.training import pretrain
 
     return pretrain(family=family or LLAMA, argv=argv).losses
+
+
+def _gather_full(model, true_vocab):
+    """Whole tensors of a tensor-parallel model (every rank's shards, by their record)."""
+    import torch.distributed as dist
+
+    from megatron import mpu
+    from megatron.checkpoint.sharding import merge_recorded, sharding_record
+
+    mine = (model.state_dict(), sharding_record(model))
+    every = [None] * mpu.get_tensor_model_parallel_world_size()
+    dist.all_gather_object(every, mine, group=mpu.get_tensor_model_parallel_group())
+    return merge_recorded({(t, 0): sd for t, (sd, _) in enumerate(every)},
+                          {(t, 0): rec for t, (_, rec) in enumerate(every)}, true_vocab, "model")
+
+
+def hf_logit_errors(seed):
+    """Rank body (2 ranks): ``{tp: errors}`` for tp 1 and 2 (:func:`_hf_errors_at`)."""
+    from megatron import mpu
+
+    out = {}
+    for tp in (1, 2):
+        out[tp] = _hf_errors_at(tp, seed)
+        mpu.destroy_model_parallel()
+    return out
+
+
+def _hf_errors_at(tp, seed):
+    """Largest |logit| difference (ours vs transformers' LlamaForCausalLM) with HF's random
+    weights loaded into ours at ``tp``, and with ours written out to HF; the logits' scale."""
+    import dataclasses
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from llama_model import LlamaConfig, LlamaModel, from_hf, hf_config, to_hf
+    from megatron import mpu
+    from megatron.checkpoint.sharding import sharding_record, slice_recorded
+    from megatron.model.utils import causal_attention_mask
+
+    mpu.initialize_model_parallel(tp, 1)
+    vocab = 100
+    config = LlamaConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, ffn_hidden_size=48, vocab_size=128,
+                         true_vocab_size=vocab, rope_theta=5000.0, seed=seed)
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, vocab, (2, 16))
+    mask = causal_attention_mask(16, tokens.device)
+
+    def ours(model):
+        logits = model(tokens, None, mask)  # [b, s, v/tp]
+        return mpu.gather_from_tensor_model_parallel_region(logits.contiguous())[..., :vocab]
+
+    hf = LlamaForCausalLM(hf_config(config)).eval()  # the same random weights on each rank
+    model = LlamaModel(config).eval()
+    model.load_state_dict(slice_recorded(from_hf(hf.state_dict(), config),
+                                         sharding_record(model), tp,
+                                         mpu.get_tensor_model_parallel_rank(), 128, "hf"))
+    with torch.no_grad():
+        into_ours = (ours(model) - hf(tokens).logits).abs().max().item()
+        mine = LlamaModel(dataclasses.replace(config, seed=seed + 1)).eval()  # ours, fresh
+        back = LlamaForCausalLM(hf_config(config)).eval()
+        back.load_state_dict(to_hf(_gather_full(mine, vocab), config))
+        into_hf = (ours(mine) - back(tokens).logits).abs().max().item()
+        scale = hf(tokens).logits.abs().max().item()
+    return into_ours, into_hf, scale

@@ -46,3 +46,14 @@ def test_every_layout_equals_serial_and_resumes_at_another(gpt2_data, tmp_path):
         at = names[(i + 1) % len(names)]
         resumed = _run(gpt2_data, at, "--load", str(tmp_path / saved.replace(" ", "_")))
         assert _relative(resumed, serial[AT:]) < 1e-5, (saved, at, resumed, serial[AT:])
+
+
+def test_logits_equal_transformers_llama_both_ways_at_tp_1_and_2(seed):
+    pytest.importorskip("transformers")
+    from llama_runs import hf_logit_errors
+
+    for per_tp in run_distributed(hf_logit_errors, 2, seed, timeout=180):
+        assert sorted(per_tp) == [1, 2]
+        for tp, (into_ours, into_hf, scale) in per_tp.items():
+            assert scale > 0.1  # logits of random weights, not zeros
+            assert into_ours < 1e-5 and into_hf < 1e-5, (tp, into_ours, into_hf)

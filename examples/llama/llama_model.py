@@ -204,6 +204,56 @@ def pipeline_model(config: LlamaConfig, num_virtual_stages: int = 1):
     return model
 
 
+# ---------------------------------------------------------------- Hugging Face Llama
+#: per-layer tensors: our name -> transformers' LlamaForCausalLM name (``model.layers.{i}.``)
+_HF_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
+             "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+             **{f"{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"},
+             **{f"{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
+
+
+def _hf_names(config: LlamaConfig) -> dict:
+    """Our full-model key -> transformers' key."""
+    last = config.num_layers + 1
+    names = {"0.embed_tokens.weight": "model.embed_tokens.weight",
+             f"{last}.norm.weight": "model.norm.weight",
+             f"{last + 1}.lm_head.weight": "lm_head.weight"}
+    for i in range(config.num_layers):
+        names.update({f"{i + 1}.{ours}": f"model.layers.{i}.{theirs}"
+                      for ours, theirs in _HF_LAYER.items()})
+    return names
+
+
+def hf_config(config: LlamaConfig, max_positions: int = 2048):
+    """transformers' ``LlamaConfig`` of the same model (real vocabulary, no padding)."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    return HFLlamaConfig(
+        vocab_size=config.true_vocab_size or config.vocab_size,
+        hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu")
+
+
+def to_hf(full: dict, config: LlamaConfig) -> dict:
+    """Whole tensors (ours: :func:`megatron.checkpoint.sharding.merge_recorded`, vocabulary
+    rows unpadded) -> a ``LlamaForCausalLM`` state dict. RoPE is in the same "rotate half"
+    layout, so q and k need no permutation."""
+    vocab = config.true_vocab_size or config.vocab_size
+    out = {theirs: full[ours] for ours, theirs in _hf_names(config).items()}
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        out[key] = out[key][:vocab]
+    return out
+
+
+def from_hf(state: dict, config: LlamaConfig) -> dict:
+    """A ``LlamaForCausalLM`` state dict -> our whole tensors (vocabulary unpadded: cut
+    them for a layout with :func:`megatron.checkpoint.sharding.slice_recorded`)."""
+    return {ours: state[theirs] for ours, theirs in _hf_names(config).items()}
+
+
 # ---------------------------------------------------------------- the model family
 def add_flags(parser):
     g = parser.add_argument_group("llama")
