@@ -93,3 +93,26 @@ def _hf_errors_at(tp, seed):
         into_hf = (ours(mine) - back(tokens).logits).abs().max().item()
         scale = hf(tokens).logits.abs().max().item()
     return into_ours, into_hf, scale
+
+
+def compile_counts(seed):
+    """Rank body: layers ``compile_layers`` compiles in the example's serial model (its
+    family's classes), and dynamo's graphs / breaks for one of them."""
+    import torch
+
+    from llama_model import LLAMA, LlamaConfig, LlamaModel
+    from megatron import mpu
+    from megatron.model.compile import compile_layers
+    from megatron.model.utils import causal_attention_mask
+
+    mpu.initialize_model_parallel(1, 1)
+    config = LlamaConfig(num_layers=3, hidden_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, ffn_hidden_size=48, vocab_size=64, seed=seed)
+    model = LlamaModel(config)
+    compiled = compile_layers(model, LLAMA.compile_classes, backend="eager")
+    layer = getattr(model, "1")
+    hidden = torch.randn(16, 2, 32, requires_grad=True)  # [s, b, h]
+    torch._dynamo.reset()
+    result = torch._dynamo.explain(layer._orig_mod if hasattr(layer, "_orig_mod") else
+                                   layer.forward)((hidden, causal_attention_mask(16, None)))
+    return compiled, result.graph_count, result.graph_break_count

@@ -57,3 +57,10 @@ def test_logits_equal_transformers_llama_both_ways_at_tp_1_and_2(seed):
         for tp, (into_ours, into_hf, scale) in per_tp.items():
             assert scale > 0.1  # logits of random weights, not zeros
             assert into_ours < 1e-5 and into_hf < 1e-5, (tp, into_ours, into_hf)
+
+
+def test_compile_takes_the_familys_layers_one_graph_each(seed):
+    from llama_runs import compile_counts
+
+    ((compiled, graphs, breaks),) = run_distributed(compile_counts, 1, seed, timeout=180)
+    assert (compiled, graphs, breaks) == (3, 1, 0)
