@@ -62,7 +62,8 @@ def _hf_errors_at(tp, seed):
     import torch
     from transformers import LlamaForCausalLM
 
-    from llama_model import LlamaConfig, LlamaModel, from_hf, hf_config, to_hf
+    from llama_model import (LlamaConfig, LlamaModel, from_hf, generate_greedy, hf_config,
+                             to_hf)
     from megatron import mpu
     from megatron.checkpoint.sharding import sharding_record, slice_recorded
     from megatron.model.utils import causal_attention_mask
@@ -92,7 +93,10 @@ def _hf_errors_at(tp, seed):
         back.load_state_dict(to_hf(_gather_full(mine, vocab), config))
         into_hf = (ours(mine) - back(tokens).logits).abs().max().item()
         scale = hf(tokens).logits.abs().max().item()
-    return into_ours, into_hf, scale
+        prompt = tokens[:, :6]
+        theirs = hf.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        same_text = torch.equal(generate_greedy(model, prompt, 8), theirs)
+    return into_ours, into_hf, scale, same_text
 
 
 def compile_counts(seed):

@@ -63,15 +63,16 @@ def test_every_layout_equals_serial_and_resumes_at_another(gpt2_data, tmp_path):
         assert _relative(resumed, serial[AT:]) < 1e-5, (saved, at, resumed, serial[AT:])
 
 
-def test_logits_equal_transformers_llama_both_ways_at_tp_1_and_2(seed):
+def test_logits_and_generation_equal_transformers_llama_at_tp_1_and_2(seed):
     pytest.importorskip("transformers")
     from llama_runs import hf_logit_errors
 
     for per_tp in run_distributed(hf_logit_errors, 2, seed, timeout=180):
         assert sorted(per_tp) == [1, 2]
-        for tp, (into_ours, into_hf, scale) in per_tp.items():
+        for tp, (into_ours, into_hf, scale, same_text) in per_tp.items():
             assert scale > 0.1  # logits of random weights, not zeros
             assert into_ours < 1e-5 and into_hf < 1e-5, (tp, into_ours, into_hf)
+            assert same_text, tp  # greedy generation: the same 8 tokens as HF's generate
 
 
 def test_compile_takes_the_familys_layers_one_graph_each(seed):

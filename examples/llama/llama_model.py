@@ -204,6 +204,29 @@ def pipeline_model(config: LlamaConfig, num_virtual_stages: int = 1):
     return model
 
 
+@torch.no_grad()
+def generate_greedy(model: LlamaModel, tokens: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding with the serial model at any tensor-parallel size (the whole prefix
+    is recomputed each step: an example, not a server).
+
+    Args:
+        model: a :class:`LlamaModel` (in eval mode).
+        tokens: the prompts, ``[b, s]``.
+        new_tokens: how many tokens to append.
+
+    Returns:
+        ``[b, s + new_tokens]``.
+    """
+    from megatron.model.utils import causal_attention_mask
+
+    for _ in range(new_tokens):
+        mask = causal_attention_mask(tokens.shape[1], tokens.device)
+        logits = model(tokens, None, mask)[:, -1].contiguous()  # [b, v/tp], padding -inf
+        logits = mpu.gather_from_tensor_model_parallel_region(logits)  # [b, v]
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
 # ---------------------------------------------------------------- Hugging Face Llama
 #: per-layer tensors: our name -> transformers' LlamaForCausalLM name (``model.layers.{i}.``)
 _HF_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
