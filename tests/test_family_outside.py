@@ -113,3 +113,35 @@ def _logs_its_flops(losses, log):
     for t, f, m in zip(ms, tflops, mfu):
         assert f == pytest.approx(FLOPS / (t / 1e3) / 1e12, rel=0.05)  # its own count (ms printed to 0.1)
         assert m == pytest.approx(f, abs=0.06)  # percent of --peak-tflops 100
+
+
+def test_names_go_through_the_registry_and_plan_layout_says_there_is_no_memory_model():
+    from megatron.errors import ConfigError
+    from megatron.families import get_family, register
+
+    with pytest.raises(ConfigError, match=r"megatron.families.register\('mine_unregistered'"):
+        get_family("mine_unregistered")
+    from megatron import families
+
+    register("mine", lambda: _family())
+    try:
+        assert get_family("mine").flops_per_step is my_flops
+        _plan_mine()
+    finally:
+        families._FACTORIES.pop("mine")
+
+
+def _plan_mine():
+    import importlib.util
+    import os
+
+    from megatron.errors import ConfigError
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("plan_layout",
+                                                  os.path.join(root, "tools", "plan_layout.py"))
+    plan_layout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_layout)
+    with pytest.raises(ConfigError, match="family 'mine' has no memory model"):
+        plan_layout.main(["--config", os.path.join(root, "configs", "gpt2", "gpt2_124m.yaml"),
+                          "--family", "mine", "--gpus", "8"])
