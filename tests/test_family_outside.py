@@ -77,6 +77,8 @@ def outside_family_runs(data, ckpt):
     runs["resume"] = _captured(argv(6, "--load", ckpt), _family())
     runs["theta"] = _captured(argv(6, "--load", ckpt, "--rope-theta", "500000"), _family())
     runs["recompute"] = _captured(argv(2, "--checkpoint-activations"), _family())
+    runs["other family"] = _captured(argv(6, "--load", ckpt), dataclasses.replace(
+        _family(), name="llama"))
     runs["compile"] = _captured(argv(1, "--compile"), _family(compile_classes=()))
     runs["provider"] = _captured(argv(4), flops_per_step=my_flops, **_providers())
     runs["provider n/a"] = _captured(argv(4), **_providers())
@@ -97,6 +99,8 @@ def test_a_family_from_a_test_file_is_first_class(gpt2_data, tmp_path):
     assert len(losses) == 2 and "loaded checkpoint" in log, log  # its own checkpoint
     message, _ = runs["theta"]
     assert "rope_theta: checkpoint 10000.0, flags 500000.0" in message
+    message, _ = runs["other family"]
+    assert "holds a 'mine' model but this run trains 'llama'" in message
     message, log = runs["recompute"]
     assert "--checkpoint-activations is not supported by the 'mine' model family" in message
     assert "iteration" not in log  # refused before any step

@@ -249,6 +249,11 @@ def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
             cannot move (see the module docstring).
     """
     states, saved, folder = _rank_states(root, iteration)
+    family = states[(0, 0)].get("family")
+    if family and cfg.family and family != cfg.family:
+        raise CheckpointError(f"checkpoint {folder} holds a {family!r} model but this run "
+                              f"trains {cfg.family!r}; point --load at a {cfg.family!r} "
+                              f"checkpoint")
     check_compatible(saved, cfg, folder, ignore=LAYOUT_KEYS)
     true_vocab = resolve_true_vocab_size(saved, cfg.model.true_vocab_size)
     _check_vocab(saved, cfg, folder)

@@ -178,7 +178,18 @@ def _read_own_file(cfg, iteration):
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
     check_compatible(state.get("args", {}), cfg, path)
+    _check_family(state, cfg, path)
     return state
+
+
+def _check_family(state, cfg, path):
+    """A checkpoint that names its model family must be the run's (checkpoints written
+    before the name was saved, or by a provider run, name none)."""
+    saved = state.get("family")
+    if saved and cfg.family and saved != cfg.family:
+        raise CheckpointError(f"checkpoint {path} holds a {saved!r} model but this run trains "
+                              f"{cfg.family!r}; load it with that family, or point --load "
+                              f"at a {cfg.family!r} checkpoint")
 
 
 def _load_optimizer(backend, state, cfg, iteration):
