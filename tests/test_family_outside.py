@@ -49,7 +49,7 @@ def _captured(argv, family=None, **providers):
 def _providers():
     """Megatron-style providers for the example model (no family)."""
     from llama_model import LLAMA, add_flags, build_model
-    from megatron.families import gpt2 as decoder_lm
+    from megatron.families import decoder_lm
     from megatron.global_vars import get_args, get_tokenizer
 
     def model_provider(pipeline=False):

@@ -20,7 +20,7 @@ from torch import nn
 from megatron import mpu
 from megatron.checkpoint.sharding import mark_padded_vocab_rows
 from megatron.families import FEATURES, ModelFamily, pipeline_topology
-from megatron.families import gpt2 as decoder_lm  # the decoder-LM batch and datasets
+from megatron.families import decoder_lm  # batch function, datasets, stage contract
 from megatron.model.fused_layer_norm import MixedFusedRMSNorm
 from megatron.model.language_model import masked_lm_loss
 from megatron.model.rotary import RotaryEmbedding, apply_rotary
@@ -198,10 +198,7 @@ def pipeline_model(config: LlamaConfig, num_virtual_stages: int = 1):
         activation_checkpoint_interval=1 if config.checkpoint_activations else 0,
         activation_checkpoint_func=mpu.checkpoint, checkpointable_layers=["LlamaLayer"],
         num_virtual_stages=num_virtual_stages)
-    model._input_type = ["float", "bool"]
-    model._input_grad = [True, False]
-    model._input_pipe_partitioned = [not config.sequence_parallel, False]
-    return model
+    return decoder_lm.set_decoder_contract(model, config.sequence_parallel)
 
 
 @torch.no_grad()
