@@ -115,7 +115,8 @@ def _logs_its_flops(losses, log):
     mfu = [float(x) for x in re.findall(r"MFU: ([0-9.]+)%", log)]
     assert ms and len(tflops) == len(ms) == len(mfu), log
     for t, f, m in zip(ms, tflops, mfu):
-        assert f == pytest.approx(FLOPS / (t / 1e3) / 1e12, rel=0.05)  # its own count (ms printed to 0.1)
+        # its own count (the ms are printed to 0.1)
+        assert f == pytest.approx(FLOPS / (t / 1e3) / 1e12, rel=0.05)
         assert m == pytest.approx(f, abs=0.06)  # percent of --peak-tflops 100
 
 
