@@ -11,7 +11,7 @@ from llama_runs import llama_argv, train_llama
 STEPS, AT = 8, 4
 #: name -> (tp, pp, vpp, dp, extra flags)
 LAYOUTS = {
-    "tp2": (2, 1, 1, 1, ()),
+    "tp2 sp recompute": (2, 1, 1, 1, ("--sequence-parallel", "--checkpoint-activations")),
     "pp2 dp2": (1, 2, 1, 2, ()),
     "pp2 v2": (1, 2, 2, 1, ()),
     "tp2 pp2 sp recompute": (2, 2, 1, 1, ("--sequence-parallel", "--checkpoint-activations")),
