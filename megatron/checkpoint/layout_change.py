@@ -211,10 +211,16 @@ def weights_for_run(full: Any, cfg: Any, where: str) -> Dict[str, torch.Tensor]:
 def _uses_record(states, cfg, own) -> bool:
     """Whether to move this checkpoint by its sharding record (:mod:`.sharding`): it has
     one, and the run's model family has no key map (GPT-2's and T5's serial and pipeline
-    models name their tensors differently; their key maps translate)."""
+    models name their tensors differently; their key maps translate). A run without a
+    family (Megatron-style providers) uses the record when the saved names include every
+    tensor of its model, else the key maps."""
+    if own is None or not has_records(states.values()):
+        return False
     family = getattr(cfg, "model_family", None)
-    keyed = family is not None and family.keys is not None
-    return own is not None and not keyed and has_records(states.values())
+    if family is not None:
+        return family.keys is None
+    saved = set().union(*(s["sharding"] for s in states.values()))
+    return set(own) <= saved
 
 
 def _recorded_merge_and_slice(states, cfg, own, true_vocab, folder):
