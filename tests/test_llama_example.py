@@ -45,6 +45,23 @@ def _same_weights_at_every_layout(tmp_path, names):
             assert torch.allclose(tensor, fulls[0][key], rtol=1e-5, atol=1e-6), (name, key)
 
 
+def _exported_to_hf(tmp_path, name):
+    """examples/llama/convert_llama.py writes a directory HF loads, holding the weights."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from convert_llama import main
+    from megatron.checkpoint.native_reader import read_native
+
+    ckpt, out = str(tmp_path / name.replace(" ", "_")), str(tmp_path / "hf")
+    assert main(["--load", ckpt, "--output", out, "--iteration", "4"]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+    full = read_native(ckpt, 4).state
+    assert torch.equal(hf["model.layers.3.self_attn.k_proj.weight"],
+                       full["4.k_proj.weight"])
+    assert torch.equal(hf["lm_head.weight"], full["6.lm_head.weight"])  # unpadded rows
+
+
 @pytest.mark.slow
 def test_every_layout_equals_serial_and_resumes_at_another(gpt2_data, tmp_path):
     (serial,) = run_distributed(train_llama, 1, llama_argv(gpt2_data, 1, 1, steps=STEPS),
@@ -57,6 +74,7 @@ def test_every_layout_equals_serial_and_resumes_at_another(gpt2_data, tmp_path):
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as handle:
             handle.write(str(AT))  # resume from the step-4 checkpoint
     _same_weights_at_every_layout(tmp_path, names)
+    _exported_to_hf(tmp_path, names[-1])
     for i, saved in enumerate(names):
         at = names[(i + 1) % len(names)]
         resumed = _run(gpt2_data, at, "--load", str(tmp_path / saved.replace(" ", "_")))
