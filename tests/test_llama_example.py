@@ -37,7 +37,11 @@ def _same_weights_at_every_layout(tmp_path, names):
 
     from megatron.checkpoint.native_reader import read_native
 
+    from megatron.errors import CheckpointError
+
     fulls = [read_native(str(tmp_path / n.replace(" ", "_")), 4).state for n in names]
+    with pytest.raises(CheckpointError, match="holds a 'llama' model, not 'gpt2'.*convert_llama"):
+        read_native(str(tmp_path / names[0].replace(" ", "_")), 4, family="gpt2")  # the tool
     assert len(fulls[0]) == 4 * 9 + 3  # 4 layers of 9 tensors, embedding, norm, head
     for name, full in zip(names[1:], fulls[1:]):
         assert sorted(full) == sorted(fulls[0]), name

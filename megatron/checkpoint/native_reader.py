@@ -205,7 +205,9 @@ def _read_recorded(first, files, folder, args, family, iteration, tp, pp) -> Ful
     from .sharding import merge_recorded
 
     if family is not None and family != first["family"]:
-        raise CheckpointError(f"{folder} holds a {first['family']!r} model, not {family!r}")
+        raise CheckpointError(f"{folder} holds a {first['family']!r} model, not {family!r}; "
+                              f"a model of its own converts with its own tool (e.g. "
+                              f"examples/llama/convert_llama.py, docs/new_model.md)")
     check_rank_layout(files, tp, pp, folder)
     states = {key: first if key == (0, 0) else load_rank_file(path)
               for key, path in files.items()}
