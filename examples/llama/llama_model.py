@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import mpu
-from megatron.checkpoint.sharding import mark_padded_vocab_rows
 from megatron.families import FEATURES, ModelFamily, pipeline_topology
 from megatron.families import decoder_lm  # batch function, datasets, stage contract
 from megatron.model.fused_layer_norm import MixedFusedRMSNorm
@@ -149,7 +148,7 @@ class LlamaHead(nn.Module):
         self.true_vocab_size = config.true_vocab_size
         with init_rng(config.seed, "lm_head"):
             self.lm_head = _linear(config, "col", config.hidden_size, config.vocab_size)
-        mark_padded_vocab_rows(self.lm_head.weight)
+        mpu.mark_padded_vocab_rows(self.lm_head.weight)
 
     def forward(self, hidden):
         logits = self.lm_head(hidden)[0]  # [s, b, v/tp]

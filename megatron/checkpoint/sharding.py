@@ -20,21 +20,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
+from ..mpu.vocab_padding import mark_padded_vocab_rows  # noqa: F401 (the record's marker)
 
 Record = Dict[str, List[int]]
 StateDict = Dict[str, torch.Tensor]
-
-
-def mark_padded_vocab_rows(param: torch.Tensor) -> torch.Tensor:
-    """Say that ``param``'s rows along its tensor-parallel dimension are vocabulary entries,
-    padded beyond the tokenizer's size (an untied output layer; VocabParallelEmbedding marks
-    its own weight): a layout change re-pads them for the new tensor-parallel size.
-
-    Args:
-        param: the parameter (marked in place and returned).
-    """
-    param.padded_vocab_rows = True
-    return param
 
 
 def sharding_record(module: torch.nn.Module, stage: int = 0,
