@@ -208,19 +208,24 @@ def weights_for_run(full: Any, cfg: Any, where: str) -> Dict[str, torch.Tensor]:
     return _this_rank(full.state, _target_args(full.args, cfg), keys, true_vocab)
 
 
-def _uses_record(states, cfg, own) -> bool:
+def _uses_record(states, cfg, own, folder) -> bool:
     """Whether to move this checkpoint by its sharding record (:mod:`.sharding`): it has
-    one, and the run's model family has no key map (GPT-2's and T5's serial and pipeline
-    models name their tensors differently; their key maps translate). A run without a
-    family (Megatron-style providers) uses the record when the saved names include every
-    tensor of its model, else the key maps."""
+    one, and the saved names include every tensor of the run's model. GPT-2's and T5's
+    serial and pipeline models name their tensors differently, so between pp = 1 and
+    pp > 1 (and for checkpoints written before the record) their key maps translate."""
     if own is None or not has_records(states.values()):
         return False
-    family = getattr(cfg, "model_family", None)
-    if family is not None:
-        return family.keys is None
     saved = set().union(*(s["sharding"] for s in states.values()))
-    return set(own) <= saved
+    if set(own) <= saved:
+        return True
+    family = getattr(cfg, "model_family", None)
+    if family is not None and family.keys is None:
+        missing = sorted(set(own) - saved)
+        raise CheckpointError(f"checkpoint {folder} has no "
+                              f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                              f": it was saved by another model (the {family.name!r} family "
+                              f"has no key map to translate names)")
+    return False
 
 
 def _recorded_merge_and_slice(states, cfg, own, true_vocab, folder):
@@ -263,7 +268,7 @@ def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
     check_compatible(saved, cfg, folder, ignore=LAYOUT_KEYS)
     true_vocab = resolve_true_vocab_size(saved, cfg.model.true_vocab_size)
     _check_vocab(saved, cfg, folder)
-    if _uses_record(states, cfg, own):
+    if _uses_record(states, cfg, own, folder):
         merge, slice_of = _recorded_merge_and_slice(states, cfg, own, true_vocab, folder)
         weights = merge(lambda t, p: states[(t, p)].get("model", {}), folder)
     else:
