@@ -80,7 +80,7 @@ def _rank0_status(ok):
     return bool(flag.item())
 
 
-def load_native(name, sources, builder, extra_key=(), what=None):
+def load_native(name, sources, builder, extra_key=(), what=None, collective=True):
     """Build (or load from the cache) a native module; None when it cannot be had.
 
     Args:
@@ -89,6 +89,11 @@ def load_native(name, sources, builder, extra_key=(), what=None):
         builder: ``builder(directory) -> module``; compiles into ``directory`` and imports.
         extra_key: other strings the binary depends on (flags, arch list).
         what: words for the one-line log on failure (default: ``name``).
+        collective: every rank calls this at the same point (start-up): rank 0 builds
+            first and shares the outcome (one broadcast). False for a lazy first use that
+            only some ranks reach (a pipeline stage's first norm): each rank builds or
+            loads on its own, serialised by the cache folder's file lock, with no
+            collective.
 
     Returns:
         The module, or None after logging one line (the caller falls back).
@@ -97,7 +102,8 @@ def load_native(name, sources, builder, extra_key=(), what=None):
         return _LOADED[name]
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    distributed = collective and dist.is_available() and dist.is_initialized() and \
+        dist.get_world_size() > 1
     module, error = None, None
     if not distributed or dist.get_rank() == 0:
         module, error = _try_build(name, sources, builder, extra_key)

@@ -12,7 +12,7 @@ from harness import run_distributed
 from megatron.checkpoint_conversion import (ConversionRequest, FullCheckpoint, full_keys,
                                             read_native, reshard, run_conversion,
                                             stage_spec_bounds, tp_split_dim, write_native)
-from megatron.checkpoint_conversion.gpt2_keys import WORD_EMBEDDINGS, pipe_to_full_key
+from megatron.checkpoint.gpt2_keys import WORD_EMBEDDINGS, pipe_to_full_key
 from megatron.checkpoint import checkpoint_name
 
 LAYERS, HIDDEN, HEADS, VOCAB, POSITIONS = 3, 32, 4, 256, 16

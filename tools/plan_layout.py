@@ -46,7 +46,9 @@ def _args(argv):
     p.add_argument("--config", help="a run config YAML (configs/); required unless --paper")
     p.add_argument("--paper", choices=["narayanan2021"], default=None,
                    help="evaluate a published table's own layouts instead (A100 preset)")
-    p.add_argument("--family", default="gpt2", choices=["gpt2", "t5"])
+    p.add_argument("--family", default="gpt2",
+                   help="a registered model family with a memory model (gpt2, t5, or one "
+                        "registered by megatron.families.register)")
     p.add_argument("--gpus", type=int, default=None, help="required unless --paper")
     p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB")
     p.add_argument("--reserve", default="4GiB",
@@ -96,6 +98,10 @@ def _base(args):
     from megatron.memory.spec import spec_from_run_config
 
     family = get_family(args.family)
+    if family.memory_model is None:
+        raise ConfigError(f"family {family.name!r} has no memory model, so no layout can be "
+                          f"planned for it; set its memory_model ('gpt2' for a decoder-only "
+                          f"transformer) to describe it (docs/memory.md)")
     argv = ["--config", args.config, "--lr", "1e-4", "--train-iters", "1"]
     cfg, _ = build_run_config(argv, family, world_size=args.gpus, rank=0, check_files=False,
                               accelerator=_PlannedGPU())

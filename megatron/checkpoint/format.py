@@ -203,8 +203,11 @@ def check_compatible(saved: dict, args, path: str, ignore=()) -> None:
         ignore: settings allowed to differ (:data:`LAYOUT_KEYS` for a resume at another
             layout).
     """
+    # and the settings the run's model family declares (ModelFamily.checked_settings)
+    keys = tuple(MODEL_KEYS) + tuple(getattr(getattr(args, "model_family", None),
+                                             "checked_settings", ()))
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, flags {args.get(k)!r}"
-             for k in MODEL_KEYS if k in saved and k not in ignore and saved.get(k) != args.get(k)]
+             for k in keys if k in saved and k not in ignore and saved.get(k) != args.get(k)]
     if not diffs:
         return
     raise CheckpointError(f"checkpoint {path} was made for a different model:\n    "

@@ -37,6 +37,7 @@ from .key_maps import key_map_for
 from .native_reader import check_complete, merge_layout
 from .native_writer import check_layout, layout_args, stage_state
 from .optimizer_names import named_adam_state
+from .sharding import has_records, merge_recorded, slice_recorded
 from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size
 from .zero_state import is_zero_state, load_engine_optimizer_file, named_from_saved
 
@@ -147,7 +148,7 @@ def _named_state(state, root, iteration, tp_rank, pp_rank):
                           f"tensor- or pipeline-parallel size; {HINT}")
 
 
-def _full_moments(states, saved, folder, keys, root, iteration):
+def _full_moments(states, saved, folder, merge, root, iteration):
     """Whole-model optimizer tensors ``{"exp_avg"|"exp_avg_sq"[|"fp32"]: {key: tensor}}``,
     the step, the param groups (or None) and the loss scaler (or None)."""
     named, groups, scaler = {}, None, None
@@ -162,9 +163,8 @@ def _full_moments(states, saved, folder, keys, root, iteration):
                               f"before the first step?); {HINT}")
     kinds = [k for k in ("exp_avg", "exp_avg_sq", "fp32")
              if all(k in e for n in named.values() for e in n.values())]
-    moments = {m: merge_layout(keys, saved, lambda t, p, m=m: {k: v[m] for k, v in
-                                                                named[(t, p)].items()},
-                               f"{folder} ({m})")
+    moments = {m: merge(lambda t, p, m=m: {k: v[m] for k, v in named[(t, p)].items()},
+                        f"{folder} ({m})")
                for m in kinds}
     return moments, first["step"], groups, scaler
 
@@ -208,8 +208,43 @@ def weights_for_run(full: Any, cfg: Any, where: str) -> Dict[str, torch.Tensor]:
     return _this_rank(full.state, _target_args(full.args, cfg), keys, true_vocab)
 
 
-def read_at_new_layout(root: str, iteration: int, cfg: Any,
-                       load_optim: bool) -> "RankState":
+def _uses_record(states, cfg, own, folder) -> bool:
+    """Whether to move this checkpoint by its sharding record (:mod:`.sharding`): it has
+    one, and the saved names include every tensor of the run's model. GPT-2's and T5's
+    serial and pipeline models name their tensors differently, so between pp = 1 and
+    pp > 1 (and for checkpoints written before the record) their key maps translate."""
+    if own is None or not has_records(states.values()):
+        return False
+    saved = set().union(*(s["sharding"] for s in states.values()))
+    if set(own) <= saved:
+        return True
+    family = getattr(cfg, "model_family", None)
+    if family is not None and family.keys is None:
+        missing = sorted(set(own) - saved)
+        raise CheckpointError(f"checkpoint {folder} has no "
+                              f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                              f": it was saved by another model (the {family.name!r} family "
+                              f"has no key map to translate names)")
+    return False
+
+
+def _recorded_merge_and_slice(states, cfg, own, true_vocab, folder):
+    """The record-driven ``merge(getter, where)`` and ``slice_of(full, strict)``."""
+    records = {k: s["sharding"] for k, s in states.items()}
+
+    def merge(get, where):
+        return merge_recorded({k: get(*k) for k in states}, records, true_vocab, where)
+
+    def slice_of(full, strict=True):
+        mine = own if strict else {k: v for k, v in own.items() if k in full}
+        return slice_recorded(full, mine, cfg.parallel.tp, mpu.get_tensor_model_parallel_rank(),
+                              cfg.model.padded_vocab_size, folder)
+
+    return merge, slice_of
+
+
+def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
+                       own: Optional[Dict[str, list]] = None) -> "RankState":
     """This rank's part of ``root`` at ``iteration`` for the run's layout (no collectives).
 
     Args:
@@ -217,35 +252,50 @@ def read_at_new_layout(root: str, iteration: int, cfg: Any,
         iteration: the iteration to read.
         cfg: the run configuration (its layout, padded vocabulary and model settings).
         load_optim: also re-slice the optimizer state.
+        own: the sharding record of this rank's model (:func:`.sharding.sharding_record`):
+            with it, a checkpoint that records its sharding moves without a key map.
 
     Raises:
         CheckpointError: another model, an incomplete checkpoint, or optimizer state that
             cannot move (see the module docstring).
     """
     states, saved, folder = _rank_states(root, iteration)
+    family = states[(0, 0)].get("family")
+    if family and cfg.family and family != cfg.family:
+        raise CheckpointError(f"checkpoint {folder} holds a {family!r} model but this run "
+                              f"trains {cfg.family!r}; point --load at a {cfg.family!r} "
+                              f"checkpoint")
     check_compatible(saved, cfg, folder, ignore=LAYOUT_KEYS)
     true_vocab = resolve_true_vocab_size(saved, cfg.model.true_vocab_size)
     _check_vocab(saved, cfg, folder)
-    keys = key_map_for(saved)
-    target = _target_args(saved, cfg)
-    weights = check_complete(keys, merge_layout(keys, saved, lambda t, p: states[(t, p)]
-                                                .get("model", {}), folder), saved, folder)
-    moments = _full_moments(states, saved, folder, keys, root, iteration) \
+    if _uses_record(states, cfg, own, folder):
+        merge, slice_of = _recorded_merge_and_slice(states, cfg, own, true_vocab, folder)
+        weights = merge(lambda t, p: states[(t, p)].get("model", {}), folder)
+    else:
+        keys = key_map_for(saved)
+        target = _target_args(saved, cfg)
+
+        def merge(get, where):
+            return merge_layout(keys, saved, get, where)
+
+        def slice_of(full, strict=True):
+            return _this_rank(full, target, keys, true_vocab)
+
+        weights = check_complete(keys, merge(lambda t, p: states[(t, p)].get("model", {}),
+                                             folder), saved, folder)
+    moments = _full_moments(states, saved, folder, merge, root, iteration) \
         if load_optim else None
     if moments is not None and "fp32" in moments[0]:
         weights.update(moments[0]["fp32"])  # ZeRO's fp32 masters: exact, where weights are fp16
-
-    def slice_of(full):
-        return _this_rank(full, target, keys, true_vocab)
 
     own_weights = slice_of(weights)
     optimizer = None
     if moments is not None:
         full, step, groups, scaler = moments
-        own = {m: slice_of(full[m]) for m in full}
-        own.setdefault("fp32", {k: v.float() for k, v in own_weights.items()})  # fp32 sources
-        named = {name: {m: own[m][name] for m in own if name in own[m]}
-                 for name in own["exp_avg"]}
+        sliced = {m: slice_of(full[m], strict=False) for m in full}
+        sliced.setdefault("fp32", {k: v.float() for k, v in own_weights.items()})  # fp32
+        named = {name: {m: sliced[m][name] for m in sliced if name in sliced[m]}
+                 for name in sliced["exp_avg"]}
         optimizer = NamedOptimizerState(named, step, groups, scaler)
     first = dict(states[(0, 0)])
     first.pop("rng_state", None)

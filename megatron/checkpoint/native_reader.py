@@ -177,8 +177,10 @@ def read_native(root: str, iteration: Optional[int] = None,
     if not all(k in args for k in required):
         raise CheckpointError(f"{files[(0, 0)]} has no saved model args: not a megatron-tds "
                               f"checkpoint")
-    keys = _check_family(args, family, files[(0, 0)])
     tp, pp = args["tensor_model_parallel_size"], args.get("pipeline_model_parallel_size", 1)
+    if _recorded_only(first):
+        return _read_recorded(first, files, folder, args, family, iteration, tp, pp)
+    keys = _check_family(args, family, files[(0, 0)])
     check_rank_layout(files, tp, pp, folder)
 
     def model_of(tp_rank, pp_rank):
@@ -189,3 +191,28 @@ def read_native(root: str, iteration: Optional[int] = None,
     extras = {k: first[k] for k in CARRIED_KEYS if k in first}
     return FullCheckpoint(check_complete(keys, full, args, folder), args,
                           int(first.get("iteration", iteration)), extras)
+
+
+def _recorded_only(first: dict) -> bool:
+    """A checkpoint of a model without a key map (not GPT-2 or T5) that records its
+    sharding (:mod:`.sharding`): it is read by that record."""
+    return first.get("family") not in (None, "gpt2", "t5") and bool(first.get("sharding"))
+
+
+def _read_recorded(first, files, folder, args, family, iteration, tp, pp) -> FullCheckpoint:
+    """:func:`read_native` of a recorded checkpoint: whole tensors under the model's own
+    (layout-independent) names, vocabulary rows unpadded when the real size is saved."""
+    from .sharding import merge_recorded
+
+    if family is not None and family != first["family"]:
+        raise CheckpointError(f"{folder} holds a {first['family']!r} model, not {family!r}; "
+                              f"a model of its own converts with its own tool (e.g. "
+                              f"examples/llama/convert_llama.py, docs/new_model.md)")
+    check_rank_layout(files, tp, pp, folder)
+    states = {key: first if key == (0, 0) else load_rank_file(path)
+              for key, path in files.items()}
+    full = merge_recorded({k: s.get("model", {}) for k, s in states.items()},
+                          {k: s["sharding"] for k, s in states.items()},
+                          args.get("true_vocab_size"), folder)
+    extras = {k: first[k] for k in CARRIED_KEYS if k in first}
+    return FullCheckpoint(full, args, int(first.get("iteration", iteration)), extras)

@@ -128,7 +128,7 @@ def parse_args(argv: Optional[Sequence[str]] = None,
 def _freeze(values, family):
     if family is None:
         return RunConfig(values)
-    return RunConfig(values, family.name, family.settings)
+    return RunConfig(values, family.name, family.settings, family)
 
 
 def saved_run_config(saved: Dict[str, Any], family: Optional[Any] = None) -> RunConfig:

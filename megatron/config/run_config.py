@@ -301,16 +301,19 @@ class RunConfig:
         family: name of the model family the run was validated for (``gpt2``, ``t5``) or
             None for a model defined outside megatron-tds.
         family_settings: the family's section class (a :class:`Section`), or None.
+        model_family: the :class:`~megatron.families.ModelFamily` object itself: it travels
+            with the run, so loading a checkpoint never looks a family up by name.
     """
 
-    __slots__ = ("_values", "family", "_family_settings", "_sections")
+    __slots__ = ("_values", "family", "_family_settings", "_sections", "model_family")
 
-    def __init__(self, values, family=None, family_settings=None):
+    def __init__(self, values, family=None, family_settings=None, model_family=None):
         set_ = object.__setattr__
         set_(self, "_values", dict(values))
         set_(self, "family", family)
         set_(self, "_family_settings", family_settings)
         set_(self, "_sections", {})
+        set_(self, "model_family", model_family)
 
     def __getattr__(self, name):
         sections = object.__getattribute__(self, "_sections")
@@ -352,7 +355,8 @@ class RunConfig:
 
     def replace(self, **changes):
         """A new RunConfig with ``changes`` applied (tools and tests; no re-validation)."""
-        return RunConfig({**self._values, **changes}, self.family, self._family_settings)
+        return RunConfig({**self._values, **changes}, self.family, self._family_settings,
+                         self.model_family)
 
 
 def values_to_plain(values):

@@ -338,6 +338,7 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
         check(args, problems)
     if family is not None:
         family.validate(args, problems)
+        problems.extend(family.unsupported_flags(args))
     preflight.check_precision(args, problems, accelerator)
     if check_files:
         _files(args, problems)

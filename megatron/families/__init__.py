@@ -15,32 +15,70 @@ model:
   the one validation pass (:func:`megatron.config.build_run_config`);
 - ``model_config(flags)``: the model's config dataclass from a run configuration or a
   checkpoint's saved settings (the only place a model config is built from flags);
-- ``build_datasets(cfg, tokenizer, num_samples)``, ``flops_per_step(cfg)``;
+- ``build_datasets(cfg, tokenizer, num_samples)``, ``flops_per_step(cfg)`` (None: the log's
+  TFLOP/s and MFU say "n/a");
+- ``checked_settings`` (flags a resume must match), ``compile_classes`` (what ``--compile``
+  compiles), ``supports`` (optional generic features; a flag asking for another is refused
+  at start-up) and ``memory_model`` (the memory check's description, or None);
 - ``keys``: where each weight lives in a checkpoint (:mod:`megatron.checkpoint.gpt2_keys`);
   ``hf``: the Hugging Face adapter (:mod:`megatron.checkpoint_conversion.hf_gpt2`);
   ``foreign_checkpoints``: other projects' checkpoints ``--load`` reads
   (:mod:`megatron.checkpoint.megatron_lm`).
+
+A run carries its family object (``cfg.model_family``, set by ``build_run_config``): resuming
+with ``--load`` uses that object, so a family defined in a user's script needs no registration.
+The registry (:func:`register`, :func:`get_family`) is for what only has a name: ``pretrain(
+family="llama")``, ``tools/plan_layout.py --family``, the conversion tools; register a family
+of your own with ``register("llama", lambda: LLAMA)`` (docs/new_model.md).
 """
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Union
 
-from .base import ModelFamily, pipeline_topology, transformer_kwargs
+from ..errors import ConfigError
+from .base import FEATURES, ModelFamily, pipeline_topology, transformer_kwargs, unsupported_flags
 
-__all__ = ["ModelFamily", "get_family", "pipeline_topology", "register", "transformer_kwargs"]
+__all__ = ["FEATURES", "ModelFamily", "get_family", "known_families", "pipeline_topology",
+           "register", "transformer_kwargs", "unsupported_flags"]
 
-_FACTORIES: Dict[str, object] = {}
+_FACTORIES: Dict[str, Callable[[], ModelFamily]] = {}
 
 
-def register(name: str, factory) -> None:
-    """Register ``factory() -> ModelFamily`` under ``name`` (imports stay lazy)."""
-    _FACTORIES[name] = factory
+class UnknownFamilyError(ConfigError, KeyError):
+    """A family name nobody registered."""
+
+    def __str__(self):  # KeyError would quote the message
+        return self.args[0] if self.args else ""
+
+
+def register(name: str, factory: Union[ModelFamily, Callable[[], ModelFamily]]) -> None:
+    """Make a family known by ``name`` (for name lookups: ``pretrain(family=name)``, tools).
+
+    Args:
+        name: the family's name (its ``ModelFamily.name``).
+        factory: the :class:`ModelFamily`, or ``factory() -> ModelFamily`` (imports stay
+            lazy until the family is asked for).
+    """
+    _FACTORIES[name] = factory if callable(factory) and not isinstance(
+        factory, ModelFamily) else (lambda: factory)
+
+
+def known_families() -> list:
+    """The registered names, sorted."""
+    return sorted(_FACTORIES)
 
 
 def get_family(name) -> Optional[ModelFamily]:
-    """The family called ``name`` (``gpt2``, ``t5``), a ModelFamily passed through, or None."""
+    """The family called ``name`` (``gpt2``, ``t5``), a ModelFamily passed through, or None.
+
+    Raises:
+        UnknownFamilyError: ``name`` was never registered (the message says how).
+    """
     if name is None or isinstance(name, ModelFamily):
         return name
     if name not in _FACTORIES:
-        raise KeyError(f"unknown model family {name!r}; known: {sorted(_FACTORIES)}")
+        raise UnknownFamilyError(
+            f"unknown model family {name!r}; known: {known_families()}. Pass the "
+            f"ModelFamily object itself (pretrain(family=MY_FAMILY)), or register it first: "
+            f"megatron.families.register({name!r}, lambda: MY_FAMILY) (docs/new_model.md)")
     return _FACTORIES[name]()
 
 

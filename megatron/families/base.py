@@ -2,11 +2,42 @@
 (the package docstring, :mod:`megatron.families`, explains the interface)."""
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 
 def _no_problems(*_):
     return None
+
+
+#: Generic features a model must implement for their flag to mean anything: feature -> the
+#: flag that asks for it and whether it is on in a parsed namespace. A family lists the ones
+#: it implements in ``ModelFamily.supports``; a run asking for another is refused at
+#: start-up (:func:`unsupported_flags`), not silently ignored.
+FEATURES: Dict[str, Tuple[str, Callable]] = {
+    "sequence_parallel": ("--sequence-parallel",
+                          lambda ns: bool(getattr(ns, "sequence_parallel", False))),
+    "checkpoint_activations": ("--checkpoint-activations",
+                               lambda ns: bool(getattr(ns, "checkpoint_activations", False))),
+    "virtual_pipeline": ("--virtual-pipeline-model-parallel-size",
+                         lambda ns: (getattr(ns, "virtual_pipeline_model_parallel_size", None)
+                                     or 1) > 1),
+    "pipeline": ("--pipeline-model-parallel-size",
+                 lambda ns: (getattr(ns, "pipeline_model_parallel_size", None) or 1) > 1),
+}
+
+
+def unsupported_flags(ns, family) -> list:
+    """One message per flag of ``ns`` that asks for a feature ``family`` does not implement.
+
+    Args:
+        ns: the parsed flags (a namespace).
+        family: a :class:`ModelFamily`.
+    """
+    return [f"{flag} is not supported by the {family.name!r} model family (it implements "
+            f"{', '.join(sorted(family.supports)) or 'none of the optional features'}); drop "
+            f"the flag, or implement it and add {feature!r} to the family's supports"
+            for feature, (flag, asked) in FEATURES.items()
+            if asked(ns) and feature not in family.supports]
 
 
 @dataclass(frozen=True)
@@ -19,7 +50,9 @@ class ModelFamily:
     build_model: Callable
     """``build_model(cfg, pipeline) -> nn.Module``."""
     build_datasets: Callable
-    flops_per_step: Callable
+    flops_per_step: Optional[Callable]
+    """``flops_per_step(cfg) -> float``: model FLOPs of one step (the log's TFLOP/s and MFU);
+    None: the log says "n/a"."""
     make_batch_fn: Callable
     """``make_batch_fn(cfg, tokenizer) -> f(raw batch or None) -> (inputs, labels)``: tensor-
     parallel rank 0 reads, the batch is shared with its group, masks are built on the device."""
@@ -47,6 +80,21 @@ class ModelFamily:
     """``validate_with_tokenizer(ns, tokenizer, problems)``: checks that need the vocabulary."""
     settings: Optional[type] = None
     """The family's own flags as a typed section (``cfg.<name>``, a config ``Section``)."""
+    checked_settings: Tuple[str, ...] = ()
+    """Flag names (``dest``) a resume must match besides the generic model settings
+    (``rope_theta``): a checkpoint saved with another value is refused."""
+    compile_classes: Tuple[type, ...] = ()
+    """The layer classes ``--compile`` compiles (each instance its own region)."""
+    supports: FrozenSet[str] = frozenset()
+    """Optional generic features the model implements (:data:`FEATURES`: ``sequence_parallel``,
+    ``checkpoint_activations``, ``virtual_pipeline``, ``pipeline``); others are refused."""
+    memory_model: Optional[str] = None
+    """The startup memory check's and tools/plan_layout.py's description of the model:
+    ``"gpt2"`` (a decoder-only transformer), ``"t5"``, or None (no memory model: said so)."""
+
+    def unsupported_flags(self, ns) -> list:
+        """Messages for the flags of ``ns`` asking for features this model lacks."""
+        return unsupported_flags(ns, self)
 
     def config_from_saved(self, saved: dict):
         """The dropout-free fp32 model config of a checkpoint's saved ``args`` dict

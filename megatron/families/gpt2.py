@@ -1,15 +1,15 @@
 """GPT-2, described once: model config from flags, the model (serial or pipeline stages of the
 same layers), its batch and loss, datasets, FLOP count, checkpoint keys and HF adapter."""
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
-from .. import mpu
 from ..checkpoint import gpt2_keys, megatron_lm
 from ..checkpoint_conversion import hf_gpt2
 from ..model.language_model import masked_lm_loss
-from ..model.utils import get_ltor_masks_and_position_ids
-from .base import ModelFamily, pipeline_topology, transformer_kwargs
+from ..model.transformer import ParallelTransformerLayer
+from .base import FEATURES, ModelFamily, pipeline_topology, transformer_kwargs
+from .decoder_lm import build_datasets, make_batch_fn  # noqa: F401 (GPT-2's, public here)
 
 
 def model_config(cfg: Any, dropout: bool = True) -> Any:
@@ -34,40 +34,6 @@ def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch
 
     return GPT2Model(config, cfg.model.padded_vocab_size, cfg.model.max_position_embeddings,
                      parallel_output)
-
-
-def make_batch_fn(cfg: Any, tokenizer: Any) -> Callable[[Any], Tuple[tuple, tuple]]:
-    """``raw -> ((tokens, position_ids, attention_mask), (labels, loss_mask))``.
-
-    Tensor-parallel rank 0 reads (the others pass None) and shares the ``[b, s + 1]`` text
-    with its group (sizes from the configuration, so no shape travels); the causal mask
-    (``[1, 1, s, s]``, True = masked), the loss mask and the
-    positions are built on the device.
-    """
-    eod, eod_mask_loss = tokenizer.eod, cfg.data.eod_mask_loss
-    # sizes fixed by the configuration: the broadcast needs no shape header (no host sync)
-    shapes = [(cfg.batch.micro_batch_size, cfg.batch.seq_length + 1)]
-
-    def batch(data):
-        text = mpu.broadcast_data(["text"], data, torch.int64, shapes=shapes)["text"]
-        # text: [b, s + 1]
-        tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
-        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-            tokens, eod, eod_mask_loss)
-        return (tokens, position_ids, attention_mask), (labels, loss_mask)
-
-    return batch
-
-
-def build_datasets(cfg: Any, tokenizer: Any, num_samples: Sequence[int]
-                   ) -> Tuple[Optional[Any], Optional[Any], Optional[Any]]:
-    """Train/valid/test GPT-2 datasets (None for an empty split)."""
-    from ..data.gpt2_dataset import build_train_valid_test_datasets
-
-    return build_train_valid_test_datasets(
-        data_prefix=cfg.data.data_path, splits_string=cfg.data.split,
-        train_valid_test_num_samples=num_samples, seq_length=cfg.batch.seq_length,
-        seed=cfg.model.seed)
 
 
 def flops_per_step(cfg: Any) -> float:
@@ -97,4 +63,6 @@ FAMILY = ModelFamily(
     name="gpt2", add_flags=_add_flags, model_config=model_config, build_model=build_model,
     build_datasets=build_datasets, flops_per_step=flops_per_step, make_batch_fn=make_batch_fn,
     loss_fn=masked_lm_loss, keys=gpt2_keys, hf=hf_gpt2, foreign_checkpoints=(megatron_lm,),
-    flag_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    flag_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    compile_classes=(ParallelTransformerLayer,), supports=frozenset(FEATURES),
+    memory_model="gpt2")

@@ -29,9 +29,9 @@ from ..checkpoint_conversion import t5_hf
 from ..config.run_config import Section
 from ..errors import ConfigError, DataError
 from ..model.language_model import masked_lm_loss
-from ..model.t5_layers import FF_TYPES
+from ..model.t5_layers import FF_TYPES, T5DecoderLayer, T5EncoderLayer
 from ..model.t5_model import t5_attention_masks
-from .base import ModelFamily, pipeline_topology, transformer_kwargs
+from .base import FEATURES, ModelFamily, pipeline_topology, transformer_kwargs
 
 #: The integer tensors of a T5 sample (megatron.data.t5_dataset), broadcast in one call.
 BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_real")
@@ -237,4 +237,6 @@ FAMILY = ModelFamily(
     build_datasets=build_datasets, flops_per_step=flops_per_step, make_batch_fn=make_batch_fn,
     loss_fn=masked_lm_loss, keys=t5_keys, hf=t5_hf, flag_defaults=T5_DEFAULTS, label="T5",
     layer_stacks=2, derive=derive, validate=validate,
-    validate_with_tokenizer=validate_with_tokenizer, settings=T5Settings)
+    validate_with_tokenizer=validate_with_tokenizer, settings=T5Settings,
+    compile_classes=(T5EncoderLayer, T5DecoderLayer), supports=frozenset(FEATURES),
+    memory_model="t5")

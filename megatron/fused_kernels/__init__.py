@@ -60,14 +60,17 @@ def fusion_enabled(op):
     return _FLAGS[op] and disabled_reason() is None
 
 
-def get_module(device_type):
+def get_module(device_type, collective=False):
     """The compiled kernels for ``device_type`` ("cpu" / "cuda"), or None.
 
     The first call builds (or loads from the cache); a failed build logs one line and every
-    later call returns None at once.
+    later call returns None at once. A first call from a model's forward (a tds pipeline
+    used directly, without :func:`load`) involves no collective, so a stage that reaches
+    it alone does not wait for the others.
 
     Args:
         device_type: ``tensor.device.type``.
+        collective: every rank calls it at once (:func:`load`): rank 0 builds first.
     """
     if disabled_reason() is not None or device_type not in ("cpu", "cuda"):
         return None
@@ -76,7 +79,7 @@ def get_module(device_type):
             return None
     from .build import load_kernels
 
-    return load_kernels(device_type)
+    return load_kernels(device_type, collective=collective)
 
 
 def kernels_available(device_type: str) -> bool:
@@ -141,7 +144,7 @@ def load(kernels=None):
     failure = disabled_reason()
     module, build_failure = None, ""
     if failure is None and (softmax or _FLAGS["layernorm_fusion"]):
-        module = get_module(kind)
+        module = get_module(kind, collective=True)
         if module is None:
             from .build import last_error
 

@@ -177,11 +177,14 @@ def _ahead_of_time_module(kind):
     return module
 
 
-def load_kernels(kind):
+def load_kernels(kind, collective=False):
     """The compiled module for ``kind`` ("cpu" / "cuda"), or None after one logged line.
 
     Args:
         kind: "cpu" for the C++ twins, "cuda" for the GPU kernels.
+        collective: every rank calls it together (``initialize_megatron``'s load): rank 0
+            builds first and shares the outcome. The default, a lazy first use from a
+            model's forward, involves no other rank (only some pipeline stages reach it).
     """
     if kind in _MODULES:  # the per-call path: no hashing, no subprocess
         return _MODULES[kind]
@@ -190,7 +193,7 @@ def load_kernels(kind):
     if module is None and kind not in _ERRORS:
         compile_fn = _compile_cpu if kind == "cpu" else _compile_cuda
         module = load_native(MODULE_NAMES[kind], hashed_files(kind), _guarded(kind, compile_fn),
-                             extra_key=_cache_key(kind), what=what)
+                             extra_key=_cache_key(kind), what=what, collective=collective)
     if module is not None and kind == "cuda" and not _runs_on_this_gpu(module, what):
         module = None
     _MODULES[kind] = module

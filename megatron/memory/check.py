@@ -80,8 +80,9 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
     """pretrain()'s hook: print the predicted peak per stage on rank 0; on a GPU, raise
     :class:`WillNotFitError` on every rank for a run predicted not to fit on any rank's
     device (a warning under ``--no-memory-check``; collective: the ranks agree, one
-    rank's device with less free memory stops them all). Models outside the families are
-    not described.
+    rank's device with less free memory stops them all). A model without a memory
+    description (its family's ``memory_model`` is None, or a provider's model) gets one line
+    saying so.
 
     Args:
         cfg: the run configuration.
@@ -89,9 +90,14 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
     """
     from .. import mpu
     from ..utils import print_rank_0
-    from .spec import spec_from_run_config
+    from .spec import memory_model_of, spec_from_run_config
 
-    if cfg.family not in ("gpt2", "t5"):
+    if memory_model_of(cfg) is None:
+        who = (f"the {cfg.family!r} model family" if cfg.family else
+               "a model built by a model_provider")
+        print_rank_0(f"> memory model: none for {who}, so no per-stage prediction and no "
+                     f"fit check (a family describes its model with memory_model='gpt2' for "
+                     f"a decoder-only transformer; docs/memory.md)")
         return
     device = mpu.get_device()
     try:

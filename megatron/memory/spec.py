@@ -129,6 +129,15 @@ def _backend(cfg) -> str:
     return "engine" if cfg.parallel.pp > 1 or cfg.parallel.deepspeed else "ddp"
 
 
+def memory_model_of(cfg) -> Optional[str]:
+    """The memory description of a run's model: its family's ``memory_model`` (``gpt2``,
+    ``t5`` or None); a configuration without a family object (a saved one) by its name."""
+    family = getattr(cfg, "model_family", None)
+    if family is not None:
+        return family.memory_model
+    return cfg.family if cfg.family in ("gpt2", "t5") else None
+
+
 def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int] = None
                          ) -> MemorySpec:
     """The :class:`MemorySpec` of a validated run configuration.
@@ -146,8 +155,9 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
                           "files or the planner's --vocab-size")
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.precision.name]
     extra = {"seq": cfg.batch.seq_length}
-    if cfg.family == "t5":
-        t5 = cfg.t5
+    kind = memory_model_of(cfg) or "gpt2"
+    if kind == "t5":
+        t5 = getattr(cfg, cfg.family)
         extra = dict(seq=t5.enc_seq_length, dec_seq=t5.dec_seq_length, ff_type=t5.t5_ff,
                      tie_embeddings=not t5.untie_embeddings,
                      num_buckets=t5.relative_attention_num_buckets)
@@ -155,7 +165,7 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
 
     backend = _backend(cfg)
     spec = MemorySpec(
-        family=cfg.family or "gpt2", num_layers=m.num_layers, hidden=m.hidden_size,
+        family=kind, num_layers=m.num_layers, hidden=m.hidden_size,
         heads=m.num_attention_heads, kv_channels=m.kv_channels, ffn=m.ffn_hidden_size,
         vocab=rows, micro_batch=cfg.batch.micro_batch_size,
         num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp, vpp=p.vpp,

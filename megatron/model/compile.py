@@ -39,15 +39,21 @@ def prepare_for_compile():
     mpu_random.fork_eagerly_under_compile()
 
 
-def compile_layers(model, **compile_kwargs):
+def compile_layers(model, classes=None, **compile_kwargs):
     """Compile every transformer layer of ``model`` in place; returns how many.
 
     Args:
-        model: a GPT2Model / T5Model or their pipeline modules.
+        model: a GPT2Model / T5Model or their pipeline modules, or any model.
+        classes: the layer classes to compile (a model family's ``compile_classes``); None:
+            the built-in blocks (:data:`LAYER_CLASSES`, matched by name through the MRO).
         compile_kwargs: passed to ``torch.compile`` (e.g. ``mode``, ``backend``).
     """
     prepare_for_compile()
-    layers = [m for m in model.modules() if isinstance(m, nn.Module) and is_transformer_layer(m)]
+    if classes:
+        classes = tuple(classes)
+        layers = [m for m in model.modules() if isinstance(m, classes)]
+    else:
+        layers = [m for m in model.modules() if is_transformer_layer(m)]
     for layer in layers:
         layer.compile(**compile_kwargs)
     return len(layers)

@@ -376,9 +376,11 @@ class T5Embedding(nn.Module):
 def build_lm_head(config):
     """The untied output layer (T5 v1.1): ``[v/tp, h]`` split on the vocabulary."""
     with init_rng(config.seed, "t5_lm_head"):
-        return mpu.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False,
+        head = mpu.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False,
                                         gather_output=False,
                                         init_method=init_method_normal(config.hidden_size ** -0.5))
+    mpu.mark_padded_vocab_rows(head.weight)  # the checkpoint's sharding record says so
+    return head
 
 
 def t5_logits(hidden, weight, tied, parallel_output, true_vocab_size=None,

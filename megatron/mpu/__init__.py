@@ -81,7 +81,7 @@ from .random import (
     reset_checkpointed_activations_memory_buffer,
 )
 from .split_1d import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
-from .vocab_padding import mask_padded_vocab_logits_
+from .vocab_padding import mark_padded_vocab_rows, mask_padded_vocab_logits_
 from .sequence_parallel_linear import linear_with_sequence_parallel_gather
 from .sequence_parallel import (
     allreduce_sequence_parallel_grads,

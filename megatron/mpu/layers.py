@@ -130,6 +130,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
                                                **_factory(params_dtype, device)))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        # a row per vocabulary entry, padded: a checkpoint's sharding record says so
+        self.weight.padded_vocab_rows = True
         if perform_initialization:
             _init_partitioned(self.weight, (num_embeddings, embedding_dim), 0, init_method,
                               tp_rank, self.tp_size)

@@ -33,3 +33,16 @@ def mask_padded_vocab_logits_(logits, vocab_size, group=None, partitioned=True):
     if first_padded < part:
         logits.narrow(-1, first_padded, part - first_padded).fill_(float("-inf"))
     return logits
+
+
+def mark_padded_vocab_rows(param):
+    """Say that ``param``'s rows along its tensor-parallel dimension are vocabulary entries,
+    padded beyond the tokenizer's size (an untied output layer; VocabParallelEmbedding marks
+    its own weight): a checkpoint records it, and a layout change re-pads those rows for the
+    new tensor-parallel size (megatron/checkpoint/sharding.py).
+
+    Args:
+        param: the parameter (marked in place and returned).
+    """
+    param.padded_vocab_rows = True
+    return param

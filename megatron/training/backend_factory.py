@@ -30,6 +30,28 @@ def _report_parameters(model):
               f"({state.tp_rank}, {state.pp_rank}): {count}", flush=True)
 
 
+def _compile(model, cfg):
+    """``--compile``: the family's layer classes (or the built-in blocks), one region each;
+    says so when none matched rather than training uncompiled in silence."""
+    from ..model.compile import compile_layers
+    from ..utils import warn_rank_0
+
+    family = getattr(cfg, "model_family", None)
+    classes = family.compile_classes if family is not None else None
+    count = compile_layers(model, classes)
+    if count == 0:
+        what = (f"the {family.name!r} family's compile_classes "
+                f"{[c.__name__ for c in classes]}" if classes else
+                "ParallelTransformerLayer / T5EncoderLayer / T5DecoderLayer (give a model "
+                "family with compile_classes)")
+        warn_rank_0(f"--compile compiled nothing: no module of the model is one of {what}; "
+                    f"the model runs uncompiled")
+    else:
+        from ..utils import print_rank_0
+
+        print_rank_0(f"> --compile: {count} layers compiled, one region each")
+
+
 def build_backend(cfg: Any, model_provider: Callable,
                   batch_fn: Optional[Callable] = None) -> "TrainingBackend":
     """Build the model through ``model_provider`` and the backend that trains it.
@@ -53,9 +75,7 @@ def build_backend(cfg: Any, model_provider: Callable,
         attach_deepspeed_comm(cfg)  # a PipelineModule needs it while it is built
     model = _call_provider(model_provider, pipeline)
     if cfg.kernels.compile:  # --compile: regional, each transformer layer in place
-        from ..model.compile import compile_layers
-
-        compile_layers(model)
+        _compile(model, cfg)
     _report_parameters(model)
     if engine:
         batch_fn = batch_fn or getattr(model, "_megatron_batch_fn", None)

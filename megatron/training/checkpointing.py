@@ -26,7 +26,6 @@ from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs,
 from ..agreement import agree, agree_on_call
 from ..config import args_to_dict
 from ..errors import CheckpointError, MegatronError
-from ..families import get_family
 from ..utils import print_rank_0, warn_rank_0
 from .async_save import SAVE_FAILED_HINT, AsyncCheckpointWriter
 
@@ -73,6 +72,8 @@ def _main_state(iteration, backend, cfg, train_state, rng_states):
     state = {
         "format": CHECKPOINT_FORMAT, "iteration": iteration, "args": args_to_dict(cfg),
         "model": backend.module().state_dict(),
+        # how each tensor is split (megatron.checkpoint.sharding): layout change reads it
+        "sharding": _sharding_record(backend.module()), "family": cfg.family,
         "rng_state": rng_states,
         "consumed_train_samples": train_state.consumed_train_samples,
         "consumed_valid_samples": train_state.consumed_valid_samples,
@@ -88,6 +89,13 @@ def _main_state(iteration, backend, cfg, train_state, rng_states):
     if counters:
         state["engine"] = counters
     return state
+
+
+def _sharding_record(module):
+    from ..checkpoint.sharding import pipeline_chunk_of, sharding_record
+
+    return sharding_record(module, mpu.get_pipeline_model_parallel_rank(),
+                           pipeline_chunk_of(module))
 
 
 def _write_file(path, state):
@@ -195,7 +203,18 @@ def _read_own_file(cfg, iteration):
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
     check_compatible(state.get("args", {}), cfg, path)
+    _check_family(state, cfg, path)
     return state
+
+
+def _check_family(state, cfg, path):
+    """A checkpoint that names its model family must be the run's (checkpoints written
+    before the name was saved, or by a provider run, name none)."""
+    saved = state.get("family")
+    if saved and cfg.family and saved != cfg.family:
+        raise CheckpointError(f"checkpoint {path} holds a {saved!r} model but this run trains "
+                              f"{cfg.family!r}; load it with that family, or point --load "
+                              f"at a {cfg.family!r} checkpoint")
 
 
 def _load_optimizer(backend, state, cfg, iteration):
@@ -217,7 +236,8 @@ def _load_optimizer(backend, state, cfg, iteration):
 
 def _load_at_new_layout(backend, cfg, iteration, load_optim):
     """Another tp or pp: this rank's slice of the whole checkpoint (megatron.checkpoint)."""
-    rank = read_at_new_layout(cfg.checkpoint.load, iteration, cfg, load_optim)
+    rank = read_at_new_layout(cfg.checkpoint.load, iteration, cfg, load_optim,
+                              own=_sharding_record(backend.module()))
     backend.module().load_state_dict(rank.model)
     if rank.optimizer is not None:
         backend.state_io.load_named(rank.optimizer)
@@ -257,7 +277,7 @@ def _engine_counters(state, cfg):
 def _foreign_format(cfg):
     """The run's model family's foreign checkpoint format the ``--load`` folder holds, or
     None (a native checkpoint, or a family with none)."""
-    family = get_family(getattr(cfg, "family", None))
+    family = getattr(cfg, "model_family", None)  # the run's object: no lookup by name
     for fmt in getattr(family, "foreign_checkpoints", ()):
         if fmt.detect(cfg.checkpoint.load):
             return fmt

@@ -211,7 +211,8 @@ def pretrain(train_valid_test_dataset_provider: Optional[Callable] = None,
              extra_args_provider: Optional[Callable] = None,
              args_defaults: Optional[Dict[str, Any]] = None,
              argv: Optional[Sequence[str]] = None,
-             family: Optional[Any] = None) -> "TrainState":
+             family: Optional[Any] = None,
+             flops_per_step: Optional[Callable[[Any], float]] = None) -> "TrainState":
     """Initialise, build model/optimizer/data, resume, train, evaluate, save.
 
     Args:
@@ -224,8 +225,11 @@ def pretrain(train_valid_test_dataset_provider: Optional[Callable] = None,
         extra_args_provider: adds flags to the parser.
         args_defaults: defaults the entry script sets (e.g. the tokenizer type).
         argv: flags (default: ``sys.argv[1:]``).
-        family: model family (a :class:`~megatron.families.ModelFamily`, or ``gpt2`` /
-            ``t5``): its flags, checks, model, batch, loss, datasets and FLOP count.
+        family: model family (a :class:`~megatron.families.ModelFamily`, or the name of a
+            registered one: ``gpt2``, ``t5``): its flags, checks, model, batch, loss,
+            datasets and FLOP count; it travels with the run (``cfg.model_family``).
+        flops_per_step: ``f(cfg) -> model FLOPs of one step`` for the log's TFLOP/s and MFU
+            (default: the family's; with neither, the log says "n/a").
 
     Returns:
         The final :class:`TrainState` (per-step losses, evaluation losses, iteration).
@@ -236,7 +240,9 @@ def pretrain(train_valid_test_dataset_provider: Optional[Callable] = None,
     cfg = initialize_megatron(extra_args_provider, args_defaults or {}, argv, family=family)
     dataset_provider, model_provider, forward_step_func, batch_fn = _providers(
         family, cfg, train_valid_test_dataset_provider, model_provider, forward_step_func)
-    flops = family.flops_per_step(cfg) if family is not None else None
+    if flops_per_step is None and family is not None:
+        flops_per_step = family.flops_per_step
+    flops = flops_per_step(cfg) if flops_per_step is not None else None
     state = TrainState(flops_per_step=flops or 0.0)
     startup_memory_check(cfg, flops)  # before the model is allocated
     guard = RunGuard(cfg)  # signal stops, --async-save, --step-timeout

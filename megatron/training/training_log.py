@@ -99,14 +99,17 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
 
     Args:
         cfg: the run configuration.
-        state: TrainState (iteration, consumed samples, skipped steps, current lr/scale).
+        state: TrainState (iteration, consumed samples, skipped steps, current lr/scale,
+            ``flops_per_step``: 0 when the model gave none, and TFLOP/s and MFU say n/a).
         stats: dict name -> average over the interval (loss, grad norm).
         interval_s: wall time of the interval.
         writer: TensorBoard SummaryWriter or None.
     """
     steps = max(state.steps_in_interval, 1)
     seconds = interval_s / steps
-    tokens_s, tflops, mfu = throughput(cfg, seconds, state.flops_per_step)
+    tokens_s, tflops, mfu = throughput(cfg, seconds, state.flops_per_step or 1.0)
+    if not state.flops_per_step:  # a model that gave no count: no made-up figure
+        tflops = mfu = None
     parts = [f"iteration {state.iteration:8d}/{cfg.batch.train_iters:8d}",
              f"consumed samples: {state.consumed_train_samples:10d}",
              f"elapsed time per iteration (ms): {seconds * 1000:.1f}",
@@ -115,7 +118,8 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
     if cfg.precision.fp16:
         parts.append(f"loss scale: {state.loss_scale:.1f}")
     parts += [f"skipped iterations: {state.skipped_in_interval:3d}",
-              f"tokens/s: {tokens_s:.0f}", f"TFLOP/s/device: {tflops:.3g}",
+              f"tokens/s: {tokens_s:.0f}",
+              f"TFLOP/s/device: {tflops:.3g}" if tflops is not None else "TFLOP/s/device: n/a",
               f"MFU: {mfu * 100:.1f}%" if mfu is not None else "MFU: n/a"]
     print_rank_last(" | ".join(parts))
     if writer is not None:
@@ -124,7 +128,8 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
             writer.add_scalar(f"train/{name}", value, it)
         writer.add_scalar("train/learning-rate", state.lr, it)
         writer.add_scalar("train/tokens-per-second", tokens_s, it)
-        writer.add_scalar("train/tflops-per-device", tflops, it)
+        if tflops is not None:
+            writer.add_scalar("train/tflops-per-device", tflops, it)
         if mfu is not None:
             writer.add_scalar("train/mfu", mfu, it)
         if cfg.precision.fp16:

@@ -1,0 +1,154 @@
+"""The sharding record: how each saved tensor is split, written with the checkpoint.
+
+The mpu layers mark their parameters (``tensor_model_parallel``, ``partition_dim``,
+``partition_stride``; ``padded_vocab_rows`` for a tensor with a row per vocabulary entry,
+padded to a multiple of the tensor-parallel size). :func:`sharding_record` turns that into
+plain data saved in every rank file under ``"sharding"``::
+
+    {key: [tp_dim, stride, vocab_rows, stage, chunk]}   # tp_dim -1: replicated
+
+so a checkpoint says by itself how to merge its shards and how to cut them for another
+layout, with no key map for the model (:func:`merge_recorded`, :func:`slice_recorded`;
+used by :mod:`.layout_change`). This holds for any model whose parameter names do not
+depend on the layout, e.g. one whose serial model names its layers as its pipeline does
+(``"0"``, ``"1"``, ... the layer-spec indices: examples/llama/llama_model.py). GPT-2 and T5, whose
+serial and pipeline names differ, and checkpoints written before the record, use their key
+maps (:mod:`.key_maps`).
+"""
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from ..mpu.vocab_padding import mark_padded_vocab_rows  # noqa: F401 (the record's marker)
+
+Record = Dict[str, List[int]]
+StateDict = Dict[str, torch.Tensor]
+
+
+def sharding_record(module: torch.nn.Module, stage: int = 0,
+                    chunk_of: Optional[Callable[[str], int]] = None) -> Record:
+    """The record of ``module``'s state dict (its parameters' mpu attributes).
+
+    Args:
+        module: the rank's model (serial model or pipeline stage).
+        stage: this rank's pipeline stage.
+        chunk_of: key -> the global model chunk holding it (virtual stages), or None.
+    """
+    params = dict(module.named_parameters())
+    record = {}
+    for key in module.state_dict():
+        param = params.get(key)
+        parallel = param is not None and bool(getattr(param, "tensor_model_parallel", False))
+        dim = int(param.partition_dim) if parallel else -1
+        stride = int(getattr(param, "partition_stride", 1)) if parallel else 1
+        vocab = int(bool(getattr(param, "padded_vocab_rows", False)))
+        record[key] = [dim, stride, vocab, int(stage), chunk_of(key) if chunk_of else 0]
+    return record
+
+
+def pipeline_chunk_of(module: torch.nn.Module) -> Optional[Callable[[str], int]]:
+    """key -> global model chunk for a tds PipelineModule (layer-spec keys ``"3.<...>"``;
+    -1 for tied modules, which live on several chunks); None for other modules."""
+    owner = getattr(module, "chunk_owner", None)
+    if owner is None:
+        return None
+
+    def chunk_of(key):
+        head = key.split(".", 1)[0]
+        return owner(int(head)) if head.isdigit() else -1
+
+    return chunk_of
+
+
+def has_records(states) -> bool:
+    """Whether every rank file's state carries a sharding record."""
+    return all(isinstance(s.get("sharding"), dict) and s["sharding"] for s in states)
+
+
+def _merge_dim(shards: List[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of the mpu split: rank r holds pieces ``r, r + tp, ...`` of ``tp x stride``."""
+    if stride == 1:
+        return torch.cat(shards, dim=dim)
+    pieces = [torch.chunk(s, stride, dim=dim) for s in shards]
+    return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def split_dim(full: torch.Tensor, dim: int, stride: int, tp: int, tp_rank: int
+              ) -> torch.Tensor:
+    """This rank's shard of ``full`` as the mpu layers cut it (``stride`` pieces each)."""
+    if full.shape[dim] % (tp * stride):
+        raise CheckpointError(f"a tensor of size {full.shape[dim]} on dimension {dim} does "
+                              f"not split into {tp} x {stride} pieces; choose a "
+                              f"--tensor-model-parallel-size that divides it")
+    pieces = torch.chunk(full, tp * stride, dim=dim)
+    return torch.cat(pieces[tp_rank::tp], dim=dim).clone()
+
+
+def merge_recorded(states: Dict[Tuple[int, int], StateDict], records: Dict[Tuple[int, int],
+                   Record], true_vocab: Optional[int], where: str) -> StateDict:
+    """Whole tensors from every (tp, pp) file's tensors, as their records say.
+
+    Args:
+        states: ``{(tp_rank, pp_rank): {key: tensor}}`` (weights, or one optimizer moment).
+        records: each file's sharding record.
+        true_vocab: real vocabulary rows (padding rows are dropped); None keeps them.
+        where: the checkpoint, for messages.
+    """
+    tp = 1 + max(t for t, _ in states)
+    by_key: Dict[str, Dict[int, torch.Tensor]] = {}
+    spec: Dict[str, List[int]] = {}
+    for (t, p), state in states.items():
+        for key, tensor in state.items():
+            if key not in records[(t, p)]:
+                raise CheckpointError(f"{where}: {key} (tp {t}, pp {p}) is missing from the "
+                                      f"file's sharding record; the file is damaged")
+            by_key.setdefault(key, {}).setdefault(t, tensor)
+            spec[key] = records[(t, p)][key]
+    full = {}
+    for key, shards in by_key.items():
+        dim, stride, vocab = spec[key][:3]
+        if dim < 0:
+            full[key] = shards[min(shards)]
+            continue
+        missing = [t for t in range(tp) if t not in shards]
+        if missing:
+            raise CheckpointError(f"{where}: {key} lacks tensor-parallel shards {missing}; "
+                                  f"the checkpoint is incomplete")
+        tensor = _merge_dim([shards[t] for t in range(tp)], dim, stride)
+        if vocab and true_vocab is not None:
+            tensor = tensor.narrow(dim, 0, true_vocab)
+        full[key] = tensor
+    return full
+
+
+def slice_recorded(full: StateDict, own: Record, tp: int, tp_rank: int,
+                   padded_vocab: Optional[int], where: str) -> StateDict:
+    """This rank's state dict: for each key its model holds (``own``, the record of the
+    run's model), the whole tensor re-padded and cut for (``tp``, ``tp_rank``).
+
+    Args:
+        full: whole tensors (:func:`merge_recorded`), vocabulary rows unpadded.
+        own: the sharding record of this rank's model.
+        tp, tp_rank: the run's tensor-parallel size and rank.
+        padded_vocab: the run's padded vocabulary rows.
+        where: the checkpoint, for messages.
+    """
+    missing = sorted(set(own) - set(full))
+    if missing:
+        raise CheckpointError(f"{where} has no {', '.join(missing[:4])}"
+                              f"{' ...' if len(missing) > 4 else ''}: it was saved by "
+                              f"another model (its tensors: {', '.join(sorted(full)[:4])} ...)")
+    out = {}
+    for key, (dim, stride, vocab, _, _) in own.items():
+        tensor = full[key]
+        if vocab and padded_vocab is not None and tensor.shape[dim] > padded_vocab:
+            raise CheckpointError(f"{where}: {key} has {tensor.shape[dim]} vocabulary rows, "
+                                  f"more than this run's {padded_vocab}; pass "
+                                  f"--true-vocab-size")
+        if vocab and padded_vocab is not None and tensor.shape[dim] != padded_vocab:
+            shape = list(tensor.shape)
+            shape[dim] = padded_vocab - tensor.shape[dim]
+            tensor = torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)  # new rows: 0
+        out[key] = split_dim(tensor, dim, stride, tp, tp_rank) if dim >= 0 else tensor.clone()
+    return out
