@@ -7,6 +7,7 @@ dimension, pipeline-stage keys are renamed to the whole model's, copies held by 
 stages are checked to agree, and the result is checked for completeness against the model
 sizes in the saved args. What differs between GPT-2 and T5 comes from the model's key map
 (:mod:`.gpt2_keys`, :mod:`.t5_keys`; :func:`.key_maps.key_map_for` picks it from the saved args).
+A model without a key map is merged by the sharding record its files carry (:mod:`.sharding`).
 """
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
