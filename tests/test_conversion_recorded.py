@@ -125,9 +125,9 @@ STEPS, MORE = 4, 2
 LLAMA_DIVISIBLE_BY = "80"
 
 
-def _argv(data, tp, pp, steps, *extra):
+def _argv(data, tp, pp, steps, *extra, vpp=1):
     return llama_argv(data, tp, pp, "--make-vocab-size-divisible-by", LLAMA_DIVISIBLE_BY,
-                      *extra, steps=steps)
+                      *extra, steps=steps, vpp=vpp)
 
 
 def _same_model(a, b):
@@ -145,16 +145,18 @@ def _saved(root):
     return torch.load(checkpoint_name(root, STEPS, 0, 0), weights_only=True)
 
 
-def _converted_resume_as_the_source(data, tmp_path, source, chain):
-    """Train at ``source`` (tp, pp), convert along ``chain`` (each step from the previous
-    output), and check (a) every converted checkpoint merges to the source's tensors exactly
-    and (b) resumed at its layout with a fresh Adam, it gives the losses of resuming the
-    source at its own. Returns ``{name: (tp, pp)}``, the padded vocabulary sizes and the
-    folders by name ("src", then "tp{t}_pp{p}")."""
-    roots = {"src": str(tmp_path / "src")}
-    layouts = {"src": source}
+def _converted_resume_as_the_source(data, tmp_path, source, chain, vpp=1):
+    """Train at ``source`` (tp, pp) with ``vpp`` chunks per stage, convert along ``chain``
+    (each (tp, pp) from the previous output; the chunks stay where pp does), and check (a)
+    every converted checkpoint merges to the source's tensors exactly and (b) resumed at its
+    layout with a fresh Adam, it gives the losses of resuming the source at its own.
+
+    Returns:
+        the padded vocabulary sizes and the folders, by name ("src", then "tp{t}_pp{p}").
+    """
+    roots, layouts = {"src": str(tmp_path / "src")}, {"src": source}
     run_distributed(train_llama, source[0] * source[1], _argv(
-        data, *source, STEPS, "--save", roots["src"], "--save-interval", str(STEPS)),
+        data, *source, STEPS, "--save", roots["src"], "--save-interval", str(STEPS), vpp=vpp),
         timeout=300)
     previous = roots["src"]
     for tp, pp in chain:
@@ -168,7 +170,8 @@ def _converted_resume_as_the_source(data, tmp_path, source, chain):
     for name, root in roots.items():
         tp, pp = layouts[name]
         ranks = run_distributed(train_llama, tp * pp, _argv(
-            data, tp, pp, STEPS + MORE, "--load", root, "--no-load-optim"), timeout=300)
+            data, tp, pp, STEPS + MORE, "--load", root, "--no-load-optim",
+            vpp=vpp if pp == source[1] else 1), timeout=300)
         resumed[name] = ranks[-1]
     rows = {name: _saved(root)["args"]["padded_vocab_size"] for name, root in roots.items()}
     print(f"padded vocabulary {rows}; losses after the resume: {resumed}")
@@ -208,3 +211,15 @@ def test_llama_pipeline_stages_kept_or_merged(gpt2_data, tmp_path):
 
     with pytest.raises(ConfigError, match="changes in a conversion only to 1"):
         run_conversion(ConversionRequest(roots["src"], str(tmp_path / "pp4"), pp=4))
+
+
+@pytest.mark.slow
+def test_llama_virtual_chunks_kept(gpt2_data, tmp_path):
+    """pp 2 with 2 chunks per stage -> tp 2: the chunks stay (the files of an interleaved run
+    at tp 2 load as saved), and -> one stage."""
+    _, roots = _converted_resume_as_the_source(gpt2_data, tmp_path, (1, 2), [(2, 2), (1, 1)],
+                                               vpp=2)
+    from megatron.checkpoint.chunks import vpp_of
+
+    assert vpp_of(_saved(roots["tp2_pp2"])["args"]) == 2
+    assert {spec[4] for spec in _saved(roots["tp2_pp2"])["sharding"].values()} == {0, 2}
