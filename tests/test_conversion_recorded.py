@@ -223,3 +223,23 @@ def test_llama_virtual_chunks_kept(gpt2_data, tmp_path):
 
     assert vpp_of(_saved(roots["tp2_pp2"])["args"]) == 2
     assert {spec[4] for spec in _saved(roots["tp2_pp2"])["sharding"].values()} == {0, 2}
+
+
+def test_tied_tensor_keeps_its_stages():
+    """A tensor held by several stages (a tied module, chunk -1) may be named otherwise by a
+    serial model: merging its stages into one is refused; keeping them is not."""
+    from megatron.checkpoint.native_reader import FullCheckpoint
+    from megatron.checkpoint.recorded_reshard import check_recorded_layout
+    from megatron.errors import ConfigError
+
+    state = {"tied_modules.embed.weight": torch.randn(8, 4), "1.w": torch.randn(4, 4)}
+    records = {0: {"tied_modules.embed.weight": [0, 1, 1, 0, -1], "1.w": [-1, 1, 0, 0, 0]},
+               1: {"tied_modules.embed.weight": [0, 1, 1, 1, -1]}}
+    ckpt = FullCheckpoint(state, {"pipeline_model_parallel_size": 2}, stage_records=records,
+                          family="toy")
+    check_recorded_layout(ckpt, 2, 2)
+    with pytest.raises(ConfigError, match="tied_modules.embed.weight is held by several"):
+        check_recorded_layout(ckpt, 2, 1)
+    with pytest.raises(ConfigError, match=r"dimension 0 \(size 8\) is not divisible by "
+                                          r"--target-tensor-parallel-size 3"):
+        check_recorded_layout(ckpt, 3, 2)
