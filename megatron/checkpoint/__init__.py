@@ -7,6 +7,8 @@ Everything about what a checkpoint holds and where, used by training (save/resum
 - :mod:`.format`: folder and file names, the tracker, atomic publication, what must match;
 - :mod:`.key_maps` (:mod:`.gpt2_keys`, :mod:`.t5_keys`): where each weight of a model lives;
 - :mod:`.native_reader` / :mod:`.native_writer`: any (tp, pp) layout <-> one full state dict;
+- :mod:`.sharding` / :mod:`.recorded_reshard`: the sharding record each rank file carries,
+  and resharding by it for a model without a key map;
 - :mod:`.vocab_padding`: re-pad the vocabulary rows for another tp;
 - :mod:`.optimizer_names`, :mod:`.zero_state`: optimizer state by parameter name (torch's
   AdamW, DeepSpeed's ZeRO partitions);

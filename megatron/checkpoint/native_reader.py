@@ -7,6 +7,7 @@ dimension, pipeline-stage keys are renamed to the whole model's, copies held by 
 stages are checked to agree, and the result is checked for completeness against the model
 sizes in the saved args. What differs between GPT-2 and T5 comes from the model's key map
 (:mod:`.gpt2_keys`, :mod:`.t5_keys`; :func:`.key_maps.key_map_for` picks it from the saved args).
+A model without a key map is merged by the sharding record its files carry (:mod:`.sharding`).
 """
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -42,12 +43,19 @@ class FullCheckpoint:
         args: the saved args dict (model sizes, tokenizer, the source layout).
         iteration: the training iteration it was saved at (0 for converted HF weights).
         extras: progress carried to a converted checkpoint (:data:`CARRIED_KEYS`).
+        stage_records: for a model without a key map, ``{pp_rank: sharding record}`` of
+            each pipeline stage's files (:mod:`.sharding`; as read: the tp rank 0 files'):
+            which tensors a stage holds and how to cut them (:mod:`.recorded_reshard`);
+            None for GPT-2 and T5 (their key maps say it).
+        family: the model family the files name (``"family"``), or None.
     """
 
     state: dict
     args: dict
     iteration: int = 0
     extras: dict = field(default_factory=dict)
+    stage_records: Optional[Dict[int, Dict[str, list]]] = None
+    family: Optional[str] = None
 
 
 def replicas_agree(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -154,14 +162,16 @@ def merge_layout(keys: Any, args: Dict[str, Any],
     return full
 
 
-def read_native(root: str, iteration: Optional[int] = None,
-                family: Optional[str] = None) -> FullCheckpoint:
+def read_native(root: str, iteration: Optional[int] = None, family: Optional[str] = None,
+                any_recorded: bool = False) -> FullCheckpoint:
     """Read and merge a native checkpoint into a :class:`FullCheckpoint`.
 
     Args:
         root: a ``--save`` directory.
         iteration: which iteration (default: the tracker's).
         family: ``gpt2`` or ``t5`` to insist on one (default: what the saved args say).
+        any_recorded: accept a checkpoint of any family that records its sharding, whatever
+            ``family`` says (native -> native conversion cuts it by that record).
 
     Raises:
         CheckpointError: missing, incomplete, mixed or other-family checkpoint.
@@ -179,7 +189,8 @@ def read_native(root: str, iteration: Optional[int] = None,
                               f"checkpoint")
     tp, pp = args["tensor_model_parallel_size"], args.get("pipeline_model_parallel_size", 1)
     if _recorded_only(first):
-        return _read_recorded(first, files, folder, args, family, iteration, tp, pp)
+        return _read_recorded(first, files, folder, args, None if any_recorded else family,
+                              iteration, tp, pp)
     keys = _check_family(args, family, files[(0, 0)])
     check_rank_layout(files, tp, pp, folder)
 
@@ -202,17 +213,25 @@ def _recorded_only(first: dict) -> bool:
 def _read_recorded(first, files, folder, args, family, iteration, tp, pp) -> FullCheckpoint:
     """:func:`read_native` of a recorded checkpoint: whole tensors under the model's own
     (layout-independent) names, vocabulary rows unpadded when the real size is saved."""
-    from .sharding import merge_recorded
+    from .sharding import has_records, merge_recorded
 
     if family is not None and family != first["family"]:
         raise CheckpointError(f"{folder} holds a {first['family']!r} model, not {family!r}; "
-                              f"a model of its own converts with its own tool (e.g. "
-                              f"examples/llama/convert_llama.py, docs/new_model.md)")
+                              f"tools/convert_checkpoint.py reshards it native -> native, "
+                              f"and a model of its own converts to other formats with its "
+                              f"own tool (e.g. examples/llama/convert_llama.py, "
+                              f"docs/new_model.md)")
     check_rank_layout(files, tp, pp, folder)
     states = {key: first if key == (0, 0) else load_rank_file(path)
               for key, path in files.items()}
+    if not has_records(states.values()):
+        raise CheckpointError(f"{folder}: some rank files carry no sharding record, so "
+                              f"they were not saved with the others; the checkpoint mixes "
+                              f"files from different runs")
     full = merge_recorded({k: s.get("model", {}) for k, s in states.items()},
                           {k: s["sharding"] for k, s in states.items()},
                           args.get("true_vocab_size"), folder)
     extras = {k: first[k] for k in CARRIED_KEYS if k in first}
-    return FullCheckpoint(full, args, int(first.get("iteration", iteration)), extras)
+    stage_records = {p: dict(states[(0, p)]["sharding"]) for p in range(pp)}
+    return FullCheckpoint(full, args, int(first.get("iteration", iteration)), extras,
+                          stage_records=stage_records, family=first["family"])

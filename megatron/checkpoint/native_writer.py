@@ -4,7 +4,8 @@ checkpoint.
 The result has the layout :mod:`.format` describes and training reads
 (``<root>/iter_N/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` and the tracker), with
 whole-model keys when pp = 1 and pipeline-stage keys when pp > 1 (the family's key map
-says which). It holds weights only:
+says which; a model without a key map is cut by its sharding record, which each file
+carries on: :mod:`.recorded_reshard`). It holds weights only:
 no optimizer state and no RNG state. A training run starts from it with ``--finetune``
 (iteration 0, fresh optimizer) or resumes with ``--no-load-optim`` (keeps the iteration,
 consumed samples and LR schedule carried over from the source; RNG from ``--seed``).
@@ -28,11 +29,23 @@ from .format import (CHECKPOINT_FORMAT, checkpoint_name, iteration_dir, publish_
 from .chunks import VPP_KEY, Bounds
 from .key_maps import key_map_for
 from .native_reader import FullCheckpoint
+from .recorded_reshard import check_recorded_layout, recorded_rank_state, reshard_recorded
 from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size, target_padded_size
 
 
-def check_layout(args: Dict[str, Any], tp: int, pp: int) -> None:
-    """Raise ConfigError unless the model in ``args`` splits into ``tp`` x ``pp``."""
+def check_layout(args: Dict[str, Any], tp: int, pp: int,
+                 recorded: Optional[FullCheckpoint] = None) -> None:
+    """Raise ConfigError unless the model in ``args`` splits into ``tp`` x ``pp``.
+
+    Args:
+        args: the saved args (model sizes); its key map says what must divide.
+        tp, pp: target sizes.
+        recorded: a model without a key map: its whole tensors and sharding record say
+            what must divide instead (:func:`.recorded_reshard.check_recorded_layout`).
+    """
+    if recorded is not None and recorded.stage_records is not None:
+        check_recorded_layout(recorded, tp, pp)
+        return
     if tp < 1 or pp < 1:
         raise ConfigError(f"target sizes must be >= 1, got tp={tp}, pp={pp}")
     keys = key_map_for(args)
@@ -94,6 +107,22 @@ def _prepare_output(root, iteration):
     return tmp_root
 
 
+def _rank_writer(ckpt, tp, pp):
+    """``(f(tp_rank, pp_rank) -> the file's model [and record], target args)``, layout
+    checked: by the key map, or by the sharding record of a model without one."""
+    if ckpt.stage_records is not None:
+        if (tp, pp) != (ckpt.args["tensor_model_parallel_size"],
+                        ckpt.args.get("pipeline_model_parallel_size", 1)):
+            raise ConfigError("a checkpoint without a key map is written at the layout "
+                              "reshard() padded it for; call reshard(ckpt, tp, pp) first")
+        check_layout(ckpt.args, tp, pp, recorded=ckpt)
+        return (lambda t, p: recorded_rank_state(ckpt, t, p)), ckpt.args
+    args = layout_args(ckpt.args, tp, pp)
+    check_layout(args, tp, pp)
+    bounds = key_map_for(args).stage_bounds(args, pp) if uses_pipeline_engine(pp) else [None]
+    return (lambda t, p: {"model": stage_state(ckpt.state, args, t, bounds[p])}), args
+
+
 def write_native(ckpt: FullCheckpoint, root: str, tp: Optional[int] = None,
                  pp: Optional[int] = None, source: str = "converted") -> str:
     """Write ``ckpt`` (a :class:`FullCheckpoint` already padded for ``tp``) as a checkpoint.
@@ -109,19 +138,14 @@ def write_native(ckpt: FullCheckpoint, root: str, tp: Optional[int] = None,
     """
     tp = tp or ckpt.args["tensor_model_parallel_size"]
     pp = pp or ckpt.args.get("pipeline_model_parallel_size", 1)
-    args = layout_args(ckpt.args, tp, pp)
-    check_layout(args, tp, pp)
-    keys = key_map_for(args)
-    bounds = keys.stage_bounds(args, pp) if uses_pipeline_engine(pp) else [None]
+    rank_state, args = _rank_writer(ckpt, tp, pp)
     tmp_root = _prepare_output(root, ckpt.iteration)
     try:
-        for pp_rank, stage_bounds in progress(list(enumerate(bounds)), desc="writing stages",
-                                              unit="stages"):
+        for pp_rank in progress(range(pp), desc="writing stages", unit="stages"):
             for tp_rank in range(tp):
                 state = {"format": CHECKPOINT_FORMAT, "iteration": ckpt.iteration,
                          "args": args, "converted_from": source, "weights_only": True,
-                         "model": stage_state(ckpt.state, args, tp_rank, stage_bounds),
-                         **ckpt.extras}
+                         **rank_state(tp_rank, pp_rank), **ckpt.extras}
                 path = checkpoint_name(tmp_root, ckpt.iteration, tp_rank, pp_rank)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 durable.write_file(path, lambda name, state=state: torch.save(state, name))
@@ -143,6 +167,8 @@ def reshard(ckpt: FullCheckpoint, tp: int, pp: int, divisible_by: Optional[int] 
         true_vocab: real vocabulary rows, or None to look them up
             (:func:`~.vocab_padding.resolve_true_vocab_size`).
     """
+    if ckpt.stage_records is not None:  # a model without a key map: by its record
+        return reshard_recorded(ckpt, tp, pp, divisible_by, true_vocab)
     keys = key_map_for(ckpt.args)
     divisible_by = divisible_by or ckpt.args.get("make_vocab_size_divisible_by") or 128
     true_vocab = resolve_true_vocab_size(ckpt.args, true_vocab)

@@ -46,7 +46,10 @@ class CheckpointFormat:
 
 
 def _read_native(path, request):
-    return read_native(path, request.iteration, request.family)
+    # native -> native: a model without a key map is cut again by its sharding record,
+    # whichever family's tool is asked; other outputs need the family's own names
+    return read_native(path, request.iteration, request.family,
+                       any_recorded=request.output_format == "native")
 
 
 def _write_native(ckpt, path, request, source):
