@@ -1,0 +1,51 @@
+"""The memory model's predicted peak against ``torch.cuda.max_memory_allocated`` (issue 36).
+
+One process trains a GPT-2 of 12 layers x 768 (seq 1024, micro-batch 4, gas 2) for two steps
+through the real ``pretrain()`` on CUDA and prints the allocator's peak next to the model's
+predicted peak of its one stage (``spec_from_run_config(cfg, device="cuda")``: the CUDA
+branches of the model, its transient terms and buffers). The CPU tests
+(tests/test_memory_peak.py) hold the saved activations and model states to 5%; here the
+whole peak is held to 10%, the allocator's rounding and cuBLAS's workspace included.
+Skipped without a CUDA device; not yet run on one (no GPU was lent to the session that wrote
+it), so a first failure may be the test's own tolerance: issue 38 runs the GPU tests.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpt2_runs import REPO, gpt2_argv
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+BODY = """
+import torch
+
+import pretrain_gpt2
+from megatron.global_vars import get_args
+from megatron.memory import predict, spec_from_run_config
+
+pretrain_gpt2.main({argv!r})
+stage = predict(spec_from_run_config(get_args(), device="cuda"))[0]
+print("PEAK measured", torch.cuda.max_memory_allocated(), "predicted", stage.peak)
+"""
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", [(), ("--bf16",)], ids=["fp32", "bf16"])
+def test_predicted_peak_matches_the_cuda_allocator(gpt2_data, precision):
+    argv = gpt2_argv(gpt2_data, "--batch-size", "4", "--gas", "2", "--train-iters", "2",
+                     "--log-interval", "1000", "--eval-iters", "0", *precision, layers=12,
+                     hidden=768, heads=12, seq=1024)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", BODY.format(argv=argv)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured, predicted = map(int, re.search(r"PEAK measured (\d+) predicted (\d+)",
+                                             out.stdout).groups())
+    assert abs(predicted - measured) <= 0.10 * measured, (measured, predicted)
