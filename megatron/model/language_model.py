@@ -62,12 +62,18 @@ def parallel_lm_logits(hidden, word_embeddings_weight, parallel_output, bias=Non
         sequence_parallel: ``hidden`` is this rank's ``[s/tp, b, h]``: all-gather it (the
             gradient is reduce-scattered back) instead of ``f``, keeping only the shard
             for the backward.
+
+    A weight marked by ``mpu.set_weight_grad_deferral`` (the embedding's, or an untied
+    head's) defers this GEMM's weight gradient while its store records (docs/mpu.md).
     """
     if sequence_parallel:  # [s/tp, b, h] -> [s, b, v/tp]; only the shard is saved
         logits = mpu.linear_with_sequence_parallel_gather(hidden, word_embeddings_weight, bias)
     else:
         hidden = mpu.copy_to_tensor_model_parallel_region(hidden)
-        logits = F.linear(hidden, word_embeddings_weight, bias)
+        if mpu.weight_grad_store_of(word_embeddings_weight) is None:
+            logits = F.linear(hidden, word_embeddings_weight, bias)
+        else:  # mpu.set_weight_grad_deferral: a store may take the weight GEMM
+            logits = mpu.deferrable_linear(hidden, word_embeddings_weight, bias)
     # In place on the matmul output (linear does not save it), last partition only.
     mpu.mask_padded_vocab_logits_(logits, true_vocab_size)
     if parallel_output:

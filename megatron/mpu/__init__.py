@@ -94,3 +94,13 @@ from .sequence_parallel import (
     sequence_parallel_param,
 )
 from .utils import VocabUtility, divide, ensure_divisibility, get_device, split_tensor_along_last_dim
+from .weight_grad import (
+    LinearWithDeferredWeightGrad,
+    WeightGradStore,
+    WeightGradStoreError,
+    accumulate_grad,
+    check_not_compiled,
+    deferrable_linear,
+    set_weight_grad_deferral,
+    weight_grad_store_of,
+)

@@ -26,6 +26,7 @@ from .sequence_parallel import (
 )
 from .sequence_parallel_linear import linear_with_sequence_parallel_gather
 from .utils import VocabUtility, divide, get_device
+from .weight_grad import deferrable_linear, weight_grad_store_of
 
 #: ``init_method(tensor)``: fills a full (master) weight in place.
 InitMethod = Callable[[torch.Tensor], object]
@@ -113,7 +114,14 @@ class VocabParallelEmbedding(nn.Module):
         device: parameter device (default: the current CUDA device, else CPU).
         group: tensor-parallel group (default: mpu's).
         perform_initialization: False leaves the weight uninitialised (to be loaded).
+
+    ``mpu.set_weight_grad_deferral`` marks its weight: the output layer that multiplies with
+    it (``parallel_lm_logits``) then defers that GEMM's weight gradient; the lookup's
+    gradient is never deferred.
     """
+
+    #: ``mpu.set_weight_grad_deferral`` marks this layer's weight (see :mod:`.weight_grad`).
+    weight_grad_deferrable = True
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  init_method: InitMethod = init.xavier_normal_, *,
@@ -170,7 +178,13 @@ class ColumnParallelLinear(nn.Module):
 
     Returns (forward):
         ``(output, bias)``: ``bias`` is the bias parameter when ``skip_bias_add``, else None.
+
+    After ``mpu.set_weight_grad_deferral`` the matmul runs through a Function that defers
+    its weight-gradient GEMM while the store records (:mod:`.weight_grad`); unmarked, the
+    layer runs ``F.linear``.
     """
+
+    weight_grad_deferrable = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  gather_output: bool = True, init_method: InitMethod = init.xavier_normal_,
@@ -212,7 +226,10 @@ class ColumnParallelLinear(nn.Module):
                                                                    self.group)
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, self.group)
-            output_parallel = F.linear(input_parallel, self.weight, bias)
+            if weight_grad_store_of(self.weight) is None:
+                output_parallel = F.linear(input_parallel, self.weight, bias)
+            else:  # set_weight_grad_deferral: a store may take the weight GEMM
+                output_parallel = deferrable_linear(input_parallel, self.weight, bias)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel, self.group)
         else:
@@ -239,8 +256,10 @@ class RowParallelLinear(nn.Module):
             device, group, perform_initialization: as in ColumnParallelLinear.
 
     Returns (forward):
-        ``(output, bias)`` as ColumnParallelLinear.
+        ``(output, bias)`` as ColumnParallelLinear (and its weight-gradient deferral).
     """
+
+    weight_grad_deferrable = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  input_is_parallel: bool = False, init_method: InitMethod = init.xavier_normal_,
@@ -282,13 +301,15 @@ class RowParallelLinear(nn.Module):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, self.group)
         bias = self.bias
+        # set_weight_grad_deferral: a store may take the weight GEMM
+        linear = F.linear if weight_grad_store_of(self.weight) is None else deferrable_linear
         if self.tp_size == 1 and not self.skip_bias_add and \
                 not torch.is_autocast_enabled(input_parallel.device.type):
             # nothing to reduce: the bias goes into the matmul (one addmm, not mm + add).
             # Not under autocast: there the fp32 bias added after the low-precision matmul
             # keeps the output (the residual stream) in fp32, as at tp > 1.
-            return F.linear(input_parallel, self.weight, bias), None
-        output_parallel = F.linear(input_parallel, self.weight)
+            return linear(input_parallel, self.weight, bias), None
+        output_parallel = linear(input_parallel, self.weight)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, self.group)
             if bias is not None:  # added on a sequence shard: partial gradient per rank

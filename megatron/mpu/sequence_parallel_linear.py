@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from .mappings import _all_gather_single, _resolve
 from .sequence_parallel import _reduce_scatter_first_dim
+from .weight_grad import autocast_linear_inputs as _autocast_inputs
+from .weight_grad import deferrable_linear, deferral_target, run_eagerly
 
 
 def _gather_buffer(shard: torch.Tensor, world: int) -> torch.Tensor:
@@ -59,6 +61,50 @@ class _LinearWithSequenceParallelGather(torch.autograd.Function):
         return grad_shard, grad_weight, grad_bias, None
 
 
+class _SequenceParallelLinearDeferredWeightGrad(_LinearWithSequenceParallelGather):
+    """:class:`_LinearWithSequenceParallelGather` whose weight GEMM a WeightGradStore can
+    defer (Qi et al. 2024's B / W split; :mod:`.weight_grad`).
+
+    While the store records, B is ``dX = dY W`` and its reduce-scatter only: it neither
+    all-gathers the input nor computes ``dW``. The deferred W all-gathers the saved shard
+    again (a tensor-parallel collective inside W: the tp ranks of a stage run the same W at
+    the same point of a schedule) and runs the unsplit backward's GEMM, so ``dW`` has its
+    bits. Between B and W it keeps the shard ``[s/t, b, in]`` and ``dY`` ``[s, b, out/t]``,
+    not the gathered input. Outside a record the backward is the parent's.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, weight, bias, group, target):
+        ctx.target = target  # (store, param): param is the leaf behind a cast weight
+        return _LinearWithSequenceParallelGather.forward(ctx, shard, weight, bias, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        store, param = ctx.target
+        if store.recording_key is None or not ctx.needs_input_grad[1]:
+            return _LinearWithSequenceParallelGather.backward(ctx, grad_output) + (None,)
+        shard, weight = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        grad_total = grad_output.matmul(weight)  # [s, b, in]
+        grad_shard, pending = _reduce_scatter_async(grad_total, ctx.group)  # [s/t, b, in]
+        out = grad_output.size(-1)
+        grad_bias = grad_output.reshape(-1, out).sum(0) if ctx.has_bias else None
+        group = ctx.group
+        store.defer(param, lambda: _gathered_weight_grad(shard, grad_output, group),
+                    saved=(shard, grad_output))
+        if pending is not None:
+            pending.wait()
+        return grad_shard, None, grad_bias, None, None
+
+
+def _gathered_weight_grad(shard, grad_output, group):
+    """W of a sequence-parallel column linear: all-gather the shard, ``dY^T X``."""
+    total = _gather_buffer(shard, dist.get_world_size(group))  # [s, b, in]
+    _all_gather_single(total, shard, group=group)
+    out = grad_output.size(-1)
+    return grad_output.reshape(-1, out).t().matmul(total.reshape(-1, total.size(-1)))
+
+
 def _reduce_scatter_async(grad_total, group):
     """``[s, ...] -> [s/t, ...]`` summed over ``group``: launched asynchronously where the
     backend has a reduce-scatter (NCCL), so it overlaps the weight-gradient GEMM; gloo has
@@ -70,17 +116,6 @@ def _reduce_scatter_async(grad_total, group):
                          dtype=grad_total.dtype, device=grad_total.device)
     handle = dist.reduce_scatter_tensor(output, grad_total, group=group, async_op=True)
     return output, handle
-
-
-def _autocast_inputs(shard, weight, bias):
-    """Cast to the autocast dtype as autocast's ``linear`` would (outside the Function, so
-    autograd casts the gradients back); returns the tensors and whether autocast was on."""
-    device_type = shard.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return shard, weight, bias, False
-    dtype = torch.get_autocast_dtype(device_type)
-    cast = [None if x is None else x.to(dtype) for x in (shard, weight, bias)]
-    return cast[0], cast[1], cast[2], True
 
 
 def linear_with_sequence_parallel_gather(shard: torch.Tensor, weight: torch.Tensor,
@@ -96,12 +131,28 @@ def linear_with_sequence_parallel_gather(shard: torch.Tensor, weight: torch.Tens
 
     Returns:
         ``[s, b, out/t]``; the input gradient is reduce-scattered back to ``[s/t, b, in]``.
+        A weight marked by ``mpu.set_weight_grad_deferral`` defers its gradient while its
+        store records (:class:`_SequenceParallelLinearDeferredWeightGrad`).
     """
     group = _resolve(group)
+    target = deferral_target(weight)  # None unless mpu.set_weight_grad_deferral marked it
     if dist.get_world_size(group) == 1:
+        if target is not None:
+            return deferrable_linear(shard, weight, bias)
         return torch.nn.functional.linear(shard, weight, bias)
+    if target is not None:
+        return run_eagerly(_deferred_gather_linear, shard, weight, bias, group, target)
     shard, weight, bias, autocast = _autocast_inputs(shard, weight, bias)
     if not autocast:
         return _LinearWithSequenceParallelGather.apply(shard, weight, bias, group)
     with torch.autocast(shard.device.type, enabled=False):
         return _LinearWithSequenceParallelGather.apply(shard, weight, bias, group)
+
+
+def _deferred_gather_linear(shard, weight, bias, group, target):
+    shard, weight, bias, autocast = _autocast_inputs(shard, weight, bias)
+    function = _SequenceParallelLinearDeferredWeightGrad
+    if not autocast:
+        return function.apply(shard, weight, bias, group, target)
+    with torch.autocast(shard.device.type, enabled=False):
+        return function.apply(shard, weight, bias, group, target)
