@@ -52,6 +52,12 @@ def add_parallel_args(parser):
                         "chunks r, r+p, ...; needs pp >= 2; docs/pipeline_schedules.md)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per model chunk; derives --virtual-pipeline-model-parallel-size")
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "interleaved", "zb-h1", "zbv"],
+                   default=None,
+                   help="pipeline schedule (pp >= 2): 1f1b (default), interleaved (implied by "
+                        "--virtual-pipeline-model-parallel-size > 1), zb-h1 or zbv (zero "
+                        "bubble: the backward split into input and weight passes; zbv places "
+                        "2 chunks per rank in a V); docs/pipeline_schedules.md")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with GPUs, gloo without")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,

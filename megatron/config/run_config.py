@@ -84,13 +84,17 @@ class ParallelDims(Section):
     """Norm/dropout activations split along the sequence across the tp ranks."""
     vpp: int = 1
     """Model chunks per pipeline rank (``--virtual-pipeline-model-parallel-size``)."""
+    pipeline_schedule: str = "1f1b"
+    """``--pipeline-schedule``: ``1f1b``, ``interleaved`` (vpp > 1), ``zb-h1`` or ``zbv``
+    (zero bubble; zbv has vpp 2 in a V placement); tds.pipe.schedules."""
 
     FLAGS: ClassVar[Dict[str, str]] = {
         "world": "world_size", "tp": "tensor_model_parallel_size",
         "pp": "pipeline_model_parallel_size", "dp": "data_parallel_size",
         "dist_backend": "distributed_backend", "vpp": "virtual_pipeline_model_parallel_size"}
     DEFAULTS: ClassVar[Dict[str, Any]] = {"dp": 1, "world": 1, "rank": 0, "local_rank": 0,
-                                          "dist_backend": None, "vpp": 1}
+                                          "dist_backend": None, "vpp": 1,
+                                          "pipeline_schedule": "1f1b"}
 
     @property
     def pipeline_engine(self) -> bool:

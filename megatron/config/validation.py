@@ -111,6 +111,47 @@ def _virtual_pipeline(args, problems):
                         f"holds the same number of layers")
 
 
+ZB_SCHEDULES = ("zb-h1", "zbv")
+
+
+def _pipeline_schedule(args, problems):
+    """``--pipeline-schedule``: 1f1b by default, interleaved when v > 1; zbv takes two chunks
+    per rank (placed in a V), so the layers split into 2 x pp equal chunks."""
+    pp, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    name = getattr(args, "pipeline_schedule", None) or ("interleaved" if v > 1 else "1f1b")
+    args.pipeline_schedule = name
+    if name != "1f1b" and pp < 2:
+        problems.append(f"--pipeline-schedule {name} needs --pipe-parallel-size >= 2 (one stage "
+                        f"has no pipeline to schedule); drop it or raise the pipeline size")
+        return
+    if name == "1f1b" and v > 1:
+        problems.append(f"--pipeline-schedule 1f1b runs one model chunk per rank, but "
+                        f"--virtual-pipeline-model-parallel-size is {v}; use "
+                        f"--pipeline-schedule interleaved or drop the virtual size")
+    elif name == "interleaved" and v < 2:
+        problems.append("--pipeline-schedule interleaved needs "
+                        "--virtual-pipeline-model-parallel-size >= 2 (chunks per rank)")
+    elif name == "zb-h1" and v > 1:
+        problems.append(f"--pipeline-schedule zb-h1 runs one model chunk per rank (1F1B's "
+                        f"order, split backward), but --virtual-pipeline-model-parallel-size "
+                        f"is {v}; drop it, or use --pipeline-schedule zbv (two chunks per rank)")
+    elif name == "zbv":
+        layers = args.layer_stacks * args.num_layers
+        if v not in (1, 2):
+            problems.append(f"--pipeline-schedule zbv places exactly 2 model chunks on each "
+                            f"rank, but --virtual-pipeline-model-parallel-size is {v}; drop it")
+        elif layers % (2 * pp):
+            problems.append(f"--pipeline-schedule zbv cuts the {layers} layers into 2 x "
+                            f"--pipe-parallel-size ({2 * pp}) equal chunks; they do not divide")
+        args.virtual_pipeline_model_parallel_size = 2
+    if name in ZB_SCHEDULES and getattr(args, "compile", False):
+        problems.append(f"--compile cannot be combined with --pipeline-schedule {name}: a "
+                        f"zero-bubble schedule runs each weight-gradient GEMM later, outside the "
+                        f"backward that torch.compile would capture (every deferred GEMM would "
+                        f"break the layer's graph); use --pipeline-schedule 1f1b or interleaved "
+                        f"with --compile")
+
+
 def _batch(args, problems):
     mbs, dp = args.micro_batch_size, args.data_parallel_size
     if mbs < 1:
@@ -332,7 +373,7 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
     problems = []
     from .speed_flags import validate_speed
 
-    for check in (_parallel, _model, _virtual_pipeline, _batch, _optim, _data, _intervals,
+    for check in (_parallel, _model, _virtual_pipeline, _pipeline_schedule, _batch, _optim, _data, _intervals,
                   _faults, _split, _wandb,
                   _sequence_parallel, validate_speed):
         check(args, problems)
