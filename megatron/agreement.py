@@ -15,7 +15,7 @@ costs one small exchange on a path that is rare (a save, start-up), never inside
 ``tds``, which imports nothing of megatron, follows the same rule with its own exchange where
 its pipeline contract is checked (tds/pipe/boundary.py, tds/pipe/interleaved.py).
 """
-from typing import List, Optional, Tuple, Type, Union
+from typing import Any, Callable, List, Optional, Tuple, Type, Union
 
 import torch.distributed as dist
 
@@ -43,9 +43,7 @@ def summary(what: str, failures: List[Tuple[int, str]]) -> str:
         by_cause.setdefault(cause, []).append(rank)
     clauses = []
     for cause, ranks in list(by_cause.items())[:MAX_LISTED]:
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else \
-            "ranks " + ", ".join(str(r) for r in ranks)
-        clauses.append(f"{who}: {cause}")
+        clauses.append(f"{_ranks_in_words(ranks)}: {cause}")
     more = len(by_cause) - MAX_LISTED
     tail = f"; and {more} more cause(s) on other ranks" if more > 0 else ""
     return f"{what} failed on {'; '.join(clauses)}{tail}"
@@ -90,7 +88,10 @@ def agree(error: Union[BaseException, str, None], what: str, group=None,
             an exception that is neither a user error nor an ``OSError`` (a bug) is
             re-raised as it is, after the others have been told, to keep its traceback.
     """
-    failures = gather_failures(error, group)
+    _raise_failures(error, gather_failures(error, group), what, error_type, hint)
+
+
+def _raise_failures(error, failures, what, error_type, hint):
     if not failures:
         return
     if isinstance(error, BaseException) and not isinstance(error, (MegatronError, OSError)):
@@ -99,6 +100,64 @@ def agree(error: Union[BaseException, str, None], what: str, group=None,
     if isinstance(error, BaseException):
         raise error_type(message) from error
     raise error_type(message)
+
+
+def agree_on_value(value: Any, error: Union[BaseException, str, None], what: str,
+                   describe_value: Callable[[Any], str] = repr, group=None,
+                   error_type: Type[Exception] = MegatronError, hint: str = "") -> Any:
+    """Collective over ``group``: every rank's outcome of a local read (a tracker file, a
+    folder's contents), raised on every rank if any rank failed or if the ranks read
+    different values; else the value, the same on every rank.
+
+    Args:
+        value: what this rank read (picklable, compared with ``==``); ignored when
+            ``error`` is set.
+        error: this rank's failure (an exception or a message), or None.
+        what: the read, for the message ("reading the tracker of /ckpt").
+        describe_value: a value in words, for the message when the ranks disagree.
+        group: the process group (default: the world); every rank of it must call.
+        error_type: the type raised on every rank.
+        hint: what the user can do when the ranks disagree, appended to that message (a
+            failure's message is its cause's, as :func:`agree`'s).
+
+    Returns:
+        ``value`` (equal on every rank).
+
+    Raises:
+        ``error_type``: as :func:`agree` when a rank failed; ``"<what>: the ranks disagree:
+            <value> on rank 0; <other value> on rank 1"`` when they read different values.
+    """
+    cause = describe(error)
+    mine = (cause, None if cause is not None else value)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        outcomes = [(dist.get_rank() if dist.is_initialized() else 0, mine)]
+    else:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(len(every))
+        outcomes = list(zip(ranks, every))
+    _raise_failures(error, [(r, c) for r, (c, _) in outcomes if c is not None], what,
+                    error_type, "")
+    seen: List[Tuple[Any, List[int]]] = []  # (value, ranks), by ==: values need no hash
+    for rank, (_, read) in outcomes:
+        for known, ranks in seen:
+            if known == read:
+                ranks.append(rank)
+                break
+        else:
+            seen.append((read, [rank]))
+    if len(seen) > 1:
+        clauses = [f"{describe_value(v)} on {_ranks_in_words(r)}" for v, r in seen[:MAX_LISTED]]
+        more = len(seen) - MAX_LISTED
+        tail = f"; and {more} more value(s) on other ranks" if more > 0 else ""
+        raise error_type(f"{what}: the ranks disagree: {'; '.join(clauses)}{tail}"
+                         + (f"; {hint}" if hint else ""))
+    return value
+
+
+def _ranks_in_words(ranks):
+    return f"rank {ranks[0]}" if len(ranks) == 1 else \
+        "ranks " + ", ".join(str(r) for r in ranks)
 
 
 def agree_on_call(what: str, fn, *args, group=None,

@@ -23,7 +23,7 @@ from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker:
     megatron_v2_name, optimizer_shard_name, publish_iteration, read_tracker,
     saved_optimizer_files, write_atomic, write_tracker)
 from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs, weights_for_run
-from ..agreement import agree, agree_on_call
+from ..agreement import agree, agree_on_call, agree_on_value
 from ..config import args_to_dict
 from ..errors import CheckpointError, MegatronError
 from ..utils import print_rank_0, warn_rank_0
@@ -274,6 +274,44 @@ def _engine_counters(state, cfg):
     return counters
 
 
+def _contents(cfg):
+    """What ``--load`` holds, as this rank sees it: ``(index of the family's foreign format,
+    None)``, or ``(None, the tracker's iteration or None when there is no tracker)``."""
+    fmt = _foreign_format(cfg)
+    if fmt is not None:
+        return cfg.model_family.foreign_checkpoints.index(fmt), None
+    return None, read_tracker(cfg.checkpoint.load)
+
+
+def _agreed_contents(cfg):
+    """Collective: :func:`_contents`, the same on every rank, as ``(foreign format or None,
+    iteration or None)``.
+
+    A tracker that one rank cannot read (a lost mount, a half-synced copy on a node-local
+    disk) or reads differently would otherwise make that rank raise, or start from scratch,
+    alone while the others load: every rank now raises the same :class:`CheckpointError`.
+    """
+    found, error = None, None
+    try:
+        found = _contents(cfg)
+    except Exception as exc:  # every rank learns of it below (a bug keeps its traceback)
+        error = exc
+    formats = getattr(cfg.model_family, "foreign_checkpoints", ())
+
+    def in_words(contents):
+        index, iteration = contents
+        if index is not None:
+            return f"a {formats[index].DESCRIPTION}"
+        return "no tracker" if iteration is None else f"iteration {iteration}"
+
+    index, iteration = agree_on_value(
+        found, error, f"reading the tracker of {cfg.checkpoint.load}", in_words,
+        error_type=CheckpointError,
+        hint="every rank must see the same --load folder (a shared file system, or the same "
+             "copy on every node)")
+    return (formats[index] if index is not None else None), iteration
+
+
 def _foreign_format(cfg):
     """The run's model family's foreign checkpoint format the ``--load`` folder holds, or
     None (a native checkpoint, or a family with none)."""
@@ -331,13 +369,11 @@ def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
     if not ckpt.load:
         return 0
     load_optim = not ckpt.no_load_optim and not ckpt.finetune
-    foreign = _foreign_format(cfg)
-    if foreign is None:
-        iteration = read_tracker(ckpt.load)
-        if iteration is None:
-            warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
-                        f"starting from scratch")
-            return 0
+    foreign, iteration = _agreed_contents(cfg)
+    if foreign is None and iteration is None:
+        warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
+                    f"starting from scratch")
+        return 0
     state, error = None, None
     try:
         if foreign is not None:
