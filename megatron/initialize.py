@@ -4,14 +4,17 @@ import os
 import random
 import socket
 from datetime import timedelta
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import mpu
-from .agreement import gather_failures, summary
+from .agreement import agree, gather_failures, summary
 from .config import build_run_config
+from .config.parser import RankFileProblems
+from .errors import ConfigError
 from .global_vars import reset_globals, set_globals
 from .metrics_writers import build_metrics_writer
 from .timers import Timers
@@ -116,7 +119,10 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
 
     The configuration (flags, YAML, every check, the tokenizer) is built first, on every
     rank, before any process group exists: a bad flag fails everywhere at once instead of
-    leaving ranks waiting for each other.
+    leaving ranks waiting for each other. A file that only some ranks cannot see (a mount
+    lost on one node: :class:`~megatron.config.parser.RankFileProblems`) is agreed on right
+    after torch.distributed starts, with one collective every run takes: every rank raises
+    the same :class:`ConfigError`, naming the ranks and the files.
 
     Args:
         extra_args_provider: adds a user model's flags to the parser.
@@ -128,8 +134,15 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
         The frozen run configuration (also available as ``megatron.get_args()``).
     """
     reset_globals()
-    cfg, tokenizer = build_run_config(argv, family, extra_args_provider, args_defaults)
+    own = None
+    try:
+        cfg, tokenizer = build_run_config(argv, family, extra_args_provider, args_defaults)
+    except RankFileProblems as exc:  # this rank's verdict on the files: agreed below
+        cfg, tokenizer, own = SimpleNamespace(parallel=exc.parallel), None, exc
     init_distributed(cfg)
+    # before any other collective: a file one rank cannot see ends every rank, naming it
+    agree("; ".join(own.problems) if own else None, "checking the run's files",
+          error_type=ConfigError)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)

@@ -10,16 +10,18 @@ underscores, plus a MindFormers-style ``parallel_config`` block); a flag given o
 command line overrides the file. :func:`build_run_config` then validates everything at once
 (the generic flags and the model family's) and raises :class:`~megatron.errors.ConfigError`
 listing every problem, before any process group exists, so each rank fails the same way and
-none hangs. The result is a frozen :class:`~megatron.config.run_config.RunConfig`.
+none hangs. Problems with the files that only this rank may see (a lost mount) are raised as
+:class:`RankFileProblems` in a run of several processes, for the ranks to agree on once
+torch.distributed starts. The result is a frozen :class:`~megatron.config.run_config.RunConfig`.
 """
 import argparse
 import os
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError, MegatronError
 from .flags import ADD_GROUPS
-from .run_config import RunConfig
-from .validation import derive_and_validate, derive_vocab
+from .run_config import ParallelDims, RunConfig
+from .validation import derive_and_validate, derive_vocab, rank_file_problems
 from .yaml_file import apply_config_file
 
 #: ``f(parser) -> parser``: adds the flags of a user's own model (Megatron's hook).
@@ -60,6 +62,28 @@ def _parse(argv, extra_args_provider, defaults, family):
     return parser.parse_args(argv)
 
 
+class RankFileProblems(ConfigError):
+    """The run's files as this rank alone sees them are wrong (missing, unreadable), while
+    the flags are valid: raised by :func:`build_run_config` in a run of several processes.
+
+    Another rank may see them fine (a mount lost on one node). Raising alone here would
+    leave the others waiting in ``init_process_group`` until its timeout; so
+    :func:`megatron.initialize.initialize_megatron` starts torch.distributed with
+    :attr:`parallel` and agrees on every rank's problems first, then every rank raises the
+    same error naming the rank and the file. A caller that does not start a process group
+    sees a plain :class:`ConfigError`.
+
+    Attributes:
+        problems: this rank's problems, one message each.
+        parallel: the run's :class:`~megatron.config.run_config.ParallelDims` (what
+            starting torch.distributed needs).
+    """
+
+    def __init__(self, message: str, problems: List[str], parallel: ParallelDims):
+        super().__init__(message)
+        self.problems, self.parallel = problems, parallel
+
+
 def build_run_config(argv: Optional[Sequence[str]] = None, family: Optional[Any] = None,
                      extra_args_provider: Optional[ArgsProvider] = None,
                      defaults: Optional[Dict[str, Any]] = None,
@@ -86,6 +110,9 @@ def build_run_config(argv: Optional[Sequence[str]] = None, family: Optional[Any]
 
     Raises:
         ConfigError: listing every invalid or inconsistent setting.
+        RankFileProblems: (a ``ConfigError``) the flags are valid but this rank finds
+            files missing or unreadable, in a run of several processes: the caller agrees
+            on it with the other ranks (:func:`megatron.initialize.initialize_megatron`).
     """
     ns = _parse(argv, extra_args_provider, defaults, family)
     ns.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
@@ -93,22 +120,33 @@ def build_run_config(argv: Optional[Sequence[str]] = None, family: Optional[Any]
     if ns.local_rank is None:
         ns.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     problems = derive_and_validate(ns, family, check_files=check_files, accelerator=accelerator)
+    label = f"{family.label} " if family is not None and family.label else ""
+    own = rank_file_problems(ns) if check_files else []  # this rank's verdict
     tokenizer = None
-    if check_files and not problems:
-        from ..tokenizer import build_tokenizer
-
-        try:
-            tokenizer = build_tokenizer(ns)
-        except MegatronError as exc:
-            problems.append(str(exc))
-        else:
-            derive_vocab(ns, tokenizer.vocab_size)
-            if family is not None:
-                family.validate_with_tokenizer(ns, tokenizer, problems)
-    if problems:
-        label = f"{family.label} " if family is not None and family.label else ""
-        raise ConfigError(f"invalid {label}configuration:\n  - " + "\n  - ".join(problems))
+    if check_files and not problems and not own:
+        tokenizer = _tokenizer(ns, family, own)
+    if problems or own:
+        message = f"invalid {label}configuration:\n  - " + "\n  - ".join(problems + own)
+        if problems or ns.world_size == 1:  # the flags' verdict is every rank's: raise now
+            raise ConfigError(message)
+        raise RankFileProblems(message, own, ParallelDims.from_values(vars(ns)))
     return _freeze(vars(ns), family), tokenizer
+
+
+def _tokenizer(ns, family, problems):
+    """The tokenizer, and the checks that read the files through it (their verdict is this
+    rank's, like the files': appended to ``problems``); None when it cannot be built."""
+    from ..tokenizer import build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer(ns)
+    except MegatronError as exc:
+        problems.append(str(exc))
+        return None
+    derive_vocab(ns, tokenizer.vocab_size)
+    if family is not None:
+        family.validate_with_tokenizer(ns, tokenizer, problems)
+    return tokenizer
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,

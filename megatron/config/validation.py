@@ -1,8 +1,11 @@
 """One validation pass over the parsed flags, filling in derived values.
 
 Every problem found is listed in a single :class:`ConfigError`, so a user fixes them all
-at once. Nothing here communicates: it runs on every rank before torch.distributed starts,
-so every rank fails the same way and none waits on another.
+at once. Nothing here communicates: it runs on every rank before torch.distributed starts.
+The flag checks reach the same verdict on every rank, so every rank fails the same way and
+none waits on another; whether the run's files exist (:func:`rank_file_problems`) is each
+rank's own verdict, which the ranks of a distributed run agree on as soon as
+torch.distributed starts (:func:`megatron.initialize.initialize_megatron`).
 """
 import argparse
 import math
@@ -285,33 +288,61 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[Optional[List[float]], Li
     return weights, list(data_path[1::2])
 
 
-def _files(args, problems):
+def _file_flags(args, problems):
+    """The data and tokenizer flags themselves (the same verdict on every rank)."""
     if not args.data_path:
         problems.append("--data-path is required (a prefix written by tools/preprocess_data.py)")
     else:
         try:
-            _, prefixes = parse_data_path(args.data_path)
+            parse_data_path(args.data_path)
         except DataError as exc:
             problems.append(str(exc))
-            prefixes = []
-        for prefix in prefixes:
-            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if missing:
-                problems.append(f"data prefix {prefix!r} has no {' or '.join(missing)} file; "
-                                f"run tools/preprocess_data.py or fix --data-path")
-    needs = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "CharTokenizer": ("vocab_file",),
-             "SentencePieceTokenizer": ("tokenizer_model",)}
     if args.tokenizer_type is None:
         problems.append("--tokenizer-type is required")
-    for name in needs.get(args.tokenizer_type, ()):
+    for name in _TOKENIZER_FILES.get(args.tokenizer_type, ()):
+        if not getattr(args, name):
+            problems.append(f"{args.tokenizer_type} needs --{name.replace('_', '-')}")
+
+
+_TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
+                    "CharTokenizer": ("vocab_file",),
+                    "SentencePieceTokenizer": ("tokenizer_model",)}
+
+
+def rank_file_problems(args: argparse.Namespace) -> List[str]:
+    """What this process finds wrong with the run's files: the data, vocabulary and
+    DeepSpeed config files exist, ``--save`` is writable, ``--load`` exists.
+
+    Unlike the flag checks, the verdict can differ between ranks (a mount lost on one
+    node): :func:`megatron.config.build_run_config` reports these at once in a single
+    process and lets the ranks of a distributed run agree on them first
+    (:class:`~megatron.config.parser.RankFileProblems`).
+
+    Args:
+        args: the parsed flags, already validated.
+
+    Returns:
+        The problems (empty when every file is there).
+    """
+    problems = []
+    try:
+        _, prefixes = parse_data_path(args.data_path or [])
+    except DataError:
+        prefixes = []  # a flag problem, reported by _file_flags
+    for prefix in prefixes:
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            problems.append(f"data prefix {prefix!r} has no {' or '.join(missing)} file; "
+                            f"run tools/preprocess_data.py or fix --data-path")
+    for name in _TOKENIZER_FILES.get(args.tokenizer_type, ()):
         path = getattr(args, name)
-        flag = "--" + name.replace("_", "-")
-        if not path:
-            problems.append(f"{args.tokenizer_type} needs {flag}")
-        elif not os.path.isfile(path):
-            problems.append(f"{flag} {path} does not exist")
+        if path and not os.path.isfile(path):
+            problems.append(f"--{name.replace('_', '-')} {path} does not exist")
     if args.deepspeed_config and not os.path.isfile(args.deepspeed_config):
         problems.append(f"--deepspeed_config {args.deepspeed_config} does not exist")
+    preflight.check_save_dir(args.save, problems)
+    preflight.check_load_dir(args, problems)
+    return problems
 
 
 def _sequence_parallel(args, problems):
@@ -350,7 +381,8 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
     Args:
         args: the parsed namespace (the only mutable form of the configuration).
         family: the run's :class:`~megatron.families.ModelFamily`, or None.
-        check_files: also check that data, vocab and config files exist.
+        check_files: also check the data and tokenizer flags (whether the files exist is
+            each rank's own verdict: :func:`rank_file_problems`).
         accelerator: DeepSpeed's accelerator to check ``--fp16`` / ``--bf16`` against
             (default: this device's; tests pass a stand-in to emulate one).
 
@@ -382,7 +414,5 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
         problems.extend(family.unsupported_flags(args))
     preflight.check_precision(args, problems, accelerator)
     if check_files:
-        _files(args, problems)
-        preflight.check_save_dir(args.save, problems)
-        preflight.check_load_dir(args, problems)
+        _file_flags(args, problems)
     return problems
