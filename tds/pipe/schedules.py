@@ -1,9 +1,11 @@
 """Pipeline schedules as explicit per-rank action lists.
 
-The model is cut into ``pp_size * vpp_size`` chunks. Global chunk ``c`` lives on pipeline
-rank ``c % pp_size`` (rank r holds chunks r, r + p, r + 2p, ...: Megatron-LM's virtual
-pipeline stages), chunk 0 reads the micro-batch and chunk ``pp_size * vpp_size - 1``
-computes the loss. A schedule is one list of actions per pipeline rank:
+The model is cut into ``pp_size * vpp_size`` chunks; a ``Placement`` says which pipeline
+rank holds each: "loop" (the default, Megatron-LM's virtual stages: chunk c on rank
+c % p, rank r holds r, r + p, ...) or "v" (ZB-V, two chunks per rank: 0..p-1 down the
+ranks, p..2p-1 back up, so rank 0 holds the first and the last chunk). Chunk 0 reads the
+micro-batch and chunk ``pp_size * vpp_size - 1`` computes the loss. A schedule is one list
+of actions per pipeline rank:
 
 - compute: ``Forward``, ``Backward`` (input and weight gradients together) or, for
   zero-bubble schedules, ``BackwardInput`` then ``BackwardWeight``, of (chunk, mb);
@@ -13,12 +15,15 @@ computes the loss. A schedule is one list of actions per pipeline rank:
   of those posted together and waited for together (``send_forward_recv_backward``).
 
 A message is named by the chunk that computed it: ``SendAct(peer, c, mb)`` pairs with
-``RecvAct(owner, c, mb)`` on the owner of c + 1. Generators place the computations and
-``lower`` inserts the communication; ``schedule_check.check_schedule`` proves a list is
-complete and deadlock-free before anything runs.
+``RecvAct(owner, c, mb)`` on the owner of c + 1. Where chunks c and c + 1 share a rank (the
+V's turn) nothing is sent: a *local hand-off*, ordered by the rank's own list. Generators
+place the computations and ``lower`` inserts the communication;
+``schedule_check.check_schedule`` proves a list is complete and deadlock-free before
+anything runs. ``build_schedule`` gives a schedule by name with its placement (1F1B,
+interleaved, ZB-H1, ZB-V), ``peak_bound`` the chunk-micro-batches a rank holds at most.
 """
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,101 @@ SENDS, RECVS = (SendAct, SendGrad), (RecvAct, RecvGrad)
 P2P_TYPES = SENDS + RECVS
 
 
+PLACEMENT_KINDS = ("loop", "v")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which pipeline rank holds each of the ``pp_size * vpp_size`` global chunks.
+
+    "loop" (default): chunk c on rank c % p. "v" (ZB-V, vpp_size 2): chunks 0..p-1 on ranks
+    0..p-1, chunks p..2p-1 on ranks p-1..0; rank 0 reads the micro-batch (chunk 0) and
+    computes the loss (chunk 2p - 1), and chunks p - 1 and p share rank p - 1.
+
+    Args:
+        pp_size: pipeline ranks p.
+        vpp_size: chunks per rank v.
+        kind: "loop" or "v".
+    """
+    pp_size: int
+    vpp_size: int = 1
+    kind: str = "loop"
+
+    def __post_init__(self):
+        _check_sizes(self.pp_size, self.vpp_size, 1)
+        if self.kind not in PLACEMENT_KINDS:
+            raise ValueError(f"chunk placement: kind {self.kind!r} is not one of "
+                             f"{', '.join(PLACEMENT_KINDS)}")
+        if self.kind == "v" and self.vpp_size != 2:
+            raise ValueError(f"chunk placement: a V places exactly 2 chunks per rank, got "
+                             f"vpp_size {self.vpp_size}")
+
+    @classmethod
+    def loop(cls, pp_size: int, vpp_size: int = 1) -> "Placement":
+        """Megatron-LM's placement: chunk c on rank c % pp_size."""
+        return cls(pp_size, vpp_size, "loop")
+
+    @classmethod
+    def v_shape(cls, pp_size: int) -> "Placement":
+        """ZB-V's placement: 2 chunks per rank, down the ranks and back up."""
+        return cls(pp_size, 2, "v")
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pp_size * self.vpp_size
+
+    def owner(self, chunk: int) -> int:
+        """The pipeline rank holding global chunk ``chunk``."""
+        p = self.pp_size
+        if not 0 <= chunk < self.num_chunks:
+            raise ValueError(f"chunk placement: chunk {chunk} out of range "
+                             f"0..{self.num_chunks - 1}")
+        if self.kind == "v":
+            return chunk if chunk < p else 2 * p - 1 - chunk
+        return chunk % p
+
+    def chunks(self, rank: int) -> Tuple[int, ...]:
+        """The global chunks of pipeline rank ``rank`` in local order (local j -> global)."""
+        p = self.pp_size
+        if not 0 <= rank < p:
+            raise ValueError(f"chunk placement: rank {rank} out of range 0..{p - 1}")
+        if self.kind == "v":
+            return (rank, 2 * p - 1 - rank)
+        return tuple(j * p + rank for j in range(self.vpp_size))
+
+    def is_local(self, chunk: int) -> bool:
+        """Whether the hand-off from ``chunk`` to ``chunk + 1`` stays on one rank."""
+        return 0 <= chunk < self.num_chunks - 1 and self.owner(chunk) == self.owner(chunk + 1)
+
+
+def as_placement(pp_size: Union[int, Placement], num_chunks: Optional[int] = None,
+                 placement: Optional[Placement] = None) -> Placement:
+    """The placement meant by the old ``(pp_size, num_chunks)`` form or an explicit one.
+
+    Args:
+        pp_size: pipeline ranks, or a ``Placement`` (then nothing else is needed).
+        num_chunks: chunks in all (p v); None means p (or the placement's).
+        placement: explicit placement; must agree with ``pp_size`` and ``num_chunks``.
+
+    Raises:
+        ValueError: the placement disagrees with the sizes, or the chunks do not split.
+    """
+    if isinstance(pp_size, Placement):
+        placement, pp_size = (placement or pp_size), pp_size.pp_size
+    if placement is None:
+        num_chunks = pp_size if num_chunks is None else num_chunks
+        if not isinstance(pp_size, int) or pp_size < 1 or num_chunks % pp_size:
+            raise ValueError(f"chunk placement: {num_chunks} chunks do not split over "
+                             f"pp_size {pp_size!r}")
+        return Placement.loop(pp_size, num_chunks // pp_size)
+    if not isinstance(placement, Placement):
+        raise ValueError(f"chunk placement: expected a Placement, got {placement!r}")
+    if placement.pp_size != pp_size or num_chunks not in (None, placement.num_chunks):
+        raise ValueError(f"chunk placement: {placement} does not match pp_size {pp_size} "
+                         f"and {num_chunks} chunks")
+    return placement
+
+
 def p2p_ops(action: Action) -> Tuple[P2P, ...]:
     """The point-to-point operations of an action (none for a computation)."""
     if isinstance(action, Exchange):
@@ -107,45 +207,82 @@ def p2p_ops(action: Action) -> Tuple[P2P, ...]:
     return (action,) if isinstance(action, P2P_TYPES) else ()
 
 
-def consumes(action: Compute, pp_size: int, num_chunks: int):
-    """The receive a computation needs before it can run (None: nothing to receive)."""
+def consumes(action: Compute, pp_size: Union[int, Placement], num_chunks: Optional[int] = None,
+             placement: Optional[Placement] = None):
+    """The receive a computation needs before it can run (None: nothing to receive,
+    including a local hand-off, see ``handoff_in``). Placement as in ``as_placement``."""
+    pl = as_placement(pp_size, num_chunks, placement)
     c, mb = action.chunk, action.mb
-    if isinstance(action, Forward) and c > 0:
-        return RecvAct((c - 1) % pp_size, c - 1, mb)
-    if isinstance(action, (Backward, BackwardInput)) and c < num_chunks - 1:
-        return RecvGrad((c + 1) % pp_size, c + 1, mb)
+    if isinstance(action, Forward) and c > 0 and not pl.is_local(c - 1):
+        return RecvAct(pl.owner(c - 1), c - 1, mb)
+    if isinstance(action, (Backward, BackwardInput)) and c < pl.num_chunks - 1 and \
+            not pl.is_local(c):
+        return RecvGrad(pl.owner(c + 1), c + 1, mb)
     return None
 
 
-def produces(action: Compute, pp_size: int, num_chunks: int):
-    """The send that carries a computation's result on (None: nothing to send)."""
+def produces(action: Compute, pp_size: Union[int, Placement], num_chunks: Optional[int] = None,
+             placement: Optional[Placement] = None):
+    """The send that carries a computation's result on (None: nothing to send, including a
+    local hand-off, see ``handoff_out``). Placement as in ``as_placement``."""
+    pl = as_placement(pp_size, num_chunks, placement)
     c, mb = action.chunk, action.mb
-    if isinstance(action, Forward) and c < num_chunks - 1:
-        return SendAct((c + 1) % pp_size, c, mb)
-    if isinstance(action, (Backward, BackwardInput)) and c > 0:
-        return SendGrad((c - 1) % pp_size, c, mb)
+    if isinstance(action, Forward) and c < pl.num_chunks - 1 and not pl.is_local(c):
+        return SendAct(pl.owner(c + 1), c, mb)
+    if isinstance(action, (Backward, BackwardInput)) and c > 0 and not pl.is_local(c - 1):
+        return SendGrad(pl.owner(c - 1), c, mb)
     return None
 
 
-def _rounds(steps, pp_size: int, num_chunks: int) -> List[List[Action]]:
+def handoff_in(action: Compute, placement: Placement):
+    """``(message, chunk, mb)`` a computation takes from an earlier one on its own rank (a
+    local hand-off: the output of chunk c - 1, or the input gradient of c + 1), or None."""
+    c, mb = action.chunk, action.mb
+    if isinstance(action, Forward) and placement.is_local(c - 1):
+        return ("act", c - 1, mb)
+    if isinstance(action, (Backward, BackwardInput)) and placement.is_local(c):
+        return ("grad", c + 1, mb)
+    return None
+
+
+def handoff_out(action: Compute, placement: Placement):
+    """``(message, chunk, mb)`` a computation hands to the next one on its own rank, or None."""
+    c, mb = action.chunk, action.mb
+    if isinstance(action, Forward) and placement.is_local(c):
+        return ("act", c, mb)
+    if isinstance(action, (Backward, BackwardInput)) and placement.is_local(c - 1):
+        return ("grad", c, mb)
+    return None
+
+
+def _input_key(action: Compute, placement: Placement):
+    """``(message, chunk, mb)`` a computation waits for (received or handed off), or None."""
+    need = consumes(action, placement)
+    return (need.message, need.chunk, need.mb) if need is not None else \
+        handoff_in(action, placement)
+
+
+def _rounds(steps, placement: Placement) -> List[List[Action]]:
     """Run per-rank steps in synchronous rounds and insert the communication (see ``lower``)."""
     pcs, lowered = [0] * len(steps), [[] for _ in steps]
-    arrived = set()  # (rank, message, chunk, mb) received in an earlier round
+    arrived = set()  # (rank, message, chunk, mb) received or handed off in an earlier round
     while any(pc < len(order) for pc, order in zip(pcs, steps)):
-        sent = []
+        sent, handed, progressed = [], [], False
         for rank, order in enumerate(steps):
             step = order[pcs[rank]] if pcs[rank] < len(order) else ()
-            needs = [consumes(action, pp_size, num_chunks) for action in step]
-            if step and all(need is None or (rank, need.message, need.chunk, need.mb) in arrived
-                            for need in needs):
+            needs = [_input_key(action, placement) for action in step]
+            if step and all(need is None or (rank,) + need in arrived for need in needs):
                 lowered[rank] += step
-                pcs[rank] += 1
-                sent += [(rank, produces(action, pp_size, num_chunks)) for action in step]
-        if not sent:
+                pcs[rank], progressed = pcs[rank] + 1, True
+                sent += [(rank, produces(action, placement)) for action in step]
+                handed += [(rank,) + key for key in (handoff_out(a, placement) for a in step)
+                           if key is not None]
+        if not progressed:
             raise ValueError("pipeline schedule: the computation orders wait on each other in "
                              "a cycle; next on each rank: " + ", ".join(
                                  f"rank {r}: {o[pcs[r]]}" for r, o in enumerate(steps)
                                  if pcs[r] < len(o)))
+        arrived.update(handed)
         ops = [[] for _ in steps]
         for rank, send in sent:
             if send is not None:
@@ -159,7 +296,7 @@ def _rounds(steps, pp_size: int, num_chunks: int) -> List[List[Action]]:
 
 
 def lower(steps: Sequence[Sequence[Union[Compute, Tuple[Compute, ...]]]], pp_size: int,
-          vpp_size: int) -> List[List[Action]]:
+          vpp_size: int, placement: Optional[Placement] = None) -> List[List[Action]]:
     """Insert the communication into per-rank computation orders, in rounds.
 
     The ranks step through synchronous rounds: in a round each rank runs its next step
@@ -169,18 +306,23 @@ def lower(steps: Sequence[Sequence[Union[Compute, Tuple[Compute, ...]]]], pp_siz
     plain send or receive). A round's exchanges pair only with each other, so they cannot
     wait on one another in a cycle, and both ends list the messages of one channel in the
     same order (sorted by kind, chunk, micro-batch). This is Megatron's
-    ``send_forward_recv_backward`` pattern, derived instead of written case by case.
+    ``send_forward_recv_backward`` pattern, derived instead of written case by case. A
+    local hand-off (chunks c and c + 1 on one rank) gets no message; its taker waits, as
+    for a received result, until a round after its giver.
 
     Args:
         steps: per pipeline rank, its computations in order; a tuple is one round's work.
         pp_size: pipeline ranks.
         vpp_size: chunks per rank.
+        placement: which rank holds which chunk (default ``Placement.loop(pp_size,
+            vpp_size)``).
 
     Raises:
         ValueError: the orders wait on each other in a cycle (no round makes progress).
     """
+    placement = as_placement(pp_size, pp_size * vpp_size, placement)
     steps = [[s if isinstance(s, tuple) else (s,) for s in order] for order in steps]
-    return _rounds(steps, pp_size, pp_size * vpp_size)
+    return _rounds(steps, placement)
 
 
 def _recv_of(sender: int, send):
@@ -319,3 +461,91 @@ def zb_h1(pp_size: int, num_micro_batches: int) -> List[List[Action]]:
                     order.append(pending.pop(0))
         steps.append(order + pending)
     return lower(steps, p, 1)
+
+
+def zbv(pp_size: int, num_micro_batches: int) -> List[List[Action]]:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): two chunks
+    per rank in a V (``Placement.v_shape``), split backward, at most 2p chunk-mbs in flight.
+
+    The order is a unit-cost list schedule (``schedule_zbv.best_zbv_order``). With equal
+    forward, input and weight costs the step is 6 m + p - 1 chunk passes for every m >= p
+    tested up to p = 12 (bubble (p - 1) / (6 m + p - 1), the least any order can reach:
+    rank p - 1 cannot start before p - 1 forwards, half of ZB-H1's (p - 1) / (3 m + p - 1)).
+
+    Args:
+        pp_size: pipeline ranks p (>= 2).
+        num_micro_batches: micro-batches per step m (any m >= 1).
+
+    Returns:
+        per-rank action lists, lowered with ``Placement.v_shape(pp_size)``.
+    """
+    _check_sizes(pp_size, 2, num_micro_batches)
+    if pp_size < 2:
+        raise ValueError("pipeline schedule: zbv needs pp_size >= 2 (one rank holding both "
+                         "chunks of the V is a serial model)")
+    from .schedule_zbv import best_zbv_order  # it builds on this module's actions
+
+    return lower(best_zbv_order(pp_size, num_micro_batches), pp_size, 2,
+                 Placement.v_shape(pp_size))
+
+
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
+
+
+def build_schedule(name: str, pp_size: int, vpp_size: int,
+                   num_micro_batches: int) -> Tuple[List[List[Action]], Placement]:
+    """The action lists and chunk placement of schedule ``name``.
+
+    Args:
+        name: "1f1b" (vpp 1), "interleaved" (vpp >= 2, pp >= 2), "zb-h1" (vpp 1, pp >= 2)
+            or "zbv" (vpp exactly 2, pp >= 2: the model must be built with two chunks per
+            rank; 1 is refused, not taken to mean 2, so a model cut for one chunk per rank
+            cannot meet a two-chunk schedule).
+        pp_size: pipeline ranks p.
+        vpp_size: chunks per rank v.
+        num_micro_batches: micro-batches per step m.
+
+    Raises:
+        ValueError: an unknown name or a combination the schedule cannot run.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline schedule: unknown schedule {name!r}; use one of "
+                         f"{', '.join(SCHEDULES)}")
+    _check_sizes(pp_size, vpp_size, num_micro_batches)
+    needs = {"1f1b": (1, 1, "vpp_size 1"), "zb-h1": (2, 1, "pp_size >= 2 and vpp_size 1"),
+             "interleaved": (2, None, "pp_size >= 2 and vpp_size >= 2"),
+             "zbv": (2, 2, "pp_size >= 2 and vpp_size 2 (two chunks per rank, in a V)")}
+    min_pp, vpp, what = needs[name]
+    if pp_size < min_pp or (vpp_size != vpp if vpp else vpp_size < 2):
+        raise ValueError(f"pipeline schedule: {name} needs {what}, got pp_size {pp_size}, "
+                         f"vpp_size {vpp_size}")
+    p, v, m = pp_size, vpp_size, num_micro_batches
+    actions = {"1f1b": lambda: one_f_one_b(p, m), "zb-h1": lambda: zb_h1(p, m),
+               "interleaved": lambda: interleaved_1f1b(p, v, m), "zbv": lambda: zbv(p, m)}
+    placement = Placement.v_shape(p) if name == "zbv" else Placement.loop(p, v)
+    return actions[name](), placement
+
+
+def peak_bound(name: str, pp_size: int, vpp_size: int, num_micro_batches: int,
+               rank: int) -> int:
+    """Most chunk-micro-batches ``rank`` holds between forward and backward (weight pass).
+
+    1F1B ``min(p - r, m)`` and ZB-H1 ``min(p, m)`` (stages); interleaved
+    ``min(interleaved_warmup + 1, v m)``; ZB-V ``min(2p, 2m)`` chunks of half a stage
+    (its generator's bound, i.e. 1F1B's p stage activations on every rank). Each is
+    reached exactly on every rank for every p in {2, 3, 4, 8}, m in {1, p - 1, p, 2p + 1,
+    3p} (simulator, tests/test_pipeline_zbv.py).
+
+    Args:
+        name: a schedule of ``SCHEDULES``.
+        pp_size, vpp_size, num_micro_batches: p, v, m as given to ``build_schedule``.
+        rank: pipeline rank r.
+    """
+    p, v, m = pp_size, vpp_size, num_micro_batches
+    bounds = {"1f1b": lambda: min(p - rank, m), "zb-h1": lambda: min(p, m),
+              "interleaved": lambda: min(interleaved_warmup(p, v, m, rank) + 1, v * m),
+              "zbv": lambda: min(2 * p, 2 * m)}
+    if name not in bounds or not 0 <= rank < p:
+        raise ValueError(f"pipeline schedule: no peak bound for schedule {name!r} (one of "
+                         f"{', '.join(SCHEDULES)}), rank {rank} (0..{p - 1})")
+    return bounds[name]()
