@@ -3,12 +3,17 @@
 ``check_schedule`` takes the action lists of every pipeline rank (see ``schedules.py``) and
 raises ``ValueError`` naming the rank, the action index and the action when:
 
-1. an action is malformed or on the wrong rank: a chunk on a rank that does not own it, a
-   send to or receive from a peer other than the owner of the neighbouring chunk, a rank
-   that would send to itself, an index out of range;
+1. an action is malformed or on the wrong rank (per the ``Placement``, default "loop"): a
+   chunk on a rank that does not own it, a send to or receive from a peer other than the
+   owner of the neighbouring chunk, a message for a local hand-off (chunks c and c + 1 on
+   one rank pass their results in memory), a rank that would send to itself, an index out
+   of range;
 2. a rank's own order is wrong: a backward before its forward (or without the gradient it
-   needs received), a forward without its input received, a weight pass before its input
-   pass, a send of something not yet computed, anything twice, anything missing;
+   needs received or handed over on the rank), a forward without its input received or
+   handed over, a weight pass before its input pass, a ``Backward`` and a
+   ``BackwardInput`` of one (chunk, mb), a send of something not yet computed, anything
+   twice, anything missing (a ``BackwardInput`` without its ``BackwardWeight`` is named by
+   the input pass);
 3. a send and a receive do not pair: point-to-point messages between two ranks are matched
    in posting order (NCCL ignores tags; gloo matches one tag in order), so the k-th message
    rank a sends to rank b must be the k-th that b receives from a, same kind, chunk and
@@ -25,11 +30,11 @@ raises ``ValueError`` naming the rank, the action index and the action when:
    completes under this model completes on the real backends.
 """
 from collections import defaultdict
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from .schedules import (COMPUTE, P2P_TYPES, RECVS, SENDS, Backward, BackwardInput,
-                        BackwardWeight, Exchange, Forward, RecvAct, RecvGrad, SendAct,
-                        SendGrad, consumes, p2p_ops, produces)
+                        BackwardWeight, Exchange, Forward, Placement, as_placement, consumes,
+                        handoff_in, handoff_out, p2p_ops, produces)
 
 Slot = Tuple[int, int, int]
 """(pipeline rank, action index, position inside the action's operations)."""
@@ -39,22 +44,26 @@ def _where(rank: int, index: int, action) -> str:
     return f"pipeline schedule: rank {rank} action {index} {action}"
 
 
-def _expected_peer(rank: int, op, pp_size: int, num_chunks: int):
+def _expected_peer(rank: int, op, placement: Placement):
     """The peer ``op`` must name, or an error string when it is on the wrong rank."""
-    c = op.chunk
+    c, num_chunks = op.chunk, placement.num_chunks
     low, high = (0, num_chunks - 2) if op.message == "act" else (1, num_chunks - 1)
     if not low <= c <= high:
         return f"chunk {c} has no {op.message} message (chunks {low}..{high} do)"
-    sender = c % pp_size
-    receiver = (c + 1 if op.message == "act" else c - 1) % pp_size
+    sender = placement.owner(c)
+    receiver = placement.owner(c + 1 if op.message == "act" else c - 1)
+    if sender == receiver:
+        other = c + 1 if op.message == "act" else c - 1
+        return (f"is no message: chunks {c} and {other} both live on rank {sender}, which "
+                f"hands the {op.message} over in memory (a local hand-off)")
     me, peer = (sender, receiver) if isinstance(op, SENDS) else (receiver, sender)
     if rank != me:
         return f"belongs on rank {me} (chunk {c} lives on rank {sender})"
     return peer
 
 
-def _check_action(rank: int, index: int, action, pp_size: int, num_chunks: int, m: int):
-    where = _where(rank, index, action)
+def _check_action(rank: int, index: int, action, placement: Placement, m: int):
+    where, num_chunks = _where(rank, index, action), placement.num_chunks
     if isinstance(action, Exchange):
         if not action.ops or not all(isinstance(op, P2P_TYPES) for op in action.ops):
             raise ValueError(f"{where}: an Exchange holds one or more sends / receives")
@@ -68,14 +77,14 @@ def _check_action(rank: int, index: int, action, pp_size: int, num_chunks: int, 
     if isinstance(action, COMPUTE):
         if not 0 <= action.chunk < num_chunks:
             raise ValueError(f"{where}: chunk out of range 0..{num_chunks - 1}")
-        if action.chunk % pp_size != rank:
+        if placement.owner(action.chunk) != rank:
             raise ValueError(f"{where}: chunk {action.chunk} lives on rank "
-                             f"{action.chunk % pp_size}, not on rank {rank}")
+                             f"{placement.owner(action.chunk)}, not on rank {rank}")
     for op in (action,) if isinstance(action, COMPUTE) else ops:
         if not 0 <= op.mb < m:
             raise ValueError(f"{where}: micro-batch {op.mb} out of range 0..{m - 1}")
     for op in ops:
-        peer = _expected_peer(rank, op, pp_size, num_chunks)
+        peer = _expected_peer(rank, op, placement)
         if isinstance(peer, str):
             raise ValueError(f"{where}: {op} {peer}")
         if op.peer == rank:
@@ -89,12 +98,14 @@ def _check_action(rank: int, index: int, action, pp_size: int, num_chunks: int, 
 class _RankState:
     """What one rank has computed, received and sent so far (its own order only)."""
 
-    def __init__(self):
+    def __init__(self, placement: Placement):
+        self.placement = placement
         self.done = defaultdict(set)  # compute type -> {(chunk, mb)}
         self.received, self.sent = set(), set()
+        self.handed = set()  # (message, chunk, mb) handed over in memory on this rank
         self.where_computed = {}
 
-    def run(self, rank: int, index: int, action, pp_size: int, num_chunks: int):
+    def run(self, rank: int, index: int, action):
         where = _where(rank, index, action)
         ops = p2p_ops(action)
         for op in ops:
@@ -113,10 +124,10 @@ class _RankState:
                     raise ValueError(f"{where}: {op} received a second time")
                 self.received.add(key)
         if isinstance(action, COMPUTE):
-            self._compute(where, action, pp_size, num_chunks)
+            self._compute(where, action)
             self.where_computed[(type(action), action.chunk, action.mb)] = index
 
-    def _compute(self, where: str, action, pp_size: int, num_chunks: int):
+    def _compute(self, where: str, action):
         key, done = (action.chunk, action.mb), self.done
         backward_done = key in done[Backward] or key in done[BackwardInput]
         if key in done[type(action)]:
@@ -127,19 +138,29 @@ class _RankState:
                                  f"{action.chunk}, micro-batch {action.mb}")
             if backward_done:
                 raise ValueError(f"{where}: the input gradient of chunk {action.chunk}, "
-                                 f"micro-batch {action.mb} was already computed")
+                                 f"micro-batch {action.mb} was already computed (a Backward "
+                                 f"and a BackwardInput of one chunk and micro-batch)")
         if isinstance(action, BackwardWeight) and key not in done[BackwardInput]:
             raise ValueError(f"{where}: weight pass before the BackwardInput of chunk "
                              f"{action.chunk}, micro-batch {action.mb}")
-        need = consumes(action, pp_size, num_chunks)
+        need = consumes(action, self.placement)
         if need is not None and (need.message, need.chunk, need.mb) not in self.received:
             raise ValueError(f"{where}: needs {need} first, and this rank has not received "
                              f"it yet")
+        local = handoff_in(action, self.placement)
+        if local is not None and local not in self.handed:
+            what = "output of Forward" if local[0] == "act" else \
+                "input gradient of the backward of"
+            raise ValueError(f"{where}: needs the {what} (chunk={local[1]}, mb={local[2]}) "
+                             f"first, handed over on this rank (chunks {local[1]} and "
+                             f"{action.chunk} share it), and it has not run yet")
         done[type(action)].add(key)
+        if handoff_out(action, self.placement) is not None:
+            self.handed.add(handoff_out(action, self.placement))
 
-    def missing(self, rank: int, pp_size: int, num_chunks: int, m: int):
+    def missing(self, rank: int, m: int):
         """First piece of work this rank never does (a message), or None."""
-        for c in range(rank, num_chunks, pp_size):
+        for c in self.placement.chunks(rank):
             for mb in range(m):
                 key, done = (c, mb), self.done
                 if key not in done[Forward]:
@@ -147,9 +168,11 @@ class _RankState:
                 if key not in done[Backward] and key not in done[BackwardInput]:
                     return f"never runs the backward of chunk {c}, micro-batch {mb}"
                 if key in done[BackwardInput] and key not in done[BackwardWeight]:
-                    return f"never runs BackwardWeight(chunk={c}, mb={mb})"
+                    index = self.where_computed[(BackwardInput, c, mb)]
+                    return (f"action {index} {BackwardInput(c, mb)}: no "
+                            f"BackwardWeight(chunk={c}, mb={mb}) follows it on this rank")
                 for action in (Forward(c, mb), Backward(c, mb)):
-                    send = produces(action, pp_size, num_chunks)
+                    send = produces(action, self.placement)
                     if send is not None and (send.message, c, mb) not in self.sent:
                         kind = Forward if isinstance(action, Forward) else \
                             Backward if key in done[Backward] else BackwardInput
@@ -159,28 +182,30 @@ class _RankState:
         return None
 
 
-def _forwards_of(per_rank_actions, chunk: int, pp_size: int):
+def _forwards_of(per_rank_actions, chunk: int, placement: Placement):
     """``[(action index, Forward)]`` of ``chunk`` on its owner, in the order it runs them."""
-    rank = chunk % pp_size
+    rank = placement.owner(chunk)
     return rank, [(index, action) for index, action in enumerate(per_rank_actions[rank])
                   if isinstance(action, Forward) and action.chunk == chunk]
 
 
 def check_micro_batch_order(per_rank_actions: Sequence[Sequence], pp_size: int,
-                            num_chunks: int) -> None:
+                            num_chunks: int, placement: Optional[Placement] = None) -> None:
     """The first chunk's input loads and the last chunk's label reads see one order.
 
     Args:
         per_rank_actions: one action list per pipeline rank (each forward present once).
         pp_size: pipeline ranks p.
         num_chunks: chunks p v.
+        placement: which rank holds which chunk (default: chunk c on rank c % p).
 
     Raises:
         ValueError: naming the last chunk's rank and action where the orders first differ,
             and the chunk-0 action it would be paired with.
     """
-    first_rank, loads = _forwards_of(per_rank_actions, 0, pp_size)
-    last_rank, reads = _forwards_of(per_rank_actions, num_chunks - 1, pp_size)
+    placement = as_placement(pp_size, num_chunks, placement)
+    first_rank, loads = _forwards_of(per_rank_actions, 0, placement)
+    last_rank, reads = _forwards_of(per_rank_actions, num_chunks - 1, placement)
     for k, ((i, load), (j, read)) in enumerate(zip(loads, reads)):
         if load.mb != read.mb:
             raise ValueError(
@@ -287,15 +312,17 @@ def simulate_deadlock(per_rank_actions: Sequence[Sequence], partner: Dict[Slot, 
 
 
 def check_schedule(per_rank_actions: Sequence[Sequence], pp_size: int, vpp_size: int,
-                   num_micro_batches: int) -> None:
+                   num_micro_batches: int, placement: Optional[Placement] = None) -> None:
     """Prove a schedule complete, well paired, in one micro-batch order for inputs and labels,
     and deadlock-free (see the module docstring).
 
     Args:
         per_rank_actions: one action list per pipeline rank.
-        pp_size: pipeline ranks p; global chunk c lives on rank c % p.
+        pp_size: pipeline ranks p.
         vpp_size: chunks per rank v (p * v chunks in all).
         num_micro_batches: micro-batches m per step; each (chunk, mb) runs exactly once.
+        placement: which rank holds which chunk (default ``Placement.loop(p, v)``: chunk c
+            on rank c % p); must agree with p and v.
 
     Raises:
         ValueError: naming the rank, the action index and the action (and, for a deadlock,
@@ -304,14 +331,14 @@ def check_schedule(per_rank_actions: Sequence[Sequence], pp_size: int, vpp_size:
     if len(per_rank_actions) != pp_size:
         raise ValueError(f"pipeline schedule: {len(per_rank_actions)} action lists for "
                          f"pp_size {pp_size}; give one per pipeline rank")
-    num_chunks = pp_size * vpp_size
+    placement = as_placement(pp_size, pp_size * vpp_size, placement)
     for rank, actions in enumerate(per_rank_actions):
-        state = _RankState()
+        state = _RankState(placement)
         for index, action in enumerate(actions):
-            _check_action(rank, index, action, pp_size, num_chunks, num_micro_batches)
-            state.run(rank, index, action, pp_size, num_chunks)
-        missing = state.missing(rank, pp_size, num_chunks, num_micro_batches)
+            _check_action(rank, index, action, placement, num_micro_batches)
+            state.run(rank, index, action)
+        missing = state.missing(rank, num_micro_batches)
         if missing:
             raise ValueError(f"pipeline schedule: rank {rank} {missing}")
-    check_micro_batch_order(per_rank_actions, pp_size, num_chunks)
+    check_micro_batch_order(per_rank_actions, pp_size, placement.num_chunks, placement)
     simulate_deadlock(per_rank_actions, match_messages(per_rank_actions))
