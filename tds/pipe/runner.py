@@ -9,6 +9,9 @@ for the computations; it owns only the tensors in transit:
 - ``Backward(c, mb)`` / ``BackwardInput(c, mb)``: the received gradients of c's outputs go
   into ``callbacks.backward`` / ``backward_input``; the returned gradients of c's inputs
   wait for their send; ``BackwardWeight(c, mb)`` calls ``callbacks.backward_weight``;
+- a local hand-off (chunks c and c + 1 on this rank, the turn of a V ``Placement``) moves
+  no tensor over the network: c's output tuple becomes c + 1's input as new leaves, as if
+  received, and the input gradients of c + 1's backward become c's output gradients;
 - a send or receive, or an ``Exchange`` of several, is one ``dist.batch_isend_irecv``
   call waited for before the next action (gloo on CPU, NCCL on GPU). Each tuple travels
   per ``StageLink`` and the boundary's ``StageContract``: a partitioned position moves 1/tp
@@ -17,8 +20,9 @@ for the computations; it owns only the tensors in transit:
 
 ``schedule_check.check_schedule`` proves the whole schedule (every rank's list, which every
 rank holds) when the runner is built, so a bad schedule raises the same ValueError on
-every rank instead of hanging (or pairing one micro-batch's inputs with another's labels). With NCCL, torch requires a collective on the default group
-(a barrier, say) before the first batched point-to-point call of a job.
+every rank instead of hanging (or pairing one micro-batch's inputs with another's labels).
+With NCCL, torch requires a collective on the default group (a barrier, say) before the
+first batched point-to-point call of a job.
 """
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -29,8 +33,8 @@ import torch.distributed as dist
 from .contract import StageContract
 from .p2p import StageLink
 from .schedule_check import check_schedule
-from .schedules import (Backward, BackwardInput, BackwardWeight, Exchange, Forward, RecvAct,
-                        RecvGrad, SendAct, SendGrad, p2p_ops)
+from .schedules import (Backward, BackwardInput, BackwardWeight, Exchange, Forward, Placement,
+                        RecvAct, RecvGrad, SendAct, SendGrad, as_placement, p2p_ops)
 
 Meta = Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
 Grads = Tuple[Optional[torch.Tensor], ...]
@@ -108,6 +112,8 @@ class ScheduleRunner:
             rank's tensor- and data-parallel coordinates); this rank must be among them.
         link: this rank's ``StageLink`` (tensor-parallel group and device).
         boundaries: the ``Boundary`` after chunk c for c = 0 .. p v - 2, or one for all.
+        placement: which rank holds which chunk (default ``Placement.loop(p, v)``; ZB-V's
+            is ``Placement.v_shape(p)``, as ``schedules.build_schedule`` returns it).
 
     Raises:
         ValueError: the schedule is wrong (see ``check_schedule``) or the sizes disagree.
@@ -115,12 +121,14 @@ class ScheduleRunner:
 
     def __init__(self, actions: Sequence[Sequence], vpp_size: int, num_micro_batches: int,
                  stage_ranks: Sequence[int], link: StageLink,
-                 boundaries: Union[Boundary, Sequence[Boundary]]):
+                 boundaries: Union[Boundary, Sequence[Boundary]],
+                 placement: Optional[Placement] = None):
         pp_size = len(actions)
         if len(stage_ranks) != pp_size:
             raise ValueError(f"pipeline runner: {len(stage_ranks)} stage ranks for a schedule "
                              f"of {pp_size} pipeline ranks")
-        check_schedule(actions, pp_size, vpp_size, num_micro_batches)
+        self.placement = as_placement(pp_size, pp_size * vpp_size, placement)
+        check_schedule(actions, pp_size, vpp_size, num_micro_batches, self.placement)
         self.num_chunks = pp_size * vpp_size
         if isinstance(boundaries, Boundary):
             boundaries = [boundaries] * (self.num_chunks - 1)
@@ -175,8 +183,14 @@ class ScheduleRunner:
             outputs = callbacks.forward(c, mb, inputs)
             if last:
                 self.results[mb] = outputs
+                return
+            self._check_tuple(outputs, self.boundaries[c], f"chunk {c} output")
+            if self.placement.is_local(c):  # chunk c + 1 is ours: no message
+                grads = self.boundaries[c].contract.grads
+                self.inputs[(c + 1, mb)] = tuple(
+                    t.detach().requires_grad_(grads[pos] and t.is_floating_point())
+                    for pos, t in enumerate(outputs))
             else:
-                self._check_tuple(outputs, self.boundaries[c], f"chunk {c} output")
                 self.outputs[key] = outputs
         elif isinstance(action, BackwardWeight):
             callbacks.backward_weight(c, mb)
@@ -184,8 +198,13 @@ class ScheduleRunner:
             grads = None if last else self.out_grads.pop(key)
             run = callbacks.backward if isinstance(action, Backward) else callbacks.backward_input
             input_grads = run(c, mb, grads)
-            if c > 0:
-                self.in_grads[key] = self._grads_to_send(input_grads, self.boundaries[c - 1], c)
+            if c == 0:
+                return
+            to_send = self._grads_to_send(input_grads, self.boundaries[c - 1], c)
+            if self.placement.is_local(c - 1):  # chunk c - 1 is ours: as if received
+                self._store(RecvGrad(self.pp_rank, c, mb), to_send)
+            else:
+                self.in_grads[key] = to_send
 
     def _check_tuple(self, tensors, boundary: Boundary, where: str):
         boundary.contract.check_tensors(tensors, self.link.tp_size, f"pipeline runner: {where}")
