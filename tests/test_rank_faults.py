@@ -159,6 +159,57 @@ def test_full_disk_on_one_rank_ends_every_rank_and_the_previous_checkpoint_resum
     assert resumed.stdout.count(LEFT_NONE) == 2, resumed.stdout[-2000:]
 
 
+# ---------------------------------------------------------------- rank 0's publication fails
+_TRACKER_WRITE_FAILS_ON_RANK_0 = _GROUPS_AT_EXIT + r'''
+import errno, os, sys
+import megatron.checkpoint.format as fmt
+
+real_tracker = fmt.write_tracker
+def failing_tracker(root, iteration):
+    if os.environ["RANK"] == "0" and iteration == 4:
+        raise OSError(errno.EIO, "Input/output error")
+    return real_tracker(root, iteration)
+fmt.write_tracker = failing_tracker  # what publish_iteration calls, in both save paths
+import pretrain_gpt2
+from megatron.errors import run_main
+run_main(pretrain_gpt2.main, sys.argv[1:])
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_publication_failing_on_rank_0_ends_every_rank_and_keeps_the_tracker(
+        gpt2_data, tmp_path, mode):
+    """Rank 0 alone publishes (folder renamed into place, then the tracker rewritten): its
+    tracker write fails at the save of iteration 4; every rank stops with its cause."""
+    ckpt = str(tmp_path / "ckpt")
+    script = tmp_path / "tracker_fails.py"
+    script.write_text(_TRACKER_WRITE_FAILS_ON_RANK_0)
+    extra = ("--save", ckpt, "--save-interval", "2") + (("--async-save",) if mode == "async"
+                                                         else ())
+    start = time.monotonic()
+    result = run_script([str(script), *_tp2(gpt2_data, *extra, iters=8)], nproc=2,
+                        env=dict(NO_NATIVE, PYTHONPATH=REPO))
+    seconds = time.monotonic() - start
+    err = result.stderr
+    assert result.returncode != 0 and seconds < 60, (result.returncode, seconds, err[-3000:])
+    _assert_user_error_on_both_ranks(err)
+    cause = (f"publishing the checkpoint of iteration 4 to {ckpt} failed on rank 0: OSError: "
+             f"[Errno 5] Input/output error; the tracker still names the previous complete "
+             f"checkpoint")
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: {cause}" in err, err[-3000:]
+    with open(os.path.join(ckpt, TRACKER)) as handle:
+        assert handle.read() == "2"
+    assert os.path.isfile(os.path.join(ckpt, "iter_0000002", "mp_rank_01_000",
+                                       "model_optim_rng.pt"))
+    logged = _losses(result.stdout)
+    # sync: stops in the save of iteration 4; async: at a step boundary before the next save
+    assert len(logged) == 4 if mode == "sync" else 4 <= len(logged) < 6, result.stdout[-2000:]
+    assert LEFT_NONE in result.stdout and "left at exit: True" not in result.stdout, \
+        result.stdout[-2000:]
+
+
 # ---------------------------------------------------------------- less memory on one rank
 _SMALL_DEVICE_ON_RANK_1 = _GROUPS_AT_EXIT + r'''
 import os, sys

@@ -181,7 +181,7 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
         return
     agree_on_call(save_step("writing the files", iteration, root), _write_files, files,
                   error_type=CheckpointError, hint=SAVE_FAILED_HINT)
-    agree_on_call(save_step("publishing", iteration, root),
+    agree_on_call(f"publishing the checkpoint of iteration {iteration} to {root}",  # as async
                   publish_iteration if dist.get_rank() == 0 else lambda *a: None,
                   root, tmp_root, iteration, error_type=CheckpointError, hint=SAVE_FAILED_HINT)
     print_rank_0(f"> saved checkpoint at iteration {iteration} to {root}")
