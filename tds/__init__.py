@@ -65,12 +65,10 @@ comm_ready.install()  # CPM's order: a PipelineModule built before deepspeed.ini
 
 
 @contextlib.contextmanager
-def _tds_pipeline_engine(clip_grad_norm_fn, pre_reduce_grads_fn):
+def _tds_pipeline_engine(**engine_kwargs):
     """Let deepspeed.initialize build tds's engine for the duration of one call."""
     original = _deepspeed.PipelineEngine
-    _deepspeed.PipelineEngine = functools.partial(PipelineEngine,
-                                                  clip_grad_norm_fn=clip_grad_norm_fn,
-                                                  pre_reduce_grads_fn=pre_reduce_grads_fn)
+    _deepspeed.PipelineEngine = functools.partial(PipelineEngine, **engine_kwargs)
     try:
         yield
     finally:
@@ -81,6 +79,8 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
                clip_grad_norm_fn: Optional[Callable] = None,
                pre_reduce_grads_fn: Optional[Callable[[], Any]] = None,
                sync_free_step: bool = False,
+               pipeline_schedule: Optional[str] = None,
+               weight_grad_store: Optional[Any] = None,
                **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize``; a ``PipelineModule`` gets tds's pipeline engine.
 
@@ -98,6 +98,13 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
             and apply a step whose norm is inf/nan instead of skipping it
             (:mod:`tds.sync_free`; needs ``config`` as a dict). ``engine.sync_free_step``
             says whether the run's optimizer got it.
+        pipeline_schedule: pipeline only: "1f1b", "interleaved", "zb-h1" or "zbv" (default:
+            what the module's chunks imply: 1f1b, interleaved with virtual stages, zbv with
+            the V placement); docs/pipeline_schedules.md.
+        weight_grad_store: pipeline only, zero-bubble schedules: the store the model's
+            layers defer their weight-gradient GEMMs to (``record(key)`` / ``flush(key)`` /
+            ``check_flushed()``, e.g. megatron's ``mpu.set_weight_grad_deferral(model)``);
+            without one the input pass computes every gradient.
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed does.
@@ -112,12 +119,17 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
         kwargs["config"], max_norm = sync_free.prepare_config(kwargs.get("config"))
     if not isinstance(model, _deepspeed.pipe.PipelineModule):  # DeepSpeed's or ours
         if batch_fn is not None or clip_grad_norm_fn is not None or \
-                pre_reduce_grads_fn is not None:
-            raise TypeError("batch_fn, clip_grad_norm_fn and pre_reduce_grads_fn apply to a "
+                pre_reduce_grads_fn is not None or pipeline_schedule is not None or \
+                weight_grad_store is not None:
+            raise TypeError("batch_fn, clip_grad_norm_fn, pre_reduce_grads_fn, "
+                            "pipeline_schedule and weight_grad_store apply to a "
                             "PipelineModule only")
         engine, *rest = _deepspeed.initialize(*args, **kwargs)
     else:
-        with _tds_pipeline_engine(clip_grad_norm_fn, pre_reduce_grads_fn):
+        with _tds_pipeline_engine(clip_grad_norm_fn=clip_grad_norm_fn,
+                                  pre_reduce_grads_fn=pre_reduce_grads_fn,
+                                  pipeline_schedule=pipeline_schedule,
+                                  weight_grad_store=weight_grad_store):
             engine, *rest = _deepspeed.initialize(*args, **kwargs)
         if batch_fn is not None:
             engine.set_batch_fn(batch_fn)

@@ -1,11 +1,16 @@
-"""tds's pipeline engine: DeepSpeed's schedule and optimizer, typed multi-tensor stage I/O.
+"""tds's pipeline engine: DeepSpeed's optimizer machinery, tds's schedules, typed stage I/O.
 
 DeepSpeed's ``PipelineEngine`` passes one tensor (or a tuple it treats with GPT-2 special
 cases: the last tensor is a bool mask cast to half, only the first can be partitioned).
-This engine keeps DeepSpeed's schedule (1F1B), buffers, loss aggregation, tied-weight
-reduction, data-parallel reduction and optimizer step, and replaces the instructions that
-touch stage inputs and outputs so that every position of the tuple follows the model's
+This engine keeps DeepSpeed's loss aggregation, tied-weight reduction, data-parallel
+reduction and optimizer step, and moves every position of the tuple per the model's
 contract (``_input_type`` / ``_input_grad`` / ``_input_pipe_partitioned``).
+
+Training runs every schedule (1F1B, interleaved, ZB-H1, ZB-V: ``pipeline_schedule``) from a
+checked per-rank action list through :mod:`tds.pipe.runner` (:mod:`tds.pipe.schedule_step`);
+DeepSpeed's instruction schedule (``TrainSchedule``) is no longer on the training path.
+Its instructions, reimplemented below for the typed tuple, still serve ``eval_batch`` of a
+module with one chunk per rank (logits included) and users who drive them themselves.
 
 Shapes are learned once, before the first step: one no-grad forward of the first
 micro-batch runs through the stages exchanging only shapes and dtypes (RNG states are
@@ -15,9 +20,8 @@ naming the position on every rank, instead of a hang between two stages. After t
 per-step metadata travels.
 
 A module built with ``num_virtual_stages`` v > 1 (tds's ``PipelineModule``: v chunks per
-rank) trains with interleaved 1F1B through ``tds.pipe.runner`` instead of DeepSpeed's
-schedule (:mod:`tds.pipe.interleaved`); reductions, the optimizer step and the loss
-aggregation stay DeepSpeed's.
+rank) trains interleaved (or ZB-V with its V placement); the stage that computes the loss
+is the owner of the last chunk (rank 0 in a V), which ``is_last_stage()`` then names.
 """
 import itertools
 from typing import Any, Iterator, Optional, Sequence
@@ -32,7 +36,7 @@ from .. import fp16_loss_scale
 from .boundary import discover_boundary
 from .clip import clip_grad_norm_over_grid
 from .contract import StageContract, contract_of
-from .interleaved import InterleavedStep
+from .schedule_step import ScheduleStep, default_schedule
 from .p2p import StageLink
 
 
@@ -44,14 +48,19 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
     function (raw batch -> ``(inputs, labels)``, as ``set_batch_fn``) and the gradient
     clipping (``f(parameters, max_norm) -> total norm``, clipping in place; default
     DeepSpeed's); ``pre_reduce_grads_fn`` (no arguments) runs once per step after the last
-    backward, before the data-parallel gradient reduction.
+    backward, before the data-parallel gradient reduction. ``pipeline_schedule`` ("1f1b",
+    "interleaved", "zb-h1", "zbv"; default: what the module's chunks imply) and, for the
+    zero-bubble ones, ``weight_grad_store`` (where the model's layers defer their weight
+    GEMMs: :mod:`tds.pipe.schedule_step`).
     """
 
-    def __init__(self, *args, clip_grad_norm_fn=None, pre_reduce_grads_fn=None, **kwargs):
+    def __init__(self, *args, clip_grad_norm_fn=None, pre_reduce_grads_fn=None,
+                 pipeline_schedule=None, weight_grad_store=None, **kwargs):
         model = kwargs.get("model")
         self.contract = contract_of(model)  # same attributes on every rank: all fail alike
         self.clip_grad_norm_fn = clip_grad_norm_fn
         self.pre_reduce_grads_fn = pre_reduce_grads_fn
+        self._loss_stage = None  # DeepSpeed's (the last stage) while its __init__ runs
         super().__init__(*args, **kwargs)
         # Our instructions handle masks and partitioning per position: no GPT-2 hacks.
         self.has_attention_mask = self.has_bool_tensors = False
@@ -63,11 +72,26 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
             if self.stage_id < self.num_stages - 1 else None
         self._warned_missing_grad = False
         _keep_gradless_blocks_out_of_checkpoints(self.module)
-        # v chunks per rank: interleaved 1F1B through tds.pipe.runner (interleaved.py)
-        self.interleaved = InterleavedStep(self) \
+        # every schedule through tds.pipe.runner (schedule_step.py)
+        self.pipeline_schedule = pipeline_schedule or default_schedule(self.module)
+        self.schedule_step = ScheduleStep(self, self.pipeline_schedule, weight_grad_store)
+        self._reserve_pipe_buffers(1)  # the last chunk's labels
+        placement = self.module.placement
+        self._loss_stage = placement.owner(placement.num_chunks - 1)
+        # several chunks per rank: evaluation runs them in turn (schedule_step)
+        self.interleaved = self.schedule_step \
             if getattr(self.module, "num_virtual_stages", 1) > 1 else None
-        if self.interleaved is not None:
-            self._reserve_pipe_buffers(1)  # the last chunk's labels
+
+    def is_last_stage(self) -> bool:
+        """Whether this stage computes the loss (owns the last chunk: rank 0 in a V)."""
+        if self._loss_stage is None:
+            return super().is_last_stage()
+        return self.stage_id == self._loss_stage
+
+    def _loss_stage_global_rank(self) -> int:
+        if self._loss_stage is None:
+            return super()._loss_stage_global_rank()
+        return self.grid.stage_to_global(self._loss_stage)
 
     # ------------------------------------------------------------ CPM-Pretrain setters
     def _set_contract(self, types=None, grads=None, partitioned=None):
@@ -93,8 +117,8 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
     def reset_activation_shape(self) -> None:
         super().reset_activation_shape()
         self.recv_meta = self.send_meta = None
-        if getattr(self, "interleaved", None) is not None:
-            self.interleaved.boundaries = self.interleaved.runner = None
+        if getattr(self, "schedule_step", None) is not None:
+            self.schedule_step.boundaries = self.schedule_step.runner = None
 
     # ------------------------------------------------------------ entry points
     def _ensure_boundary(self):
@@ -113,10 +137,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         if data_iter is not None:
             self.set_dataiterator(data_iter)
-        if self.interleaved is not None:
-            return self.interleaved.train_batch()
-        self._ensure_boundary()
-        return super().train_batch()
+        return self.schedule_step.train_batch()
 
     def eval_batch(self, data_iter: Optional[Iterator], *args: Any, **kwargs: Any) -> Any:
         if self.interleaved is not None:

@@ -1,21 +1,27 @@
 """DeepSpeed's PipelineModule, with virtual stages: v model chunks per pipeline rank.
 
-``PipelineModule(layers, ..., num_virtual_stages=v)``: with v = 1 this is DeepSpeed's class,
-unchanged. With v > 1 the layer specs are partitioned (same ``partition_method``) into
-``p v`` chunks; global chunk c lives on pipeline rank ``c % p``, so rank r builds chunks
-r, r + p, ..., r + (v - 1) p (Megatron-LM's virtual pipeline stages), each registered under
-its layers' global spec indices, so a rank's ``state_dict`` keys are those of a 1F1B stage
-holding the same layers. ``stage_owner`` answers with the rank, so DeepSpeed's tied-module
-groups (the tied embedding on chunk 0, rank 0, and on the last chunk, rank p - 1) and any
-group a subclass derives from it connect the right ranks.
+``PipelineModule(layers, ..., num_virtual_stages=v, placement="loop")``: with v = 1 this is
+DeepSpeed's class, unchanged. With v > 1 the layer specs are partitioned (same
+``partition_method``) into ``p v`` chunks placed by ``placement``
+(:class:`~tds.pipe.schedules.Placement`): "loop" puts global chunk c on pipeline rank
+``c % p``, so rank r builds chunks r, r + p, ..., r + (v - 1) p (Megatron-LM's virtual
+pipeline stages); "v" (ZB-V, v = 2) puts chunks 0..p-1 on ranks 0..p-1 and chunks p..2p-1
+back on ranks p-1..0, so rank 0 holds the first and the last chunk. Each chunk is
+registered under its layers' global spec indices, so a rank's ``state_dict`` keys are
+those of a 1F1B stage holding the same layers. ``stage_owner`` answers with the rank, so
+DeepSpeed's tied-module groups (the tied embedding on chunk 0 and on the last chunk: ranks
+0 and p - 1 in a loop, rank 0 alone in a V) and any group a subclass derives from it
+connect the right ranks.
 
-``forward_chunk(j, inputs)`` runs the rank's j-th chunk (global chunk ``j p + r``) through
+``forward_chunk(j, inputs)`` runs the rank's j-th chunk (global chunk ``local_chunks()[j]``) through
 DeepSpeed's own forward (activation checkpointing included); the pipeline engine drives
 the chunks through :mod:`tds.pipe.runner` (:mod:`tds.pipe.interleaved`).
 """
 from typing import Any, List, Tuple
 
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
+
+from .schedules import PLACEMENT_KINDS, Placement
 
 
 class PipelineModule(_DeepSpeedPipelineModule):
@@ -25,12 +31,19 @@ class PipelineModule(_DeepSpeedPipelineModule):
         layers, args, kwargs: DeepSpeed's (``topology``, ``loss_fn``, ``partition_method``,
             ``activation_checkpoint_interval``, ...).
         num_virtual_stages: model chunks v per pipeline rank (1: DeepSpeed's behaviour).
+        placement: "loop" (chunk c on rank c % p) or "v" (ZB-V's V, needs v = 2).
     """
 
-    def __init__(self, layers, *args, num_virtual_stages: int = 1, **kwargs):
+    def __init__(self, layers, *args, num_virtual_stages: int = 1, placement: str = "loop",
+                 **kwargs):
         if not isinstance(num_virtual_stages, int) or num_virtual_stages < 1:
             raise ValueError(f"PipelineModule: num_virtual_stages must be a positive integer, "
                              f"got {num_virtual_stages!r}")
+        if placement not in PLACEMENT_KINDS or (placement == "v" and num_virtual_stages != 2):
+            raise ValueError(f"PipelineModule: placement must be one of "
+                             f"{', '.join(PLACEMENT_KINDS)} (\"v\" with num_virtual_stages=2), "
+                             f"got {placement!r} with {num_virtual_stages} virtual stages")
+        object.__setattr__(self, "placement_kind", placement)
         if num_virtual_stages > 1 and kwargs.get("seed_layers"):
             raise ValueError("PipelineModule: seed_layers is not supported with virtual "
                              "stages; seed the layers in their constructors")
@@ -40,6 +53,11 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if num_virtual_stages > 1 and self.num_stages < 2:
             raise ValueError(f"PipelineModule: {num_virtual_stages} virtual stages need at "
                              f"least 2 pipeline stages (got {self.num_stages})")
+
+    @property
+    def placement(self) -> Placement:
+        """Which pipeline rank holds each global chunk (:class:`tds.pipe.schedules.Placement`)."""
+        return Placement(self.num_stages, self.num_virtual_stages, self.placement_kind)
 
     # ------------------------------------------------------------ partition and build
     def _partition_layers(self, method="uniform"):
@@ -56,7 +74,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             raise ValueError(f"PipelineModule: chunk(s) {empty} of {p * v} hold no layer "
                              f"(partition {list(self.parts)}); use fewer virtual stages")
         self.chunk_bounds = [(self.parts[c], self.parts[c + 1])
-                             for c in range(self.stage_id, p * v, p)]
+                             for c in self.placement.chunks(self.stage_id)]
 
     def _build(self):
         if self.num_virtual_stages == 1:
@@ -80,12 +98,11 @@ class PipelineModule(_DeepSpeedPipelineModule):
     def stage_owner(self, layer_idx: int) -> int:
         if self.num_virtual_stages == 1:
             return super().stage_owner(layer_idx)
-        return self.chunk_owner(layer_idx) % self.num_stages
+        return self.placement.owner(self.chunk_owner(layer_idx))
 
     def local_chunks(self) -> List[int]:
-        """Global chunk ids this rank holds, in order (``[stage_id]`` when v = 1)."""
-        return list(range(self.stage_id, self.num_stages * self.num_virtual_stages,
-                          self.num_stages))
+        """Global chunk ids this rank holds, in local order (``[stage_id]`` when v = 1)."""
+        return list(self.placement.chunks(self.stage_id))
 
     def spec_ranges(self) -> List[Tuple[int, int]]:
         """``[start, stop)`` layer-spec indices of each local chunk."""
@@ -109,7 +126,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             self.is_checkpointable_results_interval = cached[0]
 
     def forward_chunk(self, j: int, inputs):
-        """Run local chunk ``j`` (global chunk ``j p + stage_id``) on ``inputs``.
+        """Run local chunk ``j`` (global chunk ``local_chunks()[j]``) on ``inputs``.
 
         DeepSpeed's forward, with each block's layers bound when the block runs: its
         recompute closure reads ``self.forward_funcs`` only in backward, when another
