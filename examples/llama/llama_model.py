@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import mpu
-from megatron.families import FEATURES, ModelFamily, pipeline_topology
+from megatron.families import FEATURES, ModelFamily, pipeline_placement, pipeline_topology
 from megatron.families import decoder_lm  # batch function, datasets, stage contract
 from megatron.model.fused_layer_norm import MixedFusedRMSNorm
 from megatron.model.language_model import masked_lm_loss
@@ -187,8 +187,9 @@ class LlamaModel(nn.Module):
         return x
 
 
-def pipeline_model(config: LlamaConfig, num_virtual_stages: int = 1):
-    """The same layers as tds pipeline stages (a ``PipelineModule`` with its contract)."""
+def pipeline_model(config: LlamaConfig, num_virtual_stages: int = 1, placement: str = "loop"):
+    """The same layers as tds pipeline stages (a ``PipelineModule`` with its contract;
+    ``placement`` "v" for ZB-V, :func:`megatron.families.pipeline_placement`)."""
     from tds.pipe import PipelineModule
 
     model = PipelineModule(
@@ -196,7 +197,7 @@ def pipeline_model(config: LlamaConfig, num_virtual_stages: int = 1):
         partition_method="type:LlamaLayer",
         activation_checkpoint_interval=1 if config.checkpoint_activations else 0,
         activation_checkpoint_func=mpu.checkpoint, checkpointable_layers=["LlamaLayer"],
-        num_virtual_stages=num_virtual_stages)
+        num_virtual_stages=num_virtual_stages, placement=placement)
     return decoder_lm.set_decoder_contract(model, config.sequence_parallel)
 
 
@@ -311,7 +312,9 @@ def model_config(cfg: Any, dropout: bool = True) -> LlamaConfig:
 
 def build_model(cfg: Any, pipeline: bool) -> nn.Module:
     config = model_config(cfg)
-    return pipeline_model(config, cfg.parallel.vpp) if pipeline else LlamaModel(config)
+    if pipeline:
+        return pipeline_model(config, cfg.parallel.vpp, pipeline_placement(cfg))
+    return LlamaModel(config)
 
 
 def flops_per_step(cfg: Any) -> float:

@@ -34,9 +34,11 @@ of your own with ``register("llama", lambda: LLAMA)`` (docs/new_model.md).
 from typing import Callable, Dict, Optional, Union
 
 from ..errors import ConfigError
-from .base import FEATURES, ModelFamily, pipeline_topology, transformer_kwargs, unsupported_flags
+from .base import (FEATURES, ModelFamily, pipeline_placement, pipeline_topology,
+                   transformer_kwargs, unsupported_flags)
 
-__all__ = ["FEATURES", "ModelFamily", "get_family", "known_families", "pipeline_topology",
+__all__ = ["FEATURES", "ModelFamily", "get_family", "known_families", "pipeline_placement",
+           "pipeline_topology",
            "register", "transformer_kwargs", "unsupported_flags"]
 
 _FACTORIES: Dict[str, Callable[[], ModelFamily]] = {}

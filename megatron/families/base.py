@@ -144,6 +144,12 @@ def transformer_kwargs(cfg, dropout: bool = True) -> dict:
         attention_backend=kernels.attention_backend or "auto")
 
 
+def pipeline_placement(cfg: Any) -> str:
+    """The chunk placement of a run's pipeline module (``PipelineModule(placement=...)``):
+    "v" for ``--pipeline-schedule zbv`` (two chunks per rank in a V), else "loop"."""
+    return "v" if getattr(cfg.parallel, "pipeline_schedule", "1f1b") == "zbv" else "loop"
+
+
 def pipeline_topology() -> Any:
     """DeepSpeed's pipeline topology of this process grid (same rank order as mpu)."""
     from tds.pipe import PipeModelDataParallelTopology

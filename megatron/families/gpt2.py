@@ -8,7 +8,7 @@ from ..checkpoint import gpt2_keys, megatron_lm
 from ..checkpoint_conversion import hf_gpt2
 from ..model.language_model import masked_lm_loss
 from ..model.transformer import ParallelTransformerLayer
-from .base import FEATURES, ModelFamily, pipeline_topology, transformer_kwargs
+from .base import FEATURES, ModelFamily, pipeline_placement, pipeline_topology, transformer_kwargs
 from .decoder_lm import build_datasets, make_batch_fn  # noqa: F401 (GPT-2's, public here)
 
 
@@ -29,7 +29,8 @@ def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch
 
         return GPT2ModelPipe(config, cfg.model.padded_vocab_size,
                              cfg.model.max_position_embeddings, pipeline_topology(),
-                             loss_fn=masked_lm_loss, num_virtual_stages=cfg.parallel.vpp)
+                             loss_fn=masked_lm_loss, num_virtual_stages=cfg.parallel.vpp,
+                             placement=pipeline_placement(cfg))
     from ..model.gpt2_model import GPT2Model
 
     return GPT2Model(config, cfg.model.padded_vocab_size, cfg.model.max_position_embeddings,

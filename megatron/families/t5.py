@@ -31,7 +31,7 @@ from ..errors import ConfigError, DataError
 from ..model.language_model import masked_lm_loss
 from ..model.t5_layers import FF_TYPES, T5DecoderLayer, T5EncoderLayer
 from ..model.t5_model import t5_attention_masks
-from .base import FEATURES, ModelFamily, pipeline_topology, transformer_kwargs
+from .base import FEATURES, ModelFamily, pipeline_placement, pipeline_topology, transformer_kwargs
 
 #: The integer tensors of a T5 sample (megatron.data.t5_dataset), broadcast in one call.
 BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_real")
@@ -187,7 +187,7 @@ def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch
         from ..model.t5_model_pipe import T5ModelPipe
 
         return T5ModelPipe(config, pipeline_topology(), loss_fn=masked_lm_loss,
-                           num_virtual_stages=cfg.parallel.vpp)
+                           num_virtual_stages=cfg.parallel.vpp, placement=pipeline_placement(cfg))
     from ..model.t5_model import T5Model
 
     return T5Model(config, parallel_output)

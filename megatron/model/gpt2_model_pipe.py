@@ -80,19 +80,20 @@ class GPT2ModelPipe(PipelineModule):
         topology: DeepSpeed topology (pp x dp x tp), matching mpu's groups.
         loss_fn: ``loss_fn(logits [b, s, v/tp], labels)`` on the last stage (the family's;
             default the masked next-token loss).
-        num_virtual_stages: model chunks per pipeline rank (interleaved 1F1B when > 1;
-            the transformer layers split evenly over the pp x v chunks).
+        num_virtual_stages: model chunks per pipeline rank (interleaved 1F1B or ZB-V when
+            > 1; the transformer layers split evenly over the pp x v chunks).
+        placement: "loop" (chunk c on rank c % p) or "v" (ZB-V: 2 chunks per rank in a V).
     """
 
     def __init__(self, config, vocab_size, max_position_embeddings, topology,
-                 loss_fn=masked_lm_loss, num_virtual_stages=1):
+                 loss_fn=masked_lm_loss, num_virtual_stages=1, placement="loop"):
         interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
         super().__init__(layers=gpt2_pipeline_specs(config, vocab_size, max_position_embeddings),
                          loss_fn=loss_fn, topology=topology, partition_method="type:transformer",
                          activation_checkpoint_interval=interval,
                          activation_checkpoint_func=mpu.checkpoint,
                          checkpointable_layers=["ParallelTransformerLayerPipe"],
-                         num_virtual_stages=num_virtual_stages)
+                         num_virtual_stages=num_virtual_stages, placement=placement)
         self._input_type = ["float", "bool"]
         self._input_grad = [True, False]
         # Under sequence parallelism the hidden state already is 1/tp of the sequence.

@@ -172,9 +172,11 @@ class T5ModelPipe(PipelineModule):
         num_virtual_stages: model chunks per pipeline rank (interleaved 1F1B when > 1): the
             2L layers, encoder then decoder, split evenly over the pp x v chunks; a chunk
             may end in the encoder and start the decoder (docs/pipeline_schedules.md).
+        placement: "loop" (chunk c on rank c % p) or "v" (ZB-V: 2 chunks per rank in a V).
     """
 
-    def __init__(self, config, topology, loss_fn=masked_lm_loss, num_virtual_stages=1):
+    def __init__(self, config, topology, loss_fn=masked_lm_loss, num_virtual_stages=1,
+                 placement="loop"):
         biases = {stack: SharedBias() for stack in STACKS}
         interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
         super().__init__(layers=t5_pipeline_specs(config, biases), loss_fn=loss_fn,
@@ -183,7 +185,7 @@ class T5ModelPipe(PipelineModule):
                          activation_checkpoint_interval=interval,
                          activation_checkpoint_func=mpu.checkpoint,
                          checkpointable_layers=["T5EncoderLayerPipe", "T5DecoderLayerPipe"],
-                         num_virtual_stages=num_virtual_stages)
+                         num_virtual_stages=num_virtual_stages, placement=placement)
         self._bias_groups = []  # (bias module, group of the stages holding its copies)
         for stack in STACKS:
             self._build_shared_bias(config, stack, biases[stack])

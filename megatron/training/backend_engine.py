@@ -12,6 +12,7 @@ import json
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .. import mpu
+from ..config.validation import ZB_SCHEDULES
 from ..errors import ConfigError, not_text
 from .backend import TrainingBackend, build_optimizer_and_scheduler
 from .engine_state_io import EngineStateIO
@@ -121,6 +122,22 @@ def _coalesced_sequence_parallel_sum(module, cfg):
     return functools.partial(mpu.allreduce_sequence_parallel_grads, params) if params else None
 
 
+def _schedule_kwargs(module, cfg) -> Dict[str, Any]:
+    """tds's schedule arguments: the schedule, and for a zero-bubble one the store the
+    model's mpu linear layers defer their weight-gradient GEMMs to (the weight passes
+    drain it); the log names the schedule."""
+    from ..utils import print_rank_0
+
+    name, p = cfg.parallel.pipeline_schedule, cfg.parallel.pp
+    store = mpu.set_weight_grad_deferral(module) if name in ZB_SCHEDULES else None
+    chunks = f"{cfg.parallel.vpp} chunks per rank" + (" in a V" if name == "zbv" else "") \
+        if cfg.parallel.vpp > 1 else "1 chunk per rank"
+    split = ", backward split into input and weight passes" if store is not None else ""
+    print_rank_0(f"> pipeline schedule: {name} ({p} stages, {chunks}, {cfg.batch.gas} "
+                 f"micro-batches per step{split})")
+    return {"pipeline_schedule": name, "weight_grad_store": store}
+
+
 class EngineBackend(TrainingBackend):
     """A DeepSpeed engine (tds's pipeline engine for a PipelineModule)."""
 
@@ -143,8 +160,8 @@ class EngineBackend(TrainingBackend):
         optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg, for_engine=True)
         # the norm stays a device tensor: the loop reads it at log time only
         pipe = {"batch_fn": batch_fn, "clip_grad_norm_fn": mpu.clip_grad_norm_tensor,
-                "pre_reduce_grads_fn": _coalesced_sequence_parallel_sum(module, cfg)} \
-            if pipeline else {"mpu": mpu}
+                "pre_reduce_grads_fn": _coalesced_sequence_parallel_sum(module, cfg),
+                **_schedule_kwargs(module, cfg)} if pipeline else {"mpu": mpu}
         # fp32/bf16: DeepSpeed's ZeRO and bf16 optimizers clip on the device (tds.sync_free)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=lr_scheduler,
