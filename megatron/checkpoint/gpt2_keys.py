@@ -27,7 +27,7 @@ import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
-from .chunks import Bounds, rank_bounds, spec_indices, vpp_of
+from .chunks import Bounds, placement_of, rank_bounds, spec_indices, vpp_of
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -118,7 +118,8 @@ def full_to_pipe_key(key: str) -> str:
     raise CheckpointError(f"unexpected GPT-2 key {key!r}")
 
 
-def stage_spec_bounds(num_layers: int, pp_size: int, vpp_size: int = 1) -> List[Bounds]:
+def stage_spec_bounds(num_layers: int, pp_size: int, vpp_size: int = 1,
+                      placement: str = "loop") -> List[Bounds]:
     """``[start, end)`` layer-spec indices of each pipeline stage, as the engine places them
     (with ``vpp_size`` > 1, per rank the list of its chunks' ranges: :mod:`.chunks`).
 
@@ -131,8 +132,9 @@ def stage_spec_bounds(num_layers: int, pp_size: int, vpp_size: int = 1) -> List[
         num_layers: transformer layers L.
         pp_size: pipeline stages.
         vpp_size: model chunks per pipeline rank.
+        placement: the chunks' placement ("loop", or "v" for ZB-V: :mod:`.chunks`).
     """
-    return rank_bounds([0] + [1] * num_layers + [0, 0], pp_size, vpp_size)
+    return rank_bounds([0] + [1] * num_layers + [0, 0], pp_size, vpp_size, placement)
 
 
 def stage_full_keys(full_keys_list: Sequence[str], num_layers: int,
@@ -183,7 +185,7 @@ def describe(args: Dict[str, Any]) -> str:
 
 
 def stage_bounds(args: Dict[str, Any], pp: int) -> List[Bounds]:
-    return stage_spec_bounds(args["num_layers"], pp, vpp_of(args))
+    return stage_spec_bounds(args["num_layers"], pp, vpp_of(args), placement_of(args))
 
 
 def stage_keys(full_keys_list: Sequence[str], args: Dict[str, Any],

@@ -32,7 +32,7 @@ from .. import mpu
 from ..errors import CheckpointError
 from .format import (LAYOUT_KEYS, check_compatible, check_rank_layout, iteration_dir,
                      load_rank_file, rank_files, saved_optimizer_files, uses_pipeline_engine)
-from .chunks import vpp_of
+from .chunks import placement_of, vpp_of
 from .key_maps import key_map_for
 from .native_reader import check_complete, merge_layout
 from .native_writer import check_layout, layout_args, stage_state
@@ -98,8 +98,9 @@ def _rank_states(root, iteration):
 
 
 def saved_layout_differs(root: str, iteration: int, cfg: Any) -> bool:
-    """Whether the checkpoint's (tp, pp, v) differs from the run's (reads one file's args;
-    v: chunks per pipeline rank, 1 for checkpoints that do not record it)."""
+    """Whether the checkpoint's (tp, pp, v, placement) differs from the run's (reads one
+    file's args; v: chunks per pipeline rank, 1 for checkpoints that do not record it; the
+    placement: ZB-V's V or the loop of every other schedule)."""
     files = rank_files(iteration_dir(root, iteration))
     if (0, 0) not in files:
         return False  # the normal path reports the missing file
@@ -108,7 +109,9 @@ def saved_layout_differs(root: str, iteration: int, cfg: Any) -> bool:
                            mmap=True).get("args", {})
     except Exception:
         return False  # the normal path reports the unreadable file
-    if uses_pipeline_engine(saved.get(LAYOUT_KEYS[1], 1)) and vpp_of(saved) != cfg.parallel.vpp:
+    if uses_pipeline_engine(saved.get(LAYOUT_KEYS[1], 1)) and \
+            (vpp_of(saved), placement_of(saved)) != \
+            (cfg.parallel.vpp, placement_of({"pipeline_schedule": cfg.parallel.pipeline_schedule})):
         return True  # the same pp, other chunks on each rank
     return any(k in saved and saved[k] != cfg.get(k) for k in LAYOUT_KEYS[:2])
 
@@ -171,7 +174,8 @@ def _full_moments(states, saved, folder, merge, root, iteration):
 
 def _target_args(saved, cfg):
     """The saved args with this run's layout and padded vocabulary."""
-    target = layout_args(saved, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp)
+    target = layout_args(saved, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp,
+                         cfg.parallel.pipeline_schedule)
     target["padded_vocab_size"] = cfg.model.padded_vocab_size
     check_layout(target, cfg.parallel.tp, cfg.parallel.pp)
     return target

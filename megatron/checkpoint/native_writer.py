@@ -26,7 +26,7 @@ from ..progress import progress
 from ..tokenizer import vocab_size_with_padding
 from .format import (CHECKPOINT_FORMAT, checkpoint_name, iteration_dir, publish_iteration,
                      uses_pipeline_engine)
-from .chunks import VPP_KEY, Bounds
+from .chunks import SCHEDULE_KEY, VPP_KEY, Bounds
 from .key_maps import key_map_for
 from .native_reader import FullCheckpoint
 from .recorded_reshard import check_recorded_layout, recorded_rank_state, reshard_recorded
@@ -58,12 +58,19 @@ def check_layout(args: Dict[str, Any], tp: int, pp: int,
         raise ConfigError("; ".join(problems))
 
 
-def layout_args(args: Dict[str, Any], tp: int, pp: int, vpp: int = 1) -> Dict[str, Any]:
+def layout_args(args: Dict[str, Any], tp: int, pp: int, vpp: int = 1,
+                schedule: str = "") -> Dict[str, Any]:
     """The saved args of the target layout (sizes a loading run checks); the tools write
-    1F1B stages (``vpp`` 1), which an interleaved run loads through a layout change."""
+    1F1B stages (``vpp`` 1), which an interleaved or ZB-V run loads through a layout change.
+
+    Args:
+        schedule: the target's ``--pipeline-schedule`` (it decides the chunk placement);
+            default 1f1b, or interleaved for ``vpp`` > 1.
+    """
     out = dict(args)
     out.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     out[VPP_KEY] = vpp
+    out[SCHEDULE_KEY] = schedule or ("interleaved" if vpp > 1 else "1f1b")
     return out
 
 

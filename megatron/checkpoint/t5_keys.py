@@ -30,7 +30,7 @@ import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
-from .chunks import Bounds, rank_bounds, spec_indices, vpp_of
+from .chunks import Bounds, placement_of, rank_bounds, spec_indices, vpp_of
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 LM_HEAD = "lm_head.weight"
@@ -127,10 +127,11 @@ def spec_weights(num_layers: int) -> List[int]:
     return [0] + [1] * num_layers + [0] + [1] * num_layers + [0, 0]
 
 
-def stage_spec_bounds(num_layers: int, pp_size: int, vpp_size: int = 1) -> List[Bounds]:
+def stage_spec_bounds(num_layers: int, pp_size: int, vpp_size: int = 1,
+                      placement: str = "loop") -> List[Bounds]:
     """``[start, end)`` layer-spec indices of each stage, as DeepSpeed partitions them
     (with ``vpp_size`` > 1, per rank the list of its chunks' ranges: :mod:`.chunks`)."""
-    return rank_bounds(spec_weights(num_layers), pp_size, vpp_size)
+    return rank_bounds(spec_weights(num_layers), pp_size, vpp_size, placement)
 
 
 def stage_full_keys(full_keys_list: Sequence[str], num_layers: int, bounds: Bounds,
@@ -187,7 +188,7 @@ def describe(args: Dict[str, Any]) -> str:
 
 
 def stage_bounds(args: Dict[str, Any], pp: int) -> List[Bounds]:
-    return stage_spec_bounds(args["num_layers"], pp, vpp_of(args))
+    return stage_spec_bounds(args["num_layers"], pp, vpp_of(args), placement_of(args))
 
 
 def stage_keys(full_keys_list: Sequence[str], args: Dict[str, Any],
