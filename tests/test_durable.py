@@ -26,7 +26,7 @@ def fsyncs(monkeypatch):
     return seen
 
 
-def _assert_files_then_tracker_then_folder(seen, root, data_names):
+def _assert_files_then_tracker_then_folder(seen, root, data_names, published_prefix="iter_"):
     root = os.path.realpath(root)
     data = [i for i, p in enumerate(seen) if os.path.basename(p).split(".tmp")[0] in data_names]
     tracker = [i for i, p in enumerate(seen) if os.path.basename(p).startswith(TRACKER)]
@@ -34,7 +34,8 @@ def _assert_files_then_tracker_then_folder(seen, root, data_names):
     assert data and len(tracker) == 1 and folder, seen
     assert max(data) < tracker[0] < folder[-1] == len(seen) - 1, seen
     # the iteration folder's entries were flushed before it was renamed into the root
-    published = [i for i, p in enumerate(seen) if os.path.basename(p).startswith("iter_")]
+    published = [i for i, p in enumerate(seen)
+                 if os.path.basename(p).startswith(published_prefix)]
     assert published and max(published) < tracker[0], seen
 
 
@@ -78,6 +79,27 @@ def test_converter_output_flushes_files_then_tracker_then_folder(tmp_path, fsync
     _assert_files_then_tracker_then_folder(fsyncs, root, {fmt.MODEL_FILENAME})
 
 
+@pytest.mark.parametrize("iteration, folder", [(7, "iter_0000007"), (0, "release")])
+def test_megatron_lm_output_flushes_files_then_tracker_then_folder(tmp_path, fsyncs,
+                                                                   iteration, folder):
+    from gpt2_ckpt import random_checkpoint
+
+    from megatron.checkpoint.megatron_lm import read_megatron_lm, write_megatron_lm
+    from megatron.checkpoint.native_writer import reshard
+
+    ckpt = reshard(random_checkpoint(iteration), tp=2, pp=2)
+    ckpt.iteration = iteration
+    root = str(tmp_path / "megatron")
+    write_megatron_lm(ckpt, root, tp=2, pp=2)
+    _assert_files_then_tracker_then_folder(fsyncs, root, {fmt.MODEL_FILENAME}, folder)
+    files = [p for p in fsyncs if os.path.basename(p) == fmt.MODEL_FILENAME]
+    assert len(files) == 4, fsyncs  # every rank file's data, each once
+    assert sorted(os.listdir(root)) == sorted([TRACKER, folder])  # no temporary folder left
+    back = read_megatron_lm(root)
+    assert back.iteration == iteration
+    assert all(torch.equal(back.state[k], ckpt.state[k]) for k in ckpt.state)
+
+
 def test_hf_output_is_flushed_before_it_is_renamed(tmp_path, fsyncs):
     from megatron.checkpoint_conversion.hf_io import read_weights, write_hf_dir
 
@@ -88,6 +110,34 @@ def test_hf_output_is_flushed_before_it_is_renamed(tmp_path, fsyncs):
     renamed = names.index(os.path.basename(str(tmp_path)))  # the parent, after the rename
     assert {"config.json", "model.safetensors"} <= set(names[:renamed]), names
     assert torch.equal(read_weights(out)["w"], state["w"])
+
+
+def test_llama_export_is_flushed_before_it_is_renamed(gpt2_data, tmp_path, fsyncs):
+    """examples/llama/convert_llama.py writes its HF directory by the same rules."""
+    transformers = pytest.importorskip("transformers")
+    from harness import run_distributed
+    from llama_runs import llama_argv, train_llama
+
+    from megatron.checkpoint.native_reader import read_native
+    from megatron.errors import CheckpointError
+
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    run_distributed(train_llama, 1, llama_argv(gpt2_data, 1, 1, "--save", ckpt, steps=1,
+                                               global_batch=2), timeout=120)
+    from convert_llama import main  # examples/llama, on the path through llama_runs
+
+    del fsyncs[:]  # the export's flushes only
+    assert main(["--load", ckpt, "--output", out]) == 0
+    names = [os.path.basename(p) for p in fsyncs]
+    renamed = names.index(os.path.basename(str(tmp_path)))  # the parent, after the rename
+    written = {"config.json", "generation_config.json", "model.safetensors"}
+    assert written <= set(names[:renamed]) and sorted(os.listdir(out)) == sorted(written), names
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]  # no temporary folder left
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+    full = read_native(ckpt, 1).state
+    assert torch.equal(hf["model.layers.1.mlp.down_proj.weight"], full["2.down_proj.weight"])
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        main(["--load", ckpt, "--output", out])  # never written over, nor mixed with
 
 
 def test_fsync_can_be_turned_off(tmp_path, fsyncs, monkeypatch):
