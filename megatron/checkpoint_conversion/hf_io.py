@@ -67,14 +67,16 @@ def read_weights(path):
     raise CheckpointError(f"{path} has no weights ({' / '.join(_WEIGHT_FILES)})")
 
 
-def write_hf_dir(path, config, state, extra_files=()):
-    """Write an HF directory atomically (``<path>.tmp<pid>`` renamed to ``path``).
+def write_hf_dir(path, config, state, extra_files=(), extra_json=None):
+    """Write an HF directory atomically and durably (``<path>.tmp<pid>``, every file and the
+    folder flushed, then renamed to ``path`` and its parent flushed: :mod:`megatron.durable`).
 
     Args:
         path: output directory; must not exist or be empty.
         config: ``config.json`` dict.
         state: ``{name: tensor}`` (no shared storage).
         extra_files: ``(source path, name in the directory)`` pairs to copy (tokenizer).
+        extra_json: ``{name: dict}`` more JSON files (``generation_config.json``).
     """
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise CheckpointError(f"--output {path} exists and is not empty; choose another "
@@ -89,6 +91,9 @@ def write_hf_dir(path, config, state, extra_files=()):
                                  metadata={"format": "pt"})
         for source, name in extra_files:
             shutil.copyfile(source, os.path.join(tmp, name))
+        for name, content in (extra_json or {}).items():
+            with open(os.path.join(tmp, name), "w") as handle:
+                json.dump(content, handle, indent=2, sort_keys=True)
         for name in os.listdir(tmp):
             durable.fsync_path(os.path.join(tmp, name))
         durable.fsync_path(tmp)
