@@ -296,14 +296,14 @@ def test_checker_rejects_a_reordered_local_hand_off():
     f_down, f_up = _index(actions, turn, Forward(p - 1, 2)), _index(actions, turn, Forward(p, 2))
     actions[turn][f_down], actions[turn][f_up] = Forward(p, 2), Forward(p - 1, 2)
     _raises(actions, p, 2, m, placement, f"rank {turn} action {f_down} Forward(chunk={p}, mb=2)",
-            f"needs the output of Forward (chunk={p - 1}, mb=2) first, handed over on this rank")
+            f"needs the output of Forward(chunk={p - 1}, mb=2) first, handed over on this rank")
     actions = zbv(p, m)
     b_up = _index(actions, turn, BackwardInput(p, 1))
     b_down = _index(actions, turn, BackwardInput(p - 1, 1))
     actions[turn][b_up], actions[turn][b_down] = BackwardInput(p - 1, 1), BackwardInput(p, 1)
     _raises(actions, p, 2, m, placement,
             f"rank {turn} action {b_up} BackwardInput(chunk={p - 1}, mb=1)",
-            f"input gradient of the backward of (chunk={p}, mb=1)")
+            f"needs the input gradient from the backward of chunk {p}, micro-batch 1 first")
 
 
 def test_checker_rejects_a_message_for_a_local_hand_off_and_the_wrong_placement():

@@ -149,11 +149,10 @@ class _RankState:
                              f"it yet")
         local = handoff_in(action, self.placement)
         if local is not None and local not in self.handed:
-            what = "output of Forward" if local[0] == "act" else \
-                "input gradient of the backward of"
-            raise ValueError(f"{where}: needs the {what} (chunk={local[1]}, mb={local[2]}) "
-                             f"first, handed over on this rank (chunks {local[1]} and "
-                             f"{action.chunk} share it), and it has not run yet")
+            giver = f"the output of {Forward(*local[1:])}" if local[0] == "act" else \
+                f"the input gradient from the backward of chunk {local[1]}, micro-batch {local[2]}"
+            raise ValueError(f"{where}: needs {giver} first, handed over on this rank (chunks "
+                             f"{local[1]} and {action.chunk} share it), and it has not run yet")
         done[type(action)].add(key)
         if handoff_out(action, self.placement) is not None:
             self.handed.add(handoff_out(action, self.placement))
