@@ -217,7 +217,6 @@ if os.environ["RANK"] == "1":
 
 
 # ---------------------------------------------------------------- a checkpoint file
-@pytest.mark.slow
 def test_a_checkpoint_file_one_rank_cannot_read_ends_every_rank(gpt2_data, tmp_path):
     """tp=2: rank 1's shard is truncated (a half-copied checkpoint); rank 0's loads fine."""
     ckpt = str(tmp_path / "ckpt")
@@ -282,9 +281,10 @@ import torch.distributed as dist
 from megatron.errors import ConfigError, run_main
 
 def main():
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    if os.environ["CASE"] == "late":
+    if os.environ["CASE"] != "late, before torch.distributed":  # then: the agent's store
+        dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    if os.environ["CASE"].startswith("late"):
         time.sleep(2.0 * rank)  # rank 1 reaches the same error 2 s after rank 0
     elif rank == 1:
         time.sleep(120)  # busy: never reaches an error
@@ -306,13 +306,17 @@ def _peer_report_run(tmp_path, case):
     return result, raised, ended
 
 
-def test_a_rank_that_fails_first_waits_for_its_peer_to_print(tmp_path):
-    result, raised, ended = _peer_report_run(tmp_path, "late")
+@pytest.mark.parametrize("case", ["late", "late, before torch.distributed"])
+def test_a_rank_that_fails_first_waits_for_its_peer_to_print(tmp_path, case):
+    """Rank 1 reaches the same user error 2 s after rank 0 (in a run whose process group
+    exists, and before it starts: torchrun's agent store is counted in then)."""
+    result, raised, ended = _peer_report_run(tmp_path, case)
     err = result.stderr
     assert result.returncode != 0, err[-3000:]
     _assert_user_error_on_both_ranks(err)
+    prefix = "" if "before" in case else "[rank {}] "  # no rank prefix before it starts
     for rank in (0, 1):  # torchrun would have stopped rank 1 before it printed
-        assert f"[rank {rank}] error: the same problem (found by rank {rank})" in err, err
+        assert f"{prefix.format(rank)}error: the same problem (found by rank {rank})" in err, err
     assert raised[1] - raised[0] >= 1.9, raised
     assert ended - raised[1] < 8, (raised, ended)  # not the 10 s bound: it saw rank 1 print
 
