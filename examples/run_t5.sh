@@ -31,6 +31,7 @@ HOSTFILE=${HOSTFILE:-$script_dir/hostfile}
 mp_size=${mp_size:-2}                 # tensor parallel
 pp_size=${pp_size:-2}                 # pipeline stages (1 = no pipeline)
 vpp_size=${vpp_size:-1}               # model chunks per pipeline stage (> 1: interleaved 1F1B)
+PIPELINE_SCHEDULE=${PIPELINE_SCHEDULE:-}  # 1f1b | interleaved | zb-h1 | zbv (zero bubble); empty: implied
 
 # ---- model (T5-base sizes; NLAYERS is per stack: encoder and decoder each) -------------
 NLAYERS=${NLAYERS:-12}
@@ -67,7 +68,7 @@ megatron_batch_args
 megatron_fault_args
 
 t5_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
-  --virtual-pipeline-model-parallel-size $vpp_size \
+  --virtual-pipeline-model-parallel-size $vpp_size ${PIPELINE_SCHEDULE:+--pipeline-schedule $PIPELINE_SCHEDULE} \
   --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
   --kv-hidden-size $KV_HIDDEN --ff-hidden-size $FF_HIDDEN \
   --enc-seq-length $ENC_SEQLEN --dec-seq-length $DEC_SEQLEN \
