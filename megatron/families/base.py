@@ -83,8 +83,10 @@ class ModelFamily:
     checked_settings: Tuple[str, ...] = ()
     """Flag names (``dest``) a resume must match besides the generic model settings
     (``rope_theta``): a checkpoint saved with another value is refused."""
-    compile_classes: Tuple[type, ...] = ()
-    """The layer classes ``--compile`` compiles (each instance its own region)."""
+    compile_classes: Optional[Tuple[type, ...]] = None
+    """The layer classes ``--compile`` compiles (each instance its own region). None: the
+    built-in blocks (GPT-2's and T5's layers, matched by name); ``()``: none at all (the
+    log says "--compile compiled no layer")."""
     supports: FrozenSet[str] = frozenset()
     """Optional generic features the model implements (:data:`FEATURES`: ``sequence_parallel``,
     ``checkpoint_activations``, ``virtual_pipeline``, ``pipeline``); others are refused."""

@@ -45,15 +45,16 @@ def compile_layers(model, classes=None, **compile_kwargs):
     Args:
         model: a GPT2Model / T5Model or their pipeline modules, or any model.
         classes: the layer classes to compile (a model family's ``compile_classes``); None:
-            the built-in blocks (:data:`LAYER_CLASSES`, matched by name through the MRO).
+            the built-in blocks (:data:`LAYER_CLASSES`, matched by name through the MRO);
+            an empty tuple: none (returns 0).
         compile_kwargs: passed to ``torch.compile`` (e.g. ``mode``, ``backend``).
     """
     prepare_for_compile()
-    if classes:
-        classes = tuple(classes)
-        layers = [m for m in model.modules() if isinstance(m, classes)]
-    else:
+    if classes is None:
         layers = [m for m in model.modules() if is_transformer_layer(m)]
+    else:
+        classes = tuple(classes)
+        layers = [m for m in model.modules() if isinstance(m, classes)] if classes else []
     for layer in layers:
         layer.compile(**compile_kwargs)
     return len(layers)

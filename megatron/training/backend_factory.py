@@ -38,6 +38,10 @@ def _compile(model, cfg):
 
     family = getattr(cfg, "model_family", None)
     classes = family.compile_classes if family is not None else None
+    if classes is not None and not tuple(classes):
+        warn_rank_0(f"--compile compiled no layer: the {family.name!r} family's "
+                    f"compile_classes is empty (compile nothing); the model runs uncompiled")
+        return
     count = compile_layers(model, classes)
     if count == 0:
         what = (f"the {family.name!r} family's compile_classes "
