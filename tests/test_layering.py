@@ -14,12 +14,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: ("megatron" names the package's own ``__init__`` only).
 LAYERS = [
     ("base", ["megatron", "megatron.errors", "megatron.locks", "megatron.progress",
-              "megatron.agreement", "megatron.durable",
+              "megatron.agreement", "megatron.durable", "megatron.device",
               "megatron.timers", "megatron.utils", "megatron.build_utils",
               "megatron.global_vars", "megatron.metrics_writers", "megatron.run_plots"]),
     ("tds", ["tds"]),
+    ("kernels", ["megatron.fused_kernels"]),  # below mpu: mpu's fused norms call them
     ("mpu", ["megatron.mpu"]),
-    ("kernels", ["megatron.fused_kernels"]),
     ("model", ["megatron.model", "megatron.optimizer", "megatron.learning_rates"]),
     ("data", ["megatron.tokenizer", "megatron.data"]),
     ("config", ["megatron.config"]),

@@ -20,9 +20,7 @@ from torch import nn
 from megatron import mpu
 from megatron.families import FEATURES, ModelFamily, pipeline_placement, pipeline_topology
 from megatron.families import decoder_lm  # batch function, datasets, stage contract
-from megatron.model.fused_layer_norm import MixedFusedRMSNorm
 from megatron.model.language_model import masked_lm_loss
-from megatron.model.rotary import RotaryEmbedding, apply_rotary
 from megatron.model.utils import init_method_normal, init_rng
 
 
@@ -95,24 +93,24 @@ class LlamaLayer(nn.Module):
         sp = config.sequence_parallel
         self.head_dim = d
         with init_rng(config.seed, "layer", index):
-            self.input_layernorm = MixedFusedRMSNorm(h, config.norm_eps, sequence_parallel=sp)
+            self.input_layernorm = mpu.RMSNorm(h, config.norm_eps, sequence_parallel=sp)
             self.q_proj = _linear(config, "col", h, q_out)
             self.k_proj = _linear(config, "col", h, kv_out)
             self.v_proj = _linear(config, "col", h, kv_out)
             self.o_proj = _linear(config, "row", q_out, h)
-            self.post_attention_layernorm = MixedFusedRMSNorm(h, config.norm_eps,
-                                                              sequence_parallel=sp)
+            self.post_attention_layernorm = mpu.RMSNorm(h, config.norm_eps,
+                                                        sequence_parallel=sp)
             self.gate_proj = _linear(config, "col", h, config.ffn_hidden_size)
             self.up_proj = _linear(config, "col", h, config.ffn_hidden_size)
             self.down_proj = _linear(config, "row", config.ffn_hidden_size, h)
-        self.rotary = RotaryEmbedding(d, config.rope_theta)
+        self.rotary = mpu.RotaryEmbedding(d, config.rope_theta)
 
     def attention(self, x, attention_mask):
         q, k, v = self.q_proj(x)[0], self.k_proj(x)[0], self.v_proj(x)[0]  # [s, b, n/tp * d]
         s, b = q.shape[:2]
         q, k, v = (t.view(s, b, -1, self.head_dim) for t in (q, k, v))  # [s, b, n, d]
         cos, sin = self.rotary(s, q.device)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = mpu.apply_rotary(q, cos, sin), mpu.apply_rotary(k, cos, sin)
         group = q.shape[2] // k.shape[2]  # query heads per key-value head
         k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
@@ -133,8 +131,8 @@ class LlamaFinalNorm(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.norm = MixedFusedRMSNorm(config.hidden_size, config.norm_eps,
-                                      sequence_parallel=config.sequence_parallel)
+        self.norm = mpu.RMSNorm(config.hidden_size, config.norm_eps,
+                                sequence_parallel=config.sequence_parallel)
 
     def forward(self, inputs):
         return self.norm(inputs[0])

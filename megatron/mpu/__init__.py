@@ -68,6 +68,7 @@ from .parallel_state import (
     set_tensor_model_parallel_world_size,
     set_virtual_pipeline_model_parallel_rank,
 )
+from .norms import MixedFusedLayerNorm, MixedFusedRMSNorm, RMSNorm
 from .random import (
     RNGStatesTracker,
     checkpoint,
@@ -80,6 +81,7 @@ from .random import (
     model_parallel_manual_seed,
     reset_checkpointed_activations_memory_buffer,
 )
+from .rotary import RotaryEmbedding, apply_rotary
 from .split_1d import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 from .vocab_padding import mark_padded_vocab_rows, mask_padded_vocab_logits_
 from .sequence_parallel_linear import linear_with_sequence_parallel_gather

@@ -1,8 +1,9 @@
 """Small helpers shared by the tensor-parallel code: divisibility, splitting, vocab ranges, device."""
-import os
 from typing import Tuple
 
 import torch
+
+from ..device import get_device  # noqa: F401  (mpu.get_device: its home is the base layer)
 
 
 def ensure_divisibility(numerator: int, denominator: int, what: str = "value",
@@ -61,17 +62,3 @@ class VocabUtility:
                                "tensor-model-parallel size")
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank,
                                                                       world_size)
-
-
-def get_device() -> torch.device:
-    """The device this process computes on: the current CUDA device, else the CPU.
-
-    ``MEGATRON_DEVICE=cpu`` forces the CPU on a machine that has GPUs
-    (used by the CPU test-suite); ``MEGATRON_DEVICE=cuda`` insists on CUDA.
-    """
-    choice = os.environ.get("MEGATRON_DEVICE", "").lower()
-    if choice == "cpu":
-        return torch.device("cpu")
-    if choice == "cuda" or torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
