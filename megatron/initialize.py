@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import mpu
-from .agreement import agree, gather_failures, summary
+from .agreement import gather_failures, summary
 from .config import build_run_config
 from .config.parser import RankFileProblems
 from .errors import ConfigError
@@ -113,6 +113,19 @@ def _tensorboard_writer(cfg):
     return SummaryWriter(log_dir=cfg.logging.tensorboard_dir, max_queue=1000)
 
 
+def _agree_on_files(own):
+    """Collective: every rank's verdict on the run's files (``own``: this rank's
+    :class:`RankFileProblems`, or None). The same problems on every rank raise the usual
+    message everywhere; problems some ranks alone have raise one naming the ranks."""
+    failures = gather_failures("; ".join(own.problems) if own is not None else None)
+    if not failures:
+        return
+    if own is not None and len(failures) == dist.get_world_size() and \
+            len({cause for _, cause in failures}) == 1:
+        raise ConfigError(str(own)) from None  # every rank's verdict: as a flag problem
+    raise ConfigError(summary("checking the run's files", failures)) from own
+
+
 def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
                         family=None):
     """Build the run configuration, then set up distributed state, seeds, kernels.
@@ -140,9 +153,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
     except RankFileProblems as exc:  # this rank's verdict on the files: agreed below
         cfg, tokenizer, own = SimpleNamespace(parallel=exc.parallel), None, exc
     init_distributed(cfg)
-    # before any other collective: a file one rank cannot see ends every rank, naming it
-    agree("; ".join(own.problems) if own else None, "checking the run's files",
-          error_type=ConfigError)
+    _agree_on_files(own)  # before any other collective
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)

@@ -78,6 +78,16 @@ def test_a_file_one_rank_cannot_see_ends_every_rank_naming_rank_and_file(gpt2_da
     assert "rank 0:" not in result.stderr  # rank 0 found nothing wrong
 
 
+def test_a_file_missing_on_every_rank_gives_every_rank_the_usual_message(gpt2_data, tmp_path):
+    """The same verdict on every rank of a distributed run: agreed, then raised as a flag
+    problem is (no rank to name)."""
+    missing = str(tmp_path / "vocab.json")
+    messages = run_distributed(user_error, 2, _tiny(gpt2_data, "--vocab-file", missing),
+                               timeout=120)
+    assert messages[0] == messages[1] == (f"invalid configuration:\n  - --vocab-file "
+                                          f"{missing} does not exist"), messages
+
+
 def test_files_missing_on_every_rank_still_fail_before_torch_distributed(gpt2_data, tmp_path):
     """Single process: the files' problems are raised with the flags', before anything
     starts (no process group, nothing to agree with)."""
