@@ -7,7 +7,9 @@ collective: on gloo they die a moment later with "connection closed by peer" and
 the cause, on NCCL they wait for the collective's timeout. So every such site calls
 :func:`agree` with its own outcome: one collective in which each rank says whether it failed
 and why; then, if any rank failed, every rank raises the same error, naming the ranks and
-their causes, before anyone enters another collective.
+their causes, before anyone enters another collective. A local read whose value must be the
+same on every rank (the tracker's iteration at resume) goes through :func:`agree_on_value`:
+ranks that read different values fail together as well.
 
 The collective (``all_gather_object``) is taken on the group the caller gives, which may be
 a host (gloo) group on a background thread (the asynchronous checkpoint writer does so), and

@@ -280,8 +280,9 @@ def test_kernels_built_on_some_ranks_only_are_used_on_none():
 def test_twenty_consecutive_tp2_runs_exit_0(gpt2_data, tmp_path):
     """The teardown abort: gloo's worker threads destroying finished work (tensors with
     Python references) during interpreter finalization; about 1 run in 30 before the fix.
-    About 3 minutes on 2 cores, so outside the default run (``-m stress`` runs it); the
-    default run checks the cause instead (no process group left at exit, above)."""
+    7 minutes on the shared 2-core machine at a load average of 5-9 (11 under heavier load),
+    so outside the default run (``-m stress`` runs it); the default run checks the cause
+    instead (no process group left at exit, above)."""
     argv = _tp2(gpt2_data, iters=1)
     for run in range(20):
         result = run_script(["pretrain_gpt2.py", *argv], nproc=2, env=NO_NATIVE)

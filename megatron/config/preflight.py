@@ -1,10 +1,13 @@
 """Up-front checks of the run's directories, and of the device's precision support.
 
-They run inside the one validation pass (:func:`megatron.config.validation.derive_and_validate`),
-before torch.distributed exists, so each rank checks for itself: a probe file per rank
-(named after its host and pid, so ranks never collide) costs a few microseconds and needs
-no communication, and every rank reaches the same verdict on a shared folder. Each check
-appends a message to ``problems`` instead of raising, so a user sees every problem at once.
+They run in the validation pass (the directories through
+:func:`megatron.config.validation.rank_file_problems`), before torch.distributed exists, so
+each rank checks for itself: a probe file per rank (named after its host and pid, so ranks
+never collide) costs a few microseconds and needs no communication, and every rank reaches
+the same verdict on a shared folder. Where the verdicts can differ (a mount lost on one
+node), the ranks agree on them once torch.distributed starts
+(:func:`megatron.initialize.initialize_megatron`). Each check appends a message to
+``problems`` instead of raising, so a user sees every problem at once.
 """
 import os
 import socket
