@@ -29,6 +29,49 @@ MATRIX = [(tp, pp, 8 // (tp * pp), m, schedule, ())
           for m in (pp, 2 * pp + 1)]
 
 
+FLAGS = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "8",
+         "--seq-length", "32", "--batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
+         "--tokenizer-type", "GPT2BPETokenizer", "--pipe-parallel-size", "2"]
+
+
+def _parse(*extra):
+    from megatron.config import parse_args
+
+    return parse_args(FLAGS + list(extra), world_size=4, rank=0, check_files=False)
+
+
+@pytest.mark.parametrize("extra,schedule,vpp", [
+    ((), "1f1b", 1), (("--virtual-pipeline-model-parallel-size", "2"), "interleaved", 2),
+    (("--pipeline-schedule", "zb-h1"), "zb-h1", 1), (("--pipeline-schedule", "zbv"), "zbv", 2),
+    (("--pipeline-schedule", "zbv", "--virtual-pipeline-model-parallel-size", "2"), "zbv", 2)])
+def test_schedule_flag_and_what_it_implies(extra, schedule, vpp):
+    args = _parse(*extra)
+    assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == (schedule, vpp)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--pipeline-schedule", "zbv", "--compile"),
+     r"--compile cannot be combined with --pipeline-schedule zbv: .* weight-gradient GEMM"),
+    (("--pipeline-schedule", "zb-h1", "--compile"), r"--compile cannot be combined"),
+    (("--pipeline-schedule", "zbv", "--virtual-pipeline-model-parallel-size", "4"),
+     r"zbv places exactly 2 model chunks on each rank"),
+    (("--pipeline-schedule", "zb-h1", "--virtual-pipeline-model-parallel-size", "2"),
+     r"zb-h1 runs one model chunk per rank"),
+    (("--pipeline-schedule", "interleaved",), r"interleaved needs --virtual-pipeline"),
+    (("--pipeline-schedule", "1f1b", "--virtual-pipeline-model-parallel-size", "2"),
+     r"1f1b runs one model chunk per rank"),
+    (("--pipeline-schedule", "zbv", "--num-layers", "6"),
+     r"zbv cuts the 6 layers into 2 x --pipe-parallel-size \(4\) equal chunks"),
+    (("--pipeline-schedule", "zb-h1", "--pipe-parallel-size", "1"),
+     r"zb-h1 needs --pipe-parallel-size >= 2"),
+])
+def test_bad_schedules_are_config_errors(extra, message):
+    from megatron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _parse(*extra)
+
+
 def _data(family, gpt2_data, t5_data):
     return t5_data if family == "t5" else gpt2_data
 
