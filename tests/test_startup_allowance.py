@@ -75,6 +75,23 @@ def test_a_rank_counts_its_own_shard_at_the_saved_layout_and_all_at_another(tmp_
     assert other.checkpoint_bytes == sum(shards)
 
 
+@pytest.mark.parametrize("fault", ["malformed", "unreadable"])
+def test_a_tracker_this_rank_cannot_read_adds_nothing_and_raises_nothing(tmp_path, fault,
+                                                                         monkeypatch):
+    """The allowance is computed by each rank alone: a tracker it cannot read (malformed,
+    permission denied) must not end this rank alone; load_checkpoint's agreed read says why
+    on every rank."""
+    write_native(random_checkpoint(0), str(tmp_path))
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    if fault == "malformed":
+        tracker.write_text("garbage")
+    else:
+        def denied(root):
+            raise PermissionError(13, "Permission denied", str(tracker))
+        monkeypatch.setattr(sa, "read_tracker", denied)
+    assert sa.checkpoint_read_bytes(str(tmp_path), 1, 1) == (0, None)
+
+
 def test_the_flag_sets_the_allowance(tmp_path, capsys):
     _checkpoint(tmp_path / "ckpt", tp=1)
     load = ("--step-timeout", "2", "--load", str(tmp_path / "ckpt"))

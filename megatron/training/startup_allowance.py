@@ -93,8 +93,8 @@ def checkpoint_read_bytes(load: Optional[str], tp: int, pp: int) -> Tuple[int, O
         return 0, None
     try:
         iteration = read_tracker(load)
-    except CheckpointError:  # load_checkpoint raises it, with its message, moments later
-        return 0, None
+    except (CheckpointError, OSError):  # the agreed read in load_checkpoint raises it on
+        return 0, None                   # every rank moments later (one rank alone: not here)
     folder = iteration_dir(load, iteration) if iteration is not None else None
     if folder is None or not os.path.isdir(folder):
         return 0, None
