@@ -51,3 +51,38 @@ def test_old_checkpoint_resumes_exactly(ckpt, world, extra):
                              _argv(ckpt, "--attention-backend", "unfused", *extra))[-1]
     assert len(losses) == 3
     assert losses == pytest.approx(old[3:], rel=2e-6)
+
+
+def _train_with_own_key_map(argv):
+    """Rank body: pretrain GPT-2 as before, its family carrying a copy of GPT-2's key map that
+    counts its use; (losses, how many times the layout change asked it)."""
+    import dataclasses
+    import types
+
+    from megatron import mpu
+    from megatron.checkpoint import gpt2_keys
+    from megatron.families.gpt2 import FAMILY as GPT2
+    from megatron.training import pretrain
+
+    mpu.mask_padded_vocab_logits_ = lambda logits, true_vocab_size: logits
+    calls = []
+    mine = types.ModuleType("my_gpt2_keys")
+    mine.__dict__.update({k: v for k, v in vars(gpt2_keys).items() if not k.startswith("__")})
+    for name in ("tp_split_dim", "stage_bounds"):
+        original = getattr(gpt2_keys, name)
+        setattr(mine, name, lambda *a, _f=original, **k: calls.append(1) or _f(*a, **k))
+    losses = pretrain(family=dataclasses.replace(GPT2, keys=mine), argv=argv).losses
+    return losses, len(calls)
+
+
+def test_old_checkpoint_moves_to_another_layout_by_the_familys_key_map():
+    """The pp=1 checkpoint (no sharding record: written before it) resumed at pp=2 is moved
+    by the run's family's key map (cfg.model_family.keys, here a counting copy of GPT-2's),
+    and trains as the resume at its own layout (weights only: it records no optimizer names)."""
+    flags = ("--attention-backend", "unfused", "--no-load-optim")
+    (own, own_calls), = run_distributed(_train_with_own_key_map, 1, _argv("ckpt_ddp", *flags))
+    moved, calls = run_distributed(_train_with_own_key_map, 2,
+                                   _argv("ckpt_ddp", *flags, "--pipe-parallel-size", "2"))[-1]
+    assert own_calls == 0 and calls > 0  # the family's key map moved it; its own layout: none
+    assert len(moved) == len(own) == 3
+    assert moved == pytest.approx(own, rel=1e-5)

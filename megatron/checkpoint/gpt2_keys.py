@@ -211,7 +211,17 @@ def pipeline_capacity(args: Dict[str, Any]) -> Tuple[int, str]:
     return args["num_layers"], f"the number of layers ({args['num_layers']})"
 
 
-def matches(args: Dict[str, Any]) -> bool:
-    """Whether a checkpoint's saved ``args`` describe a GPT-2: any transformer args (the
-    fallback of :func:`megatron.checkpoint.key_maps.key_map_for`, asked after T5's)."""
-    return "num_layers" in args
+def matches(args: Dict[str, Any], names: Optional[Sequence[str]] = None) -> bool:
+    """Whether a checkpoint describes a GPT-2: transformer args that are not T5's and, when
+    the first rank file's tensor names are given, GPT-2's word embeddings among them (every
+    first stage holds them, serial or pipeline), so another model's checkpoint with the same
+    generic args is not taken for GPT-2.
+
+    Args:
+        args: the saved args.
+        names: the tensor names of the (tp 0, pp 0) file, or None when not at hand.
+    """
+    if "num_layers" not in args or "t5_ff" in args:
+        return False
+    return names is None or bool({WORD_EMBEDDINGS, PIPE_TIED_PREFIX + "word_embeddings.weight"}
+                                 & set(names))

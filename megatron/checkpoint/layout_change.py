@@ -172,12 +172,12 @@ def _full_moments(states, saved, folder, merge, root, iteration):
     return moments, first["step"], groups, scaler
 
 
-def _target_args(saved, cfg):
+def _target_args(saved, cfg, keys):
     """The saved args with this run's layout and padded vocabulary."""
     target = layout_args(saved, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp,
                          cfg.parallel.pipeline_schedule)
     target["padded_vocab_size"] = cfg.model.padded_vocab_size
-    check_layout(target, cfg.parallel.tp, cfg.parallel.pp)
+    check_layout(target, cfg.parallel.tp, cfg.parallel.pp, keys=keys)
     return target
 
 
@@ -187,7 +187,7 @@ def _this_rank(full, target, keys, true_vocab):
     pp = target["pipeline_model_parallel_size"]
     bounds = keys.stage_bounds(target, pp)[mpu.get_pipeline_model_parallel_rank()] \
         if uses_pipeline_engine(pp) else None
-    return stage_state(full, target, mpu.get_tensor_model_parallel_rank(), bounds)
+    return stage_state(full, target, mpu.get_tensor_model_parallel_rank(), bounds, keys)
 
 
 def _check_vocab(saved, cfg, folder):
@@ -208,8 +208,8 @@ def weights_for_run(full: Any, cfg: Any, where: str) -> Dict[str, torch.Tensor]:
     check_compatible(full.args, cfg, where, ignore=LAYOUT_KEYS)
     _check_vocab(full.args, cfg, where)
     true_vocab = resolve_true_vocab_size(full.args, cfg.model.true_vocab_size)
-    keys = key_map_for(full.args)
-    return _this_rank(full.state, _target_args(full.args, cfg), keys, true_vocab)
+    keys = key_map_for(full.args, getattr(cfg, "model_family", None))
+    return _this_rank(full.state, _target_args(full.args, cfg, keys), keys, true_vocab)
 
 
 def _uses_record(states, cfg, own, folder) -> bool:
@@ -276,8 +276,9 @@ def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
         merge, slice_of = _recorded_merge_and_slice(states, cfg, own, true_vocab, folder)
         weights = merge(lambda t, p: states[(t, p)].get("model", {}), folder)
     else:
-        keys = key_map_for(saved)
-        target = _target_args(saved, cfg)
+        keys = key_map_for(saved, getattr(cfg, "model_family", None),
+                           list(states[(0, 0)].get("model") or ()), family)
+        target = _target_args(saved, cfg, keys)
 
         def merge(get, where):
             return merge_layout(keys, saved, get, where)

@@ -19,7 +19,7 @@ from ..progress import progress
 from . import gpt2_keys
 from .format import (check_rank_layout, iteration_dir, load_rank_file, rank_files,
                      resolve_iteration)
-from .key_maps import key_map_for, key_map_named
+from .key_maps import KEY_MAPS, key_map_for, key_map_named
 
 #: Replicated tensors (LayerNorms, row-parallel biases, the tied embedding copies) must agree
 #: across the ranks that hold them; they are bitwise equal after training, so a difference
@@ -128,9 +128,12 @@ def check_complete(keys: Any, full: StateDict, args: Dict[str, Any], folder: str
     return {k: full[k] for k in expected}
 
 
-def _check_family(args, family, path):
-    """The key map of the checkpoint; when ``family`` is given, it must be that family's."""
-    keys = key_map_for(args)
+def _check_family(first, family, path):
+    """The key map of the checkpoint whose first rank file is ``first``; when ``family`` is
+    given, it must be that family's."""
+    args = dict(first.get("args") or {})
+    keys = key_map_for(args, names=list(first.get("model") or ()),
+                       saved_family=first.get("family"))
     if family is not None and family != keys.FAMILY:
         raise CheckpointError(f"{path} is not a {key_map_named(family).NAME} checkpoint (it "
                               f"holds a {keys.NAME}); use {keys.CONVERT_TOOL}")
@@ -191,7 +194,7 @@ def read_native(root: str, iteration: Optional[int] = None, family: Optional[str
     if _recorded_only(first):
         return _read_recorded(first, files, folder, args, None if any_recorded else family,
                               iteration, tp, pp)
-    keys = _check_family(args, family, files[(0, 0)])
+    keys = _check_family(first, family, files[(0, 0)])
     check_rank_layout(files, tp, pp, folder)
 
     def model_of(tp_rank, pp_rank):
@@ -206,8 +209,15 @@ def read_native(root: str, iteration: Optional[int] = None, family: Optional[str
 
 def _recorded_only(first: dict) -> bool:
     """A checkpoint of a model without a key map (not GPT-2 or T5) that records its
-    sharding (:mod:`.sharding`): it is read by that record."""
-    return first.get("family") not in (None, "gpt2", "t5") and bool(first.get("sharding"))
+    sharding (:mod:`.sharding`): it is read by that record. A provider run names no family:
+    its checkpoint is read so when its tensors are not GPT-2's or T5's."""
+    if not first.get("sharding"):
+        return False
+    family = first.get("family")
+    if family is not None:
+        return family not in ("gpt2", "t5")
+    names = list(first.get("model") or ())
+    return not any(keys.matches(dict(first.get("args") or {}), names) for keys in KEY_MAPS)
 
 
 def _read_recorded(first, files, folder, args, family, iteration, tp, pp) -> FullCheckpoint:
@@ -216,7 +226,9 @@ def _read_recorded(first, files, folder, args, family, iteration, tp, pp) -> Ful
     from .sharding import has_records, merge_recorded
 
     if family is not None and family != first["family"]:
-        raise CheckpointError(f"{folder} holds a {first['family']!r} model, not {family!r}; "
+        held = f"a {first['family']!r} model" if first["family"] else \
+            "a model that is not GPT-2 or T5 (saved by a provider run)"
+        raise CheckpointError(f"{folder} holds {held}, not {family!r}; "
                               f"tools/convert_checkpoint.py reshards it native -> native, "
                               f"and a model of its own converts to other formats with its "
                               f"own tool (e.g. examples/llama/convert_llama.py, "

@@ -34,7 +34,7 @@ from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size, target_pad
 
 
 def check_layout(args: Dict[str, Any], tp: int, pp: int,
-                 recorded: Optional[FullCheckpoint] = None) -> None:
+                 recorded: Optional[FullCheckpoint] = None, keys: Any = None) -> None:
     """Raise ConfigError unless the model in ``args`` splits into ``tp`` x ``pp``.
 
     Args:
@@ -42,13 +42,14 @@ def check_layout(args: Dict[str, Any], tp: int, pp: int,
         tp, pp: target sizes.
         recorded: a model without a key map: its whole tensors and sharding record say
             what must divide instead (:func:`.recorded_reshard.check_recorded_layout`).
+        keys: the key map (a run's family's); default: the one ``args`` describe.
     """
     if recorded is not None and recorded.stage_records is not None:
         check_recorded_layout(recorded, tp, pp)
         return
     if tp < 1 or pp < 1:
         raise ConfigError(f"target sizes must be >= 1, got tp={tp}, pp={pp}")
-    keys = key_map_for(args)
+    keys = keys or key_map_for(args)
     problems = [f"{what} ({args[name]}) is not divisible by --target-tensor-parallel-size {tp}"
                 for name, what in keys.TP_DIVIDES if args[name] % tp]
     stages, limit = keys.pipeline_capacity(args)
@@ -82,7 +83,8 @@ def _shard(tensor, dim, tp, tp_rank):
 
 
 def stage_state(full_state: Dict[str, torch.Tensor], args: Dict[str, Any], tp_rank: int,
-                stage_bounds: Optional[Bounds] = None) -> Dict[str, torch.Tensor]:
+                stage_bounds: Optional[Bounds] = None, keys: Any = None
+                ) -> Dict[str, torch.Tensor]:
     """The state dict one (tp_rank, stage) of the layout in ``args`` loads.
 
     Args:
@@ -91,8 +93,9 @@ def stage_state(full_state: Dict[str, torch.Tensor], args: Dict[str, Any], tp_ra
         tp_rank: this tensor-parallel rank.
         stage_bounds: ``(start, end)`` layer-spec indices for a pipeline stage (a list of
             them for a rank with virtual stages), or None for a whole-model (pp = 1) state.
+        keys: the key map (a run's family's); default: the one ``args`` describe.
     """
-    keys = key_map_for(args)
+    keys = keys or key_map_for(args)
     tp = args["tensor_model_parallel_size"]
     if stage_bounds is None:
         names = {k: k for k in full_state}

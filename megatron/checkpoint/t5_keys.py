@@ -215,6 +215,15 @@ def pipeline_capacity(args: Dict[str, Any]) -> Tuple[int, str]:
     return layers, f"the {layers} encoder + decoder layers"
 
 
-def matches(args: Dict[str, Any]) -> bool:
-    """Whether a checkpoint's saved ``args`` describe a T5 (T5 runs record ``t5_ff``)."""
-    return "t5_ff" in args
+def matches(args: Dict[str, Any], names: Optional[Sequence[str]] = None) -> bool:
+    """Whether a checkpoint describes a T5: T5 runs record ``t5_ff``; when the first rank
+    file's tensor names are given, T5's word embeddings must be among them.
+
+    Args:
+        args: the saved args.
+        names: the tensor names of the (tp 0, pp 0) file, or None when not at hand.
+    """
+    if "t5_ff" not in args:
+        return False
+    return names is None or bool({WORD_EMBEDDINGS, PIPE_TIED_PREFIX + "word_embeddings.weight"}
+                                 & set(names))

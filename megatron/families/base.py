@@ -59,7 +59,11 @@ class ModelFamily:
     loss_fn: Callable
     """``loss_fn(outputs, labels) -> scalar loss`` of the model's (or last stage's) outputs."""
     keys: Optional[ModuleType] = None
-    """The checkpoint key map (:mod:`megatron.checkpoint.gpt2_keys` / ``t5_keys``)."""
+    """The checkpoint key map (:mod:`megatron.checkpoint.gpt2_keys` / ``t5_keys``): a run
+    of this family moves a checkpoint to another layout with it where the checkpoint's
+    sharding record does not do (no record, or names that depend on the layout); its
+    ``matches(args, names)`` must accept the checkpoint. None: the record alone (a model
+    built from mpu layers whose names do not depend on the layout needs nothing more)."""
     hf: Optional[ModuleType] = None
     """The Hugging Face adapter (``read_hf`` / ``write_hf``, megatron.checkpoint_conversion)."""
     foreign_checkpoints: Tuple[ModuleType, ...] = ()
