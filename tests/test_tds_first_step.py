@@ -1,6 +1,13 @@
-"""The README's direct tds example ("Writing a pipeline model") at pp=2, without
-initialize_megatron: the first fused-norm call, which only the last stage makes, builds or
-loads the kernels without a collective the other stage never reaches (it used to hang)."""
+"""The README's direct tds example ("Writing a pipeline model"), run as written: the test
+reads the block from README.md and executes it (its set-up calls, the contract, the optimizer,
+deepspeed.initialize with Megatron's clip) at tp=2 x pp=2 against the same layers in one
+process, and at pp=2 without ``deepspeed.init_distributed()`` once torch.distributed exists
+(the README says such a script may skip it). Without initialize_megatron, the first
+fused-norm call, which only the last stage makes, builds or loads the kernels without a
+collective the other stage never reaches (it used to hang)."""
+import os
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,9 +46,7 @@ class NormHead(nn.Module):
 
     def __init__(self, seed):
         super().__init__()
-        from megatron.model.fused_layer_norm import MixedFusedRMSNorm
-
-        self.norm = MixedFusedRMSNorm(HIDDEN)
+        self.norm = mpu.RMSNorm(HIDDEN)  # the fused RMSNorm
         with init_rng(seed, "head"):
             self.out = mpu.ColumnParallelLinear(HIDDEN, VOCAB, gather_output=True)
 
@@ -73,55 +78,81 @@ def _batches(seed):
              torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)) for _ in range(STEPS * GAS)]
 
 
-def _losses(seed, pp):
-    """pp=1: the layers in one process with SGD; pp=2: the README's engine, nothing else."""
-    import tds as deepspeed
-    from tds.pipe import PipeModelDataParallelTopology, PipelineModule
+LR, CLIP = 0.05, 0.5  # the clip binds: every step's norm is above it (checked below)
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+INIT_LINE = "deepspeed.init_distributed()"
 
+
+def readme_block() -> str:
+    """The python block under the README's "Writing a pipeline model"."""
+    text = open(README, encoding="utf-8").read()
+    section = text[text.index("## Writing a pipeline model"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def _serial_losses(seed):
+    """The layers in one process, AdamW and the same clip: the reference."""
+    layers = [spec.build() for spec in _specs(seed)]
+    params = [p for layer in layers for p in layer.parameters()]
+    opt, batches, losses, norms = torch.optim.AdamW(params, lr=LR), iter(_batches(seed)), [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for _ in range(GAS):
+            ids, labels = next(batches)
+            x = (ids, ids != 0)
+            for layer in layers:
+                x = layer(x)
+            loss = loss_fn(x, labels) / GAS
+            loss.backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        opt.step()
+        losses.append(total)
+    return losses, norms
+
+
+def _losses(seed, tp, pp, skip_init=False):
+    """tp = pp = 1: the reference; else the README's block, executed as written (without its
+    ``deepspeed.init_distributed()`` line when ``skip_init``), then its last line again for
+    the remaining steps. Returns (losses, whether this process loaded the CPU kernels)."""
     from megatron import fused_kernels
     from megatron.fused_kernels import build
 
     assert not build._MODULES, "a fresh process: no kernels loaded before the first step"
-    mpu.initialize_model_parallel(1, pp)
-    if pp == 1:
-        layers = [spec.build() for spec in _specs(seed)]
-        params = [p for layer in layers for p in layer.parameters()]
-        opt, batches, losses = torch.optim.SGD(params, lr=0.5), iter(_batches(seed)), []
-        for _ in range(STEPS):
-            opt.zero_grad()
-            total = 0.0
-            for _ in range(GAS):
-                ids, labels = next(batches)
-                x = (ids, ids != 0)
-                for layer in layers:
-                    x = layer(x)
-                loss = loss_fn(x, labels) / GAS
-                loss.backward()
-                total += loss.item()
-            opt.step()
-            losses.append(total)
-        return losses, fused_kernels.get_module("cpu") is not None
-    deepspeed.init_distributed(dist_backend="gloo")
-    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=1, num_dp=1)
-    model = PipelineModule(layers=_specs(seed), topology=topo, loss_fn=loss_fn,
-                           partition_method="uniform")
-    model._input_type, model._input_grad = ["float", "bool"], [True, False]
-    model._input_pipe_partitioned = [False, False]
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-              "train_batch_size": MICRO * GAS, "steps_per_print": 10**9}
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config,
-                                      batch_fn=batch_fn)
+    if tp * pp == 1:
+        mpu.initialize_model_parallel(1, 1)
+        return _serial_losses(seed), fused_kernels.get_module("cpu") is not None
+    code = readme_block()
+    assert code.count(INIT_LINE) == 1, code
+    if skip_init:
+        code = code.replace(INIT_LINE, "pass")
+    ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+                 "train_batch_size": MICRO * GAS, "steps_per_print": 10**9,
+                 "gradient_clipping": CLIP}
     data = iter(_batches(seed))
-    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+    names = dict(tp=tp, pp=pp, layers=_specs(seed), loss_fn=loss_fn, batch_fn=batch_fn,
+                 ds_config=ds_config, lr=LR, data_iterator=data)
+    exec(compile(code, README, "exec"), names)  # the README's calls, nothing else
+    losses = [float(names["loss"])]
+    losses += [float(names["engine"].train_batch(data)) for _ in range(STEPS - 1)]
     return losses, "cpu" in build._MODULES
 
 
-def test_readme_pipeline_at_pp2_runs_its_first_step_without_extra_calls(seed):
-    (serial,) = run_distributed(_losses, 1, seed, 1, timeout=120)
-    ranks = run_distributed(_losses, 2, seed, 2, timeout=120)
-    losses, kernels = serial
-    assert len(ranks[1][0]) == STEPS
-    assert max(abs(a - b) for a, b in zip(ranks[1][0], losses)) < 1e-5
-    assert ranks[1][1] and not ranks[0][1]  # only the norm's stage loaded the kernels
-    assert kernels  # the serial run took the fused path too: the same op on both sides
+def test_readme_pipeline_block_as_written_at_tp2_pp2_equals_the_layers_in_one_process(seed):
+    ((serial, norms), kernels) = run_distributed(_losses, 1, seed, 1, 1, timeout=120)[0]
+    assert min(norms) > CLIP and kernels  # the clip acts; the serial run fused its norm too
+    ranks = run_distributed(_losses, 4, seed, 2, 2, timeout=180)
+    for rank, (losses, _) in enumerate(ranks[2:], start=2):  # the last stage reports the loss
+        assert len(losses) == STEPS, rank
+        assert max(abs(a - b) for a, b in zip(losses, serial)) < 1e-5, (rank, losses, serial)
+    assert [k for _, k in ranks] == [False, False, True, True]  # only the norm's stage
+
+
+def test_readme_pipeline_block_without_init_distributed_when_the_group_exists(seed):
+    ((serial, _), _) = run_distributed(_losses, 1, seed, 1, 1, timeout=120)[0]
+    ranks = run_distributed(_losses, 2, seed, 1, 2, True, timeout=120)
+    losses, kernels = ranks[1]
+    assert len(losses) == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, serial)) < 1e-5, (losses, serial)
+    assert kernels and not ranks[0][1]  # only the norm's stage loaded the kernels
