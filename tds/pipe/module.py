@@ -21,7 +21,7 @@ from typing import Any, List, Tuple
 
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
-from .schedules import PLACEMENT_KINDS, Placement
+from .actions import PLACEMENT_KINDS, Placement
 
 
 class PipelineModule(_DeepSpeedPipelineModule):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .contract import StageContract
 from .p2p import StageLink
 from .schedule_check import check_schedule
-from .schedules import (Backward, BackwardInput, BackwardWeight, Exchange, Forward, Placement,
+from .actions import (Backward, BackwardInput, BackwardWeight, Exchange, Forward, Placement,
                         RecvAct, RecvGrad, SendAct, SendGrad, as_placement, p2p_ops)
 
 Meta = Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]

@@ -32,7 +32,7 @@ raises ``ValueError`` naming the rank, the action index and the action when:
 from collections import defaultdict
 from typing import Dict, Optional, Sequence, Tuple
 
-from .schedules import (COMPUTE, P2P_TYPES, RECVS, SENDS, Backward, BackwardInput,
+from .actions import (COMPUTE, P2P_TYPES, RECVS, SENDS, Backward, BackwardInput,
                         BackwardWeight, Exchange, Forward, Placement, as_placement, consumes,
                         handoff_in, handoff_out, p2p_ops, produces)
 

@@ -8,7 +8,7 @@ stage activations). Three priority variants are scheduled and the shortest kept.
 """
 from typing import List, Optional, Tuple
 
-from .schedules import (BackwardInput, BackwardWeight, Compute, Forward, Placement)
+from .actions import BackwardInput, BackwardWeight, Compute, Forward, Placement
 
 
 class _ZbvRank:
