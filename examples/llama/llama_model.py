@@ -255,6 +255,39 @@ def hf_config(config: LlamaConfig, max_positions: int = 2048):
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu")
 
 
+def config_from_hf(hf: dict, padded_vocab: int) -> LlamaConfig:
+    """Our config of a transformers ``LlamaConfig`` (a ``config.json`` dict): the inverse of
+    :func:`hf_config`, the vocabulary padded to ``padded_vocab`` rows.
+
+    Raises:
+        ConfigError: a Llama variant this model does not compute (biases, other activation,
+            rope scaling, a head size other than hidden / heads).
+    """
+    from megatron.errors import ConfigError
+
+    heads = hf["num_attention_heads"]
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers 5 / 4
+    theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    problems = [f"{key} {hf.get(key)!r} (this model computes {want!r})"
+                for key, want in (("model_type", "llama"), ("hidden_act", "silu"),
+                                  ("attention_bias", False), ("mlp_bias", False))
+                if hf.get(key, want) != want]
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        problems.append(f"rope scaling {rope} (this model computes plain RoPE)")
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads) or hf["hidden_size"] % heads:
+        problems.append(f"head_dim {hf.get('head_dim')} (this model uses hidden_size / "
+                        f"num_attention_heads = {hf['hidden_size'] / heads:g})")
+    if problems:
+        raise ConfigError("this Hugging Face Llama cannot be converted: " + "; ".join(problems))
+    return LlamaConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"], vocab_size=padded_vocab,
+        true_vocab_size=hf["vocab_size"], rope_theta=float(theta),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        init_method_std=hf.get("initializer_range", 0.02))
+
+
 def to_hf(full: dict, config: LlamaConfig) -> dict:
     """Whole tensors (ours: :func:`megatron.checkpoint.sharding.merge_recorded`, vocabulary
     rows unpadded) -> a ``LlamaForCausalLM`` state dict. RoPE is in the same "rotate half"
@@ -332,5 +365,6 @@ LLAMA = ModelFamily(
     flops_per_step=flops_per_step, make_batch_fn=decoder_lm.make_batch_fn,
     loss_fn=masked_lm_loss, validate=validate,
     flag_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-    checked_settings=("num_key_value_heads", "rope_theta"), compile_classes=(LlamaLayer,),
+    checked_settings=("num_key_value_heads", "rope_theta", "layernorm_epsilon"),
+    compile_classes=(LlamaLayer,),
     supports=frozenset(FEATURES))
