@@ -1,4 +1,5 @@
-"""Checkpoints written before the run-config / training-backend restructuring still resume.
+"""Checkpoints written by older versions still resume: GPT-2's from before the run-config /
+training-backend restructuring, T5's from before the sharding record.
 
 tests/data/v0_gpt2 holds a tiny corpus, its BPE vocabulary and two checkpoints written at
 iteration 3 by megatron-tds 6883a87 (the commit before the restructuring): one by the DDP
@@ -7,6 +8,13 @@ runs that wrote them. Resuming with today's code must continue those runs exactl
 the two deliberate numerical changes made since are turned off for the comparison: padded
 vocabulary rows now get no probability (issue 13; that version gave them some), and
 attention defaults to scaled_dot_product_attention (the run uses the Megatron path it had).
+
+tests/data/v0_t5 holds a tiny T5 corpus (a 200-piece sentencepiece model) and two
+checkpoints written at iteration 3 by megatron-tds 16f00ee (the commit before checkpoints
+recorded their sharding and family): one at pp=1 (DDP) and one at pp=2 (tds's engine), with
+the losses of the 6-step runs that wrote them (losses.json says how they were made). Each
+resumes with today's code at its own layout and at the other one (moved by T5's key map,
+Adam state included) and continues its run exactly.
 """
 import json
 import os
@@ -16,6 +24,7 @@ import pytest
 from harness import run_distributed
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "v0_gpt2")
+T5_DATA = os.path.join(os.path.dirname(DATA), "v0_t5")
 
 
 def _argv(ckpt, *extra):
@@ -86,3 +95,27 @@ def test_old_checkpoint_moves_to_another_layout_by_the_familys_key_map():
     assert own_calls == 0 and calls > 0  # the family's key map moved it; its own layout: none
     assert len(moved) == len(own) == 3
     assert moved == pytest.approx(own, rel=1e-5)
+
+
+def _t5_argv(ckpt, *extra):
+    from t5_runs import t5_argv
+
+    data = {"prefix": os.path.join(T5_DATA, "corpus_text_document"),
+            "spm": os.path.join(T5_DATA, "tok", "spm.model")}
+    return t5_argv(data, "--micro-batch-size", "2", "--global-batch-size", "4",
+                   "--train-iters", "6", "--log-interval", "1", "--hidden-dropout", "0",
+                   "--attention-dropout", "0", "--load", os.path.join(T5_DATA, ckpt), *extra,
+                   hidden=16, heads=2, ff=32)
+
+
+@pytest.mark.parametrize("ckpt,pp", [("ckpt_ddp", 1), ("ckpt_ddp", 2), ("ckpt_pipe", 2),
+                                     ("ckpt_pipe", 1)])
+def test_old_t5_checkpoint_resumes_exactly_at_its_layout_and_another(ckpt, pp):
+    from t5_runs import train_t5
+
+    with open(os.path.join(T5_DATA, "losses.json")) as handle:
+        old = json.load(handle)["losses"]  # the uninterrupted 6-step run (pp=1 and pp=2 agree)
+    extra = ("--pipeline-model-parallel-size", "2") if pp == 2 else ()
+    losses, _ = run_distributed(train_t5, pp, _t5_argv(ckpt, *extra), timeout=300)[-1]
+    assert len(losses) == 3
+    assert losses == pytest.approx(old[3:], rel=1e-6, abs=0)
