@@ -138,7 +138,7 @@ def load(kernels=None):
     softmax = True if kernels is None else bool(kernels.masked_softmax_fusion)
     if kernels is not None:
         _FLAGS.update(layernorm_fusion=bool(kernels.layernorm_fusion))
-    from megatron.device import get_device
+    from ..device import get_device
 
     kind = get_device().type
     failure = disabled_reason()

@@ -23,7 +23,7 @@ import subprocess
 
 import torch
 
-from megatron.build_utils import CSRC_DIR, load_native
+from ..build_utils import CSRC_DIR, load_native
 
 logger = logging.getLogger(__name__)
 

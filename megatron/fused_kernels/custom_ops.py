@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-import megatron.fused_kernels as fused_kernels
+from .. import fused_kernels  # relative: mpu (norms) imports this, also under another package name
 
 from . import ops
 
