@@ -76,7 +76,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self.pipeline_schedule = pipeline_schedule or default_schedule(self.module)
         self.schedule_step = ScheduleStep(self, self.pipeline_schedule, weight_grad_store)
         self._reserve_pipe_buffers(1)  # the last chunk's labels
-        placement = self.module.placement
+        placement = self.schedule_step.placement
         self._loss_stage = placement.owner(placement.num_chunks - 1)
         # several chunks per rank: evaluation runs them in turn (schedule_step)
         self.interleaved = self.schedule_step \

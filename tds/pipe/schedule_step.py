@@ -31,9 +31,28 @@ import torch.distributed as dist
 from .. import fp16_loss_scale
 from .boundary import _ERROR, HEADER_SIZE, _decode, _encode, _side_effect_free
 from .runner import Boundary, ScheduleRunner, StageCallbacks
-from .schedules import build_schedule
+from .schedules import Placement, build_schedule
 
 ZERO_BUBBLE = ("zb-h1", "zbv")
+
+
+def module_placement(module, pp_size: int) -> Placement:
+    """The module's chunk placement: tds's ``PipelineModule`` says; DeepSpeed's own (CPM-1's
+    models are built on it) holds one chunk per stage."""
+    placement = getattr(module, "placement", None)
+    return placement if isinstance(placement, Placement) else Placement.loop(pp_size)
+
+
+def local_chunks(module, stage_id: int) -> List[int]:
+    """Global chunks this stage holds, in local order (DeepSpeed's module: its stage)."""
+    chunks = getattr(module, "local_chunks", None)
+    return list(chunks()) if callable(chunks) else [stage_id]
+
+
+def run_chunk(module, j: int, inputs):
+    """Local chunk ``j`` of ``module`` on ``inputs`` (DeepSpeed's module: its forward)."""
+    forward_chunk = getattr(module, "forward_chunk", None)
+    return forward_chunk(j, inputs) if callable(forward_chunk) else module(inputs)
 
 
 def default_schedule(module) -> str:
@@ -58,11 +77,11 @@ def probe_chunks(engine, first_inputs) -> List[Boundary]:
     Raises:
         ValueError: on every rank, naming the chunk and the first rank that failed.
     """
-    module, placement = engine.module, engine.module.placement
+    module, placement = engine.module, module_placement(engine.module, engine.num_stages)
     num_chunks = placement.num_chunks
     ranks = [engine.grid.stage_to_global(s) for s in range(engine.num_stages)]
     sent, error, handed = {}, None, None
-    for j, chunk in enumerate(module.local_chunks()):
+    for j, chunk in enumerate(local_chunks(module, engine.stage_id)):
         try:
             if chunk == 0:
                 inputs = first_inputs
@@ -73,7 +92,7 @@ def probe_chunks(engine, first_inputs) -> List[Boundary]:
             handed = None
             if error is None and inputs is not None:
                 with _side_effect_free(module):
-                    outputs = module.forward_chunk(j, inputs)
+                    outputs = run_chunk(module, j, inputs)
                 if chunk < num_chunks - 1:
                     engine.contract.check_tensors(outputs, engine.link.tp_size,
                                                   f"pipeline chunk {chunk} output")
@@ -126,7 +145,7 @@ class ScheduleStep(StageCallbacks):
     def __init__(self, engine, schedule: str, weight_grad_store=None):
         self.engine = engine
         self.module = engine.module
-        self.placement = self.module.placement
+        self.placement = module_placement(self.module, engine.num_stages)
         self.pp_size, self.vpp_size = self.placement.pp_size, self.placement.vpp_size
         self.num_chunks = self.placement.num_chunks
         self.schedule = schedule
@@ -211,7 +230,7 @@ class ScheduleStep(StageCallbacks):
         with torch.no_grad():
             for mb in range(num_micro_batches):
                 handed = None
-                for chunk in self.module.local_chunks():
+                for chunk in local_chunks(self.module, e.stage_id):
                     if chunk == 0:
                         inputs = self.load(mb)
                     elif self.placement.is_local(chunk - 1):
@@ -248,7 +267,7 @@ class ScheduleStep(StageCallbacks):
     def _run_chunk(self, chunk: int, inputs, mb: int):
         e = self.engine
         e.tput_timer.start()
-        outputs = self.module.forward_chunk(self.local_index[chunk], inputs)
+        outputs = run_chunk(self.module, self.local_index[chunk], inputs)
         if chunk == self.num_chunks - 1:
             # labels: kept by load() where this rank loads too, else read in call order,
             # the order of load()'s inputs (schedule_check proves it before any step)
