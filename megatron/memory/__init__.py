@@ -1,13 +1,15 @@
 """Know before you launch: memory per pipeline stage from the run configuration alone.
 
     spec = spec_from_run_config(cfg)          # sizes, layout, precision (no process group)
-    for stage in predict(spec):               # model states + in-flight activations + buffers
+    for stage in predict(spec):               # states + activations + buffers + transients
         print(format_stage(stage, spec.pp))
 
 One concept per module: :mod:`.spec` (what the model reads), :mod:`.stages` (which layers a
 pipeline stage holds), :mod:`.model_states` (parameters, gradients, optimizer),
 :mod:`.activations` / :mod:`.t5_activations` (bytes saved for the backward),
-:mod:`.schedule` (in-flight micro-batches, bubble), :mod:`.report` (the per-stage sum),
+:mod:`.backward` (the gradients a backward holds beyond them), :mod:`.schedule` (in-flight
+micro-batches, bubble), :mod:`.grad_timing` (when the gradients exist against the
+activations), :mod:`.report` (the per-stage peak, the optimizer step's included),
 :mod:`.planner` (every layout that fits, ranked), :mod:`.step_time` (its step-time model and
 the H100 / A100 presets), :mod:`.published` (that model against Narayanan et al. 2021's
 Table 1) and :mod:`.check` (the start-up check).

@@ -3,26 +3,34 @@
 Parameter counts follow the layers of megatron/model (per tensor-parallel rank: split
 weights divided by tp, norms and row-parallel biases replicated). Bytes per parameter:
 
-========================  ========  ======  =====================================
-backend, precision        weights   grads   optimizer (AdamW: exp_avg, exp_avg_sq)
-========================  ========  ======  =====================================
-DDP, any (autocast)       4         4       8
-engine fp32               4         4       8
-engine fp16 / bf16        2         2       4 (fp32 master) + 8
-engine bf16, pp > 1       2         2       2 (flat bf16 grad buffer) + 12 / dp
-ZeRO-1 (engine)           w         w       (4 master + 8) / dp
-ZeRO-2 (engine)           w         w / dp  (4 master + 8) / dp
-========================  ========  ======  =====================================
+===========================  ========  ======  ==================================
+backend, precision           weights   grads   optimizer (AdamW: exp_avg, exp_avg_sq)
+===========================  ========  ======  ==================================
+DDP, any (autocast)          4         4       8
+engine fp32                  4         4       8
+engine fp16 / bf16           2         2       4 (fp32 master) + 8
+BF16_Optimizer (below)       2         2       a (flat gradient buffer) + 12 / dp
+ZeRO-1 (engine)              w         w       (4 master + 8) / dp
+ZeRO-2 (engine)              w         w / dp  (4 master + 8) / dp
+===========================  ========  ======  ==================================
 
-(w: 4 in fp32, 2 in fp16 / bf16.) ZeRO's fp32 gradient partition (4 / dp) lives only
-during the optimizer step, when the activations are gone: it is not counted. The last
-pipeline stage's tied embedding copy carries GPT-2's position table, which gets no
-gradient there.
+(w: 4 in fp32, 2 in fp16 / bf16.) DeepSpeed 0.19 gives bf16 weights its BF16_Optimizer in
+a pipeline without ZeRO and under ZeRO-1 with ``data_types.grad_accum_dtype: fp32``; its
+flat buffer accumulates in that dtype (``a`` = 2 for bf16, the default, 4 for fp32) and
+covers the whole stage, not a 1 / dp share. The last pipeline stage's tied embedding copy
+carries GPT-2's position table, which gets no gradient there.
+
+What exists only while the gradients are reduced and the optimizer steps, when the
+activations are gone, is :func:`step_bytes`.
 """
 from dataclasses import dataclass
 
 from .spec import MemorySpec
 from .stages import StageLayers
+
+#: Elements DeepSpeed's data-parallel all-reduce flattens into one bucket (its
+#: ``MEMORY_OPT_ALLREDUCE_SIZE``, which the pipeline engine passes).
+ALLREDUCE_BUCKET = 500_000_000
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,21 @@ def _no_grad_params(spec: MemorySpec, layers: StageLayers) -> int:
     return 0
 
 
+def bf16_optimizer(spec: MemorySpec) -> bool:
+    """DeepSpeed 0.19 steps this run with its BF16_Optimizer: bf16 weights in a pipeline
+    without ZeRO, or ZeRO-1 with ``data_types.grad_accum_dtype: fp32`` (its
+    ``_do_optimizer_sanity_check``).
+
+    Args:
+        spec: the run.
+    """
+    if spec.backend != "engine" or spec.dtype != "bf16":
+        return False
+    if spec.zero_stage == 0:
+        return spec.pp > 1
+    return spec.zero_stage == 1 and spec.grad_accum == "fp32"
+
+
 def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
     """Model-state bytes on each rank of ``layers``' stage (see the module table).
 
@@ -101,11 +124,61 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
         return ModelStates(n, 4 * n, 4 * g, 8 * n)
     w = 4 if spec.dtype == "fp32" else 2
     partition = -(-n // spec.dp)  # ceil: DeepSpeed pads the flat buffer to dp parts
-    if spec.zero_stage == 0 and spec.dtype == "bf16" and spec.pp > 1:
-        # DeepSpeed's BF16_Optimizer (bf16 pipelines): a whole flat gradient buffer in the
-        # accumulation dtype (bf16 by default) and the fp32 master + moments over dp
-        return ModelStates(n, w * n, w * g, 2 * n + 12 * partition)
+    if bf16_optimizer(spec):
+        # a whole flat gradient buffer in the accumulation dtype (bf16 unless the JSON's
+        # data_types.grad_accum_dtype says fp32) and the fp32 master + moments over dp; the
+        # bf16 .grad of each weight comes and goes with the step
+        return ModelStates(n, w * n, w * g, spec.accum_bytes * n + 12 * partition)
     if spec.zero_stage == 0:
         return ModelStates(n, w * n, w * g, 12 * n)
     grads = w * g if spec.zero_stage == 1 else w * -(-g // spec.dp)
     return ModelStates(n, w * n, grads, 12 * partition)
+
+
+def _largest_param(spec: MemorySpec, layers: StageLayers) -> int:
+    """Elements of the stage's largest parameter tensor on one tensor-parallel rank."""
+    proj, t = spec.heads * spec.kv_channels, spec.tp
+    largest = max(spec.ffn * spec.hidden, 3 * proj * spec.hidden) // t \
+        if layers.encoder_layers or layers.decoder_layers else spec.hidden
+    if layers.embedding or layers.head:
+        largest = max(largest, spec.vocab // t * spec.hidden)
+    return largest
+
+
+def step_bytes(spec: MemorySpec, layers: StageLayers, states: ModelStates) -> int:
+    """Bytes beyond the model states while the step reduces the gradients and updates the
+    weights (the activations are gone by then): the larger of the two moments.
+
+    - The reduction: DeepSpeed's all-reduce flattens the gradients into one bucket of up
+      to :data:`ALLREDUCE_BUCKET` elements (the BF16_Optimizer's flat buffers, one per
+      parameter group, are concatenated the same way, and cast to the weights' dtype to
+      be sent when they accumulate in fp32); the torch DDP backend reduces in its own
+      buckets (a buffer).
+    - The update: DeepSpeed's unfused fp16 / bf16 optimizer gives every fp32 master an
+      fp32 copy of its gradient (``4 n``), the BF16_Optimizer one of its bf16-accumulated
+      partition (``4 n / dp``; none when it accumulates in fp32), ZeRO an fp32 gradient
+      partition (``4 n / dp``); on the CPU torch's AdamW runs tensor by tensor and holds
+      two temporaries of the tensor it updates (fused on CUDA: none).
+
+    Args:
+        spec: the run.
+        layers: the stage.
+        states: its model states (:func:`model_states`).
+    """
+    n = states.params
+    partition = -(-n // spec.dp)
+    flat = bf16_optimizer(spec) or spec.zero_stage > 0  # the optimizer steps flat partitions
+    adam = 2 * 4 * (partition if flat else _largest_param(spec, layers)) \
+        if spec.device == "cpu" else 0
+    if spec.backend == "ddp":
+        return adam
+    if bf16_optimizer(spec):
+        bucket = min(n, ALLREDUCE_BUCKET)  # fp32 accumulation: also its bf16 copy to send
+        reduce = bucket * spec.accum_bytes + (bucket * spec.e if spec.accum_bytes != spec.e
+                                              else 0)
+        return max(reduce, (4 * partition if spec.accum_bytes != 4 else 0) + adam)
+    if spec.zero_stage:
+        return 4 * partition + adam
+    w = 4 if spec.dtype == "fp32" else 2
+    reduce = min(states.grad_bytes // w, ALLREDUCE_BUCKET) * w
+    return max(reduce, (4 * n if w == 2 else 0) + adam)

@@ -1,9 +1,13 @@
-"""The per-stage prediction: model states + in-flight activations + buffers = peak."""
+"""The per-stage prediction: the larger of the micro-batches' peak (model states +
+in-flight activations + buffers + the largest transient, less the gradients not yet
+allocated then) and the optimizer step's (model states + the step's temporaries)."""
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 from .activations import gpt2_stage
-from .model_states import ModelStates, model_states
+from .backward import gpt2_backward, t5_backward
+from .grad_timing import grads_freed_each_step, late_grads, with_grads_peaks
+from .model_states import ModelStates, model_states, step_bytes
 from .schedule import activation_peaks, in_flight
 from .spec import MemorySpec
 from .stages import chunk_layers, stage_layers
@@ -23,14 +27,23 @@ class StageMemory:
     in_flight: int
     """Micro-batches (chunks) whose activations are alive at once."""
     buffers: int
-    """DDP gradient buckets, pipeline output tensors held for the backward."""
+    """DDP gradient buckets; the pipeline's stage outputs and received masks held for the
+    backward."""
     transient: int
-    """The largest short-lived working set: a recomputed group's activations, 16-bit
-    logits next to their fp32 copy while the loss runs, or under SP a re-gathered layer
-    input and its gradient in the backward."""
+    """The largest short-lived working set: 16-bit logits next to their fp32 copy while the
+    loss runs, or a backward's gradients in flight (megatron/memory/backward.py: the
+    logits' gradient, a layer's GEMM gradients, under SP its re-gathered input, a
+    recomputed group's activations)."""
     activation_peak: Optional[int] = None
     """Interleaved: the most bytes alive at once, each chunk charged its own bytes (the
     head and the embedding in the chunks that hold them); None: per micro-batch x count."""
+    late_grads: int = 0
+    """Gradient bytes not yet allocated when the activations peak (the engine frees them
+    after each step; the rank peaks before its first backward: megatron/memory/
+    grad_timing.py)."""
+    step: int = 0
+    """Bytes beyond the model states while the gradients are reduced and the optimizer
+    steps (:func:`~megatron.memory.model_states.step_bytes`)."""
 
     @property
     def activations(self) -> int:
@@ -39,12 +52,24 @@ class StageMemory:
         return self.activations_per_micro_batch * self.in_flight
 
     @property
+    def schedule_peak(self) -> int:
+        """The peak while the micro-batches run forward and backward."""
+        return self.states.total - self.late_grads + self.activations + self.buffers + \
+            self.transient
+
+    @property
+    def step_peak(self) -> int:
+        """The peak while the optimizer steps."""
+        return self.states.total + self.step
+
+    @property
     def peak(self) -> int:
-        return self.states.total + self.activations + self.buffers + self.transient
+        return max(self.schedule_peak, self.step_peak)
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out.update(activations=self.activations, peak=self.peak)
+        out.update(activations=self.activations, peak=self.peak,
+                   schedule_peak=self.schedule_peak, step_peak=self.step_peak)
         return out
 
 
@@ -55,14 +80,33 @@ def _hidden_out(spec: MemorySpec) -> int:
                                                           else 1)
 
 
-def _sp_gather(spec: MemorySpec) -> int:
-    """Under SP, a column-parallel layer's backward holds its re-gathered ``[s, b, h]`` input
-    and that input's ``[s, b, h]`` gradient before the reduce-scatter
-    (megatron/mpu/sequence_parallel_linear.py): the largest such pair."""
-    if not spec.sequence_parallel or spec.tp == 1:
+def _received_masks(spec: MemorySpec) -> int:
+    """Bytes of the bool masks one micro-batch brings to a stage with its hidden states
+    (GPT-2: ``[1, 1, s, s]``; T5: encoder, decoder and cross masks per sample), kept with
+    the received inputs until the backward."""
+    if spec.family == "gpt2":
+        return spec.seq * spec.seq
+    se, sd = spec.seq, spec.dec_seq
+    return spec.micro_batch * (se * se + sd * sd + sd * se)
+
+
+def _pipeline_buffers(spec: MemorySpec, layers, count: int) -> int:
+    """What the engine keeps per in-flight micro-batch beyond the saved activations: the
+    output of each chunk but the last (until its backward) and the masks each chunk but
+    the first received. ``count`` is in chunks when interleaved (each rank holds ``vpp``)."""
+    if spec.pp == 1:
         return 0
-    s = max(spec.seq, spec.dec_seq)
-    return 2 * s * spec.micro_batch * spec.hidden * spec.e
+    v = spec.vpp
+    outputs = count * (v - 1) // v if layers.head else count
+    masks = count * (v - 1) // v if layers.stage == 0 else count
+    return outputs * _hidden_out(spec) + masks * _received_masks(spec)
+
+
+def _loss_forward(spec: MemorySpec) -> int:
+    """16-bit logits next to their fp32 copy (which becomes the kept softmax) while the loss
+    runs; fp32 logits become the softmax themselves (the loss works in place)."""
+    tokens = spec.micro_batch * (spec.dec_seq if spec.family == "t5" else spec.seq)
+    return tokens * spec.vocab // spec.tp * (spec.e if spec.e < 4 else 0)
 
 
 def predict(spec: MemorySpec) -> List[StageMemory]:
@@ -76,30 +120,32 @@ def predict(spec: MemorySpec) -> List[StageMemory]:
     """
     spec.check()
     counts = in_flight(spec.pp, spec.num_micro_batches, spec.vpp)
-    stage_fn = gpt2_stage if spec.family == "gpt2" else t5_stage
-    peaks, chunks = [None] * spec.pp, None
+    stage_fn, backward_fn = (gpt2_stage, gpt2_backward) if spec.family == "gpt2" else \
+        (t5_stage, t5_backward)
+    stages = stage_layers(spec)
+    parts = chunk_layers(spec) if spec.vpp > 1 else stages
+    acts = [stage_fn(spec, part) for part in parts]
+    backwards = [backward_fn(spec, part, act) for part, act in zip(parts, acts)]
+    saved = tuple(act.saved for act in acts)
+    peaks = [None] * spec.pp
     if spec.vpp > 1:
-        chunks = [stage_fn(spec, c) for c in chunk_layers(spec)]
-        peaks = activation_peaks(spec.pp, spec.num_micro_batches, spec.vpp,
-                                 tuple(c.saved for c in chunks))
+        peaks = activation_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved)
+    grads = tuple(model_states(spec, part).grad_bytes for part in parts)
+    timing = with_grads_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved, grads) \
+        if grads_freed_each_step(spec) else None
     out = []
-    for layers, count, peak in zip(stage_layers(spec), counts, peaks):
+    for layers, count, peak in zip(stages, counts, peaks):
         states = model_states(spec, layers)
-        act = stage_fn(spec, layers)
-        if chunks is not None:  # this rank's chunks: layers.stage, + pp, + 2 pp, ...
-            mine = chunks[layers.stage::spec.pp]
-            act = type(act)(sum(c.saved for c in mine), max(c.recompute_peak for c in mine))
+        mine = acts[layers.stage::spec.pp]  # this rank's chunks: stage, + pp, + 2 pp, ...
+        per_micro_batch = sum(act.saved for act in mine) // spec.vpp
         buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
-        if spec.pp > 1 and not layers.head:
-            buffers += count * _hidden_out(spec)
-        loss = 0
-        if layers.head:
-            tokens = spec.micro_batch * (spec.dec_seq if spec.family == "t5" else spec.seq)
-            # 16-bit logits next to their fp32 copy (which becomes the kept softmax); fp32
-            # logits become the softmax themselves (the loss works in place)
-            loss = tokens * spec.vocab // spec.tp * (spec.e if spec.e < 4 else 0)
-        out.append(StageMemory(layers.stage, states, act.saved // spec.vpp, count, buffers,
-                               max(act.recompute_peak, loss, _sp_gather(spec)), peak))
+        buffers += _pipeline_buffers(spec, layers, count)
+        transient = max(max(backwards[layers.stage::spec.pp]),
+                        _loss_forward(spec) if layers.head else 0)
+        late = min(states.grad_bytes, late_grads(spec, timing, sum(grads[layers.stage::spec.pp]),
+                                                 layers.stage)) if timing else 0
+        out.append(StageMemory(layers.stage, states, per_micro_batch, count, buffers,
+                               transient, peak, late, step_bytes(spec, layers, states)))
     return out
 
 
@@ -111,9 +157,16 @@ def format_stage(stage: StageMemory, pp: int) -> str:
         pp: pipeline stages (for the ``stage/pp`` label).
     """
     s = stage.states
-    return (f"stage {stage.stage}/{pp}: predicted peak {stage.peak / GIB:.2f} GiB per rank = "
-            f"weights {s.weight_bytes / GIB:.2f} + grads {s.grad_bytes / GIB:.2f} + "
-            f"optimizer {s.optimizer_bytes / GIB:.2f} + activations "
-            f"{stage.activations / GIB:.2f} ({stage.in_flight} micro-batches x "
-            f"{stage.activations_per_micro_batch / 2**20:.1f} MiB) + buffers "
-            f"{stage.buffers / GIB:.2f} + transient {stage.transient / GIB:.2f}")
+    head = f"stage {stage.stage}/{pp}: predicted peak {stage.peak / GIB:.2f} GiB per rank"
+    states = (f"weights {s.weight_bytes / GIB:.2f} + grads {s.grad_bytes / GIB:.2f} + "
+              f"optimizer {s.optimizer_bytes / GIB:.2f}")
+    late = f" - grads not yet allocated {stage.late_grads / GIB:.2f}" if stage.late_grads \
+        else ""
+    during = (f"activations {stage.activations / GIB:.2f} ({stage.in_flight} micro-batches x "
+              f"{stage.activations_per_micro_batch / 2**20:.1f} MiB) + buffers "
+              f"{stage.buffers / GIB:.2f} + transient {stage.transient / GIB:.2f}")
+    if stage.step_peak > stage.schedule_peak:
+        return (f"{head} at the optimizer step = {states} + step buffers "
+                f"{stage.step / GIB:.2f}; forward/backward {stage.schedule_peak / GIB:.2f} = "
+                f"states{late} + {during}")
+    return f"{head} = {states}{late} + {during}"

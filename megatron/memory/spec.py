@@ -63,6 +63,13 @@ class MemorySpec:
     """T5's feed-forward (``relu`` or ``gated-gelu``)."""
     tie_embeddings: bool = True
     num_buckets: int = 32
+    vocab_padded: bool = True
+    """The output layer's rows include padding beyond the tokenizer's vocabulary: their
+    logits are filled with -inf in place on a view, so the backward copies the logits'
+    gradient once more (autograd's CopySlices)."""
+    grad_accum: str = ""
+    """DeepSpeed's ``data_types.grad_accum_dtype`` (``fp32``, ``bf16``, ``fp16``; empty: the
+    weights' dtype): the dtype of the BF16_Optimizer's flat gradient buffer."""
 
     @property
     def e(self) -> int:
@@ -103,8 +110,51 @@ class MemorySpec:
             problems.append("tp, pp, dp, vpp and the micro-batch size must be >= 1")
         if self.heads % self.tp:
             problems.append(f"{self.heads} heads do not split over tp={self.tp}")
+        problems += self._grad_accum_problems()
         if problems:
             raise ConfigError("memory model: " + "; ".join(problems))
+
+    @property
+    def accum_bytes(self) -> int:
+        """Bytes per element of the BF16_Optimizer's gradient accumulation buffer."""
+        return DTYPE_BYTES[self.grad_accum or self.dtype]
+
+    def _grad_accum_problems(self):
+        if self.grad_accum not in ("",) + tuple(DTYPE_BYTES):
+            return [f"grad_accum_dtype {self.grad_accum!r}: choose one of {sorted(DTYPE_BYTES)}"]
+        if self.backend == "engine" and self.grad_accum not in ("", self.dtype) and \
+                not self.zero_stage:
+            # DeepSpeed 0.19's _do_optimizer_sanity_check: "unsupported mix of model_dtype
+            # and grad_accum_dtype" unless ZeRO is on
+            return [f"grad_accum_dtype {self.grad_accum} with {self.dtype} weights needs ZeRO "
+                    f"(DeepSpeed supports that mix only with zero_optimization.stage >= 1)"]
+        return []
+
+
+#: DeepSpeed's spellings of ``data_types.grad_accum_dtype`` (its DtypeEnum).
+GRAD_ACCUM_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+                    "bf16": "bf16", "bfloat16": "bf16", "bfloat": "bf16",
+                    "torch.bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
+                    "half": "fp16", "torch.float16": "fp16"}
+
+
+def _deepspeed_json(cfg, what: str) -> dict:
+    """The run's ``--deepspeed_config`` JSON as a dict ({} without one)."""
+    path = cfg.parallel.deepspeed_config
+    if not path:
+        return {}
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"memory model: cannot read {what} from {path}: {exc}; "
+                          f"fix the file") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"memory model: {path} is not a JSON object (DeepSpeed's config is "
+                          f"one); cannot read {what}")
+    return config
 
 
 def _zero_stage(cfg) -> int:
@@ -112,17 +162,27 @@ def _zero_stage(cfg) -> int:
     the same two places, the flag winning)."""
     if cfg.parallel.zero_stage is not None:
         return cfg.parallel.zero_stage
-    path = cfg.parallel.deepspeed_config
-    if not path:
-        return 0
-    import json
-
+    config = _deepspeed_json(cfg, "the ZeRO stage (or give --zero-stage)")
     try:
-        with open(path, encoding="utf-8") as handle:
-            return int(json.load(handle).get("zero_optimization", {}).get("stage", 0))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"memory model: cannot read the ZeRO stage from {path}: {exc}; "
-                          f"fix the file or give --zero-stage") from None
+        return int(config.get("zero_optimization", {}).get("stage", 0))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"memory model: zero_optimization.stage in "
+                          f"{cfg.parallel.deepspeed_config}: {exc}") from None
+
+
+def _grad_accum(cfg) -> str:
+    """The DeepSpeed JSON's ``data_types.grad_accum_dtype`` as ``fp32`` / ``bf16`` / ``fp16``
+    ("" when it does not set one: DeepSpeed then accumulates in the weights' dtype)."""
+    data_types = _deepspeed_json(cfg, "data_types.grad_accum_dtype").get("data_types")
+    value = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    if value is None:
+        return ""
+    name = GRAD_ACCUM_NAMES.get(str(value).lower())
+    if name is None:
+        raise ConfigError(f"memory model: data_types.grad_accum_dtype {value!r} in "
+                          f"{cfg.parallel.deepspeed_config}: DeepSpeed takes one of "
+                          f"{sorted(GRAD_ACCUM_NAMES)}")
+    return name
 
 
 def _backend(cfg) -> str:
@@ -176,6 +236,8 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         attention=resolve_attention_backend(k.attention_backend),
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         bias=m.hidden_bias, max_positions=m.max_position_embeddings,
-        device=device or ("cuda" if p.dist_backend == "nccl" else "cpu"), **extra)
+        device=device or ("cuda" if p.dist_backend == "nccl" else "cpu"),
+        vocab_padded=m.true_vocab_size is None or m.true_vocab_size < rows,
+        grad_accum=_grad_accum(cfg) if backend == "engine" else "", **extra)
     spec.check()
     return spec

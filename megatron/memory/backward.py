@@ -1,0 +1,172 @@
+"""Bytes a micro-batch's backward holds beyond what its forward saved: the gradients in
+flight, one of the transient terms of the per-stage peak.
+
+Measured with tests/peak_tracker.py over real steps of the pipeline engine (every storage
+alive at once, docs/memory.md): while a layer's backward runs, the gradient of the residual
+stream waits for the residual add's other branch, and each GEMM's backward holds its output
+gradient, its input gradient and its weight gradient (added into ``.grad`` afterwards, so
+both exist for a moment); a column-parallel GEMM under sequence parallelism also holds its
+re-gathered input and the full input gradient before the reduce-scatter. At the output
+layer the logits' gradient is the softmax the loss kept (in place), copied once more by
+autograd when the padded vocabulary's logits were filled in place (CopySlices) or cast back
+to a 16-bit dtype; at the first stage the embeddings' dense weight gradients.
+
+Each figure is counted against all of the micro-batch's saved bytes: what the backward
+has already freed when it gets there (the head's softmax before the layers, the layers
+before the embedding) is subtracted.
+"""
+from .activations import (Activations, Shape, attention_core, cpu_math_path, dropout_bytes,
+                          gpt2_embedding, norm_bytes, output_and_loss, sp_divisor)
+from .spec import MemorySpec
+from .stages import StageLayers
+
+
+def weight_grad_bytes(spec: MemorySpec) -> int:
+    """Bytes per element of a weight gradient as a GEMM's backward makes it: the weights'
+    dtype; under autocast the compute dtype's gradient and its fp32 cast, both for a moment.
+
+    Args:
+        spec: the run.
+    """
+    param = 4 if spec.backend == "ddp" or spec.dtype == "fp32" else spec.e
+    return param + (spec.e if spec.autocast else 0)
+
+
+def attention_backward(spec: MemorySpec, shape: Shape) -> int:
+    """Scores-to-``q, k, v`` gradients of one attention: the context's gradient and the
+    query, key and value gradients (SDPA's kernels); the unfused and the CPU math paths
+    also hold one ``s x s`` gradient at a time (each frees a saved ``s x s`` tensor as it
+    makes the next).
+
+    Args:
+        spec: the run.
+        shape: query and key lengths and micro-batch.
+    """
+    proj = spec.heads * spec.kv_channels // spec.tp
+    q, k = shape.sq * shape.b, shape.sk * shape.b
+    if spec.attention == "sdpa" and not cpu_math_path(spec):
+        return (2 * q + 2 * k) * proj * spec.e
+    e = 4 if cpu_math_path(spec) and spec.e < 4 else spec.e  # the math path runs in fp32
+    scores = spec.heads // spec.tp * shape.b * shape.sq * shape.sk
+    return scores * e + (q + 2 * k) * proj * e + q * proj * spec.e
+
+
+def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1) -> int:
+    """One transformer layer's backward on one rank: the residual stream's gradient plus
+    the largest working set among its parts, in the order the backward runs them (fc2,
+    the activation, fc1, dense, the attention core, the q, k, v gradients and their
+    concatenation, QKV), less what the parts before it freed of the layer's saved tensors.
+
+    Args:
+        spec: the run.
+        shape: the self-attention's sizes.
+        fc1_outputs: 2 for a gated feed-forward (two ``d_ff`` outputs).
+    """
+    h, e, r, c = spec.hidden, spec.e, spec.residual_bytes, sp_divisor(spec)
+    tokens = shape.sq * shape.b
+    proj, f = spec.heads * spec.kv_channels // spec.tp, spec.ffn // spec.tp
+    sp = spec.sequence_parallel and spec.tp > 1
+    wg = weight_grad_bytes(spec)
+    # row-parallel GEMMs read the dropout's product (under SP: the all-gathered gradient)
+    row_dy = tokens * h * r if sp or spec.hidden_dropout > 0 else 0
+    # column-parallel GEMMs: the input gradient (under SP: and the re-gathered input)
+    col_dx = tokens * h * e * (2 if sp else 1)
+    drop = dropout_bytes(spec, tokens * h // c, r if spec.bias else e, spec.hidden_dropout)
+    inner = fc1_outputs * tokens * f * e
+    qkv_saved = 0 if cpu_math_path(spec) and e < 4 else 3 * tokens * proj * e
+    parts = (  # (working set, saved bytes it frees)
+        (row_dy + tokens * f * e + f * h * wg, drop + tokens * f * e),  # fc2, its input
+        (2 * inner, inner),  # the activation's backward, its input
+        (inner + col_dx + fc1_outputs * f * h * wg,
+         tokens * h * e // c + norm_bytes(spec, tokens) + drop),  # fc1, LN2, dropout
+        (row_dy + tokens * proj * e + proj * h * wg, 0),  # dense
+        (attention_backward(spec, shape), attention_core(spec, shape) + qkv_saved),
+        (6 * tokens * proj * e, 0),  # q, k, v gradients and the split's concatenation
+        (3 * tokens * proj * e + col_dx + 3 * proj * h * wg, 0))  # QKV
+    most = freed = 0
+    for working, frees in parts:
+        most = max(most, working - freed)
+        freed += frees
+    return tokens * h * r // c + most
+
+
+def head_backward(spec: MemorySpec, b: int, s: int) -> int:
+    """The loss's and the output layer's backward, counted against the saved fp32 softmax:
+    the logits' gradient copied once more (padded vocabulary rows filled in place, or a
+    16-bit cast), then the output GEMM's input and weight gradients (under SP also the
+    re-gathered input) once the softmax is freed.
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+        s: the length the loss runs over (T5: the decoder's).
+    """
+    tokens, v, h, e = s * b, spec.vocab // spec.tp, spec.hidden, spec.e
+    sp = spec.sequence_parallel and spec.tp > 1
+    copy = tokens * v * e if spec.vocab_padded or e < 4 else 0
+    gemm = tokens * v * (e - 4) + tokens * h * e * (2 if sp else 1) + v * h * \
+        weight_grad_bytes(spec)
+    return max(copy, gemm)
+
+
+def gpt2_embedding_backward(spec: MemorySpec, b: int) -> int:
+    """The embedding dropout's gradient and the embeddings' dense weight gradients (word
+    rows on this rank, positions), the incoming gradient freed by then.
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+    """
+    grad = spec.seq * b * spec.hidden * spec.residual_bytes // sp_divisor(spec)
+    if spec.sequence_parallel and spec.tp > 1:
+        grad += spec.seq * b * spec.hidden * spec.residual_bytes  # all-gathered
+    param = 4 if spec.backend == "ddp" or spec.dtype == "fp32" else spec.e
+    table = max(spec.vocab // spec.tp, spec.max_positions) * spec.hidden * param
+    return max(2 * spec.seq * b * spec.hidden * spec.residual_bytes // sp_divisor(spec),
+               grad + table)
+
+
+def gpt2_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> int:
+    """The most bytes one micro-batch's backward on ``layers`` holds beyond all of its
+    saved activations (a recomputed group's activations included).
+
+    Args:
+        spec: the run.
+        layers: the stage or chunk.
+        act: its activations (:func:`~megatron.memory.activations.gpt2_stage`).
+    """
+    b, tokens = spec.micro_batch, spec.seq * spec.micro_batch
+    out, head = 0, 0
+    if layers.head:
+        out = head_backward(spec, b, spec.seq)
+        head = output_and_loss(spec, b, spec.seq)
+    if layers.final_norm:
+        head += norm_bytes(spec, tokens)
+    if layers.encoder_layers:
+        shape = Shape(spec.seq, spec.seq, b)
+        out = max(out, act.recompute_peak + layer_backward(spec, shape) - head)
+    if layers.embedding:
+        out = max(out, gpt2_embedding_backward(spec, b) - (act.saved - gpt2_embedding(spec, b)))
+    return out
+
+
+def t5_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> int:
+    """:func:`gpt2_backward` for a T5 stage: the head over the decoder's tokens, the larger
+    of an encoder and a decoder layer (not measured on the engine: docs/memory.md).
+
+    Args:
+        spec: the run.
+        layers: the stage or chunk.
+        act: its activations (:func:`~megatron.memory.t5_activations.t5_stage`).
+    """
+    b = spec.micro_batch
+    out, head = 0, 0
+    if layers.head:
+        out = head_backward(spec, b, spec.dec_seq)
+        head = output_and_loss(spec, b, spec.dec_seq)
+    gated = 2 if spec.ff_type == "gated-gelu" else 1
+    for count, s in ((layers.encoder_layers, spec.seq), (layers.decoder_layers, spec.dec_seq)):
+        if count:
+            layer = layer_backward(spec, Shape(s, max(s, spec.seq), b), gated)
+            out = max(out, act.recompute_peak + layer - head)
+    return out
