@@ -1,83 +1,161 @@
-"""Rank bodies of tests/test_memory_peak.py: one real pipeline step (1F1B or interleaved)
-per layout; its activations alive at once (per micro-batch, or per (chunk, micro-batch)),
-its weights, gradients and optimizer tensors, next to the memory model's per-stage figures
-(each chunk charged its own bytes)."""
+"""Rank bodies of tests/test_memory_peak.py: two real training steps per layout (tds's
+pipeline engine, 1F1B or interleaved, or DeepSpeed's engine without a pipeline); the second
+runs under :class:`~peak_tracker.LivePeak`, which measures the most bytes this rank holds in
+tensor storages at once during the whole step (every micro-batch's forward and backward,
+the tied and data-parallel gradient reductions, the optimizer step), and the peak of the
+step's reduction and update on their own; next to it, the memory model's stage figures."""
+import gc
+
 import torch
+import torch.distributed as dist
 
 from megatron import mpu
-from memory_runs import (_reachable_tensors, _storages, _watch_engine, gpt2_batch, run_config,
-                         setup)
+from memory_runs import _reachable_tensors, _storages, gpt2_batch, run_config, setup
+from peak_tracker import LivePeak, Preexisting
 
 
-def _watch_interleaved(engine, module):
-    """Count what each chunk forward saves for the backward (its own storages, parameters
-    excluded) and keep the largest sum alive at once until the backward of that chunk and
-    micro-batch."""
-    step = engine.interleaved
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    state = {"alive": {}, "peak": 0}
-    forward, backward = step.forward, step.backward
-
-    def counted_forward(chunk, mb, inputs):
-        seen = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                seen[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = forward(chunk, mb, inputs)
-        state["alive"][(chunk, mb)] = sum(seen.values())
-        state["peak"] = max(state["peak"], sum(state["alive"].values()))
-        return out
-
-    def counted_backward(chunk, mb, output_grads):
-        out = backward(chunk, mb, output_grads)
-        state["alive"].pop((chunk, mb))
-        return out
-
-    step.forward, step.backward = counted_forward, counted_backward  # this engine only
-    return state
-
-
-def _states(backend, module, grads):
-    """Bytes of this rank's parameters, gradients and optimizer tensors after a step."""
+def _states(backend, module):
+    """Bytes of this rank's parameters, gradients and optimizer tensors between steps."""
     params = _storages(module.parameters(), ())
-    held = _storages([p.grad for p in module.parameters() if p.grad is not None], ())
-    optim = _storages(_reachable_tensors(backend.optimizer), set(params) | set(held))
-    return sum(params.values()) + sum(grads.values()) + sum(optim.values())
+    grads = _storages([p.grad for p in module.parameters() if p.grad is not None], params)
+    optim = _storages(_reachable_tensors(backend.optimizer), set(params) | set(grads))
+    return {"weights": sum(params.values()), "grads": sum(grads.values()),
+            "optimizer": sum(optim.values())}
 
 
-def measure_peaks(layouts, seed):
-    """For each ``argv``: this rank's measured activation peak during one real step and
-    its model states after it, with the model's stage figures."""
+def _labels(module, backend):
+    """Storage address -> "weights" / "optimizer" for what is alive between steps (the
+    peak's breakdown names everything else by the op that made it)."""
+    out = {}
+    for p in module.parameters():
+        out[p.untyped_storage()._cdata] = "weights"
+    for t in _reachable_tensors(backend.optimizer):
+        out.setdefault(t.untyped_storage()._cdata, "optimizer")
+    return out
+
+
+def _tensors_in(value):
+    """Tensors in ``value`` or one level of its lists, tuples and dicts."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if torch.is_tensor(t)]
+    return []
+
+
+def _kept_by_runner(backend, module):
+    """What the pipeline runner keeps through the step by holding each last-chunk loss with
+    its graph (``ScheduleRunner.results``, tds/pipe/runner.py): ``(input, grad)`` pairs of
+    the graph's leaves that are not weights (each micro-batch's received input) and their
+    gradients, and the tensors the graph's custom functions keep as attributes (a
+    recomputed group's RNG states). Not memory the model describes (a detached loss would
+    free them)."""
+    runner = getattr(getattr(backend.model, "schedule_step", None), "runner", None)
+    if runner is None:
+        return [], []
+    params = {id(p) for p in module.parameters()}
+    nodes = [getattr(loss, "grad_fn", None) for loss in runner.results.values()]
+    seen, pairs, attributes = set(), [], []
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and id(leaf) not in params and leaf.grad is not None:
+            pairs.append((leaf, leaf.grad))
+        for value in getattr(node, "__dict__", {}).values():  # a custom function's ctx
+            attributes += [t for t in _tensors_in(value) if id(t) not in params]
+        nodes.extend(n for n, _ in node.next_functions)
+    return pairs, attributes
+
+
+def _kept_bytes(kept, tracker):
+    """Bytes of ``kept`` (:func:`_kept_by_runner`) alive at the whole step's peak and during
+    the step's reduction and update (all of them). At a peak in the micro-batches' phase a
+    pair counts once its backward made the gradient (before, the input is an activation)
+    and the attributes are left in."""
+    pairs, attributes = kept
+    storages, at_peak = {}, {}
+    for leaf, grad in pairs:
+        for t in (leaf, grad):
+            key, size = t.untyped_storage()._cdata, t.untyped_storage().nbytes()
+            storages[key] = size
+            if tracker.alive_at_peak(grad) and tracker.alive_at_peak(t):
+                at_peak[key] = size
+    storages.update({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                     for t in attributes})
+    if tracker.peak_phase == "step":  # every backward has run: all of it is only kept
+        return sum(storages.values()), sum(storages.values())
+    return sum(at_peak.values()), sum(storages.values())
+
+
+def _mark_step_phase(backend, tracker):
+    """``tracker.phase``: "schedule" while the micro-batches run, "step" from the step's
+    first gradient reduction on (the tied and data-parallel reductions, the optimizer
+    step), for tds's pipeline engine and DeepSpeed's engine without a pipeline (whose
+    backward of the step's last micro-batch reduces the gradients)."""
+    engine = backend.model
+    names = ["_exec_reduce_tied_grads", "_exec_reduce_grads", "_exec_optimizer_step"] \
+        if backend.pipeline else ["allreduce_gradients", "_take_model_step"]
+
+    def marked(method):
+        def run(*args, **kwargs):
+            # without a pipeline DeepSpeed calls its reduction after every micro-batch's
+            # backward; it reduces at the step's last one
+            if backend.pipeline or engine.is_gradient_accumulation_boundary():
+                tracker.phase = "step"
+            return method(*args, **kwargs)
+        return run
+
+    tracker.phase = "schedule"
+    for name in names:  # instance attributes: this engine only
+        setattr(engine, name, marked(getattr(engine, name)))
+
+
+def measure_peak(argv, vocab, seed):
+    """This rank's measured peak during the second of two training steps at ``argv``, what
+    was alive at that moment by kind, and the model's stage figures."""
     from megatron.families import get_family
     from megatron.memory import predict, spec_from_run_config
     from megatron.training.backend_factory import build_backend
 
+    before = Preexisting()  # an earlier layout's engine, which Python does not free
     fam = get_family("gpt2")
-    out = []
-    for argv in layouts:
-        cfg = run_config("gpt2", argv)
-        setup(cfg)
-        gen = torch.Generator().manual_seed(seed)
-        batches = iter([gpt2_batch(cfg, gen) for _ in range(cfg.batch.gas)])
-        backend = build_backend(cfg, lambda pipeline: fam.build_model(cfg, pipeline),
-                                batch_fn=lambda raw: raw)
-        module = backend.module()
-        grads = {}
-        for p in module.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: grads.update(_storages([p.grad], ())))
-        watch = _watch_interleaved if cfg.parallel.vpp > 1 else _watch_engine
-        state = watch(backend.model if cfg.parallel.vpp > 1 else backend, module)
-        backend.train()
-        backend.train_step(fam.forward_step(lambda raw: raw), batches)
-        stage = predict(spec_from_run_config(cfg, device="cpu"))[
-            mpu.get_pipeline_model_parallel_rank()]
-        out.append({"argv": " ".join(argv), "stage": stage.stage,
-                    "activations": state["peak"], "states": _states(backend, module, grads),
-                    "predicted": stage.to_dict(),
-                    "averaged": stage.activations_per_micro_batch * stage.in_flight})
+    cfg = run_config("gpt2", argv, vocab)
+    setup(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    # made as they are read (a data loader's few batches, not the whole step's in a list)
+    batches = (gpt2_batch(cfg, gen) for _ in range(2 * cfg.batch.gas))
+    backend = build_backend(cfg, lambda pipeline: fam.build_model(cfg, pipeline),
+                            batch_fn=lambda raw: raw)
+    module = backend.module()
+    backend.train()
+    step = fam.forward_step(lambda raw: raw)
+    backend.train_step(step, batches)  # the first step allocates the optimizer's state
+    dist.barrier()
+    labels = _labels(module, backend)
+    tracker = LivePeak(label_fn=lambda key, origin: labels.get(key, str(origin)), ignore=before)
+    _mark_step_phase(backend, tracker)
+    with tracker:
+        backend.train_step(step, batches)
+    dist.barrier()
+    stage = predict(spec_from_run_config(cfg, device="cpu"))[
+        mpu.get_pipeline_model_parallel_rank()]
+    kept_at_peak, kept = _kept_bytes(_kept_by_runner(backend, module), tracker)
+    out = {"argv": " ".join(argv), "stage": stage.stage, "peak": tracker.peak,
+           "baseline": tracker.baseline, "at_peak": tracker.labelled(),
+           "peak_op": str(tracker.peak_op), "phases": tracker.phase_peaks,
+           "states": _states(backend, module),
+           "kept_by_runner": {"peak": kept_at_peak, "step": kept},
+           "predicted": stage.to_dict()}
+    del backend, module, batches, tracker
+    gc.collect()
     return out
+
+
+def measure_peaks(layouts, vocab, seed):
+    """:func:`measure_peak` for each ``argv`` in ``layouts`` (one process per rank)."""
+    return [measure_peak(argv, vocab, seed) for argv in layouts]

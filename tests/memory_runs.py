@@ -9,15 +9,15 @@ from megatron import mpu
 VOCAB = 256  # padded rows (divisible by tp up to 4)
 
 
-def run_config(family, argv):
+def run_config(family, argv, vocab=VOCAB):
     """A validated RunConfig of ``argv`` for this launch (no tokenizer files: the padded
-    vocabulary is set directly)."""
+    vocabulary, ``vocab`` rows, is set directly)."""
     from megatron.config import build_run_config
     from megatron.families import get_family
 
     cfg, _ = build_run_config(argv, get_family(family), world_size=dist.get_world_size(),
                               rank=dist.get_rank(), check_files=False)
-    return cfg.replace(padded_vocab_size=VOCAB, true_vocab_size=VOCAB - 3)
+    return cfg.replace(padded_vocab_size=vocab, true_vocab_size=vocab - 3)
 
 
 def setup(cfg):
@@ -42,7 +42,7 @@ def gpt2_batch(cfg, gen):
     from megatron.model.utils import get_ltor_masks_and_position_ids
 
     b, s = cfg.batch.micro_batch_size, cfg.batch.seq_length
-    text = torch.randint(0, VOCAB - 3, (b, s + 1), generator=gen)
+    text = torch.randint(0, cfg.model.true_vocab_size, (b, s + 1), generator=gen)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     mask, loss_mask, pos = get_ltor_masks_and_position_ids(tokens, 0, False)
     return (tokens, pos, mask), (labels, loss_mask)
@@ -166,17 +166,15 @@ def _reachable_tensors(obj, depth=8, seen=None):
 
 def _watch_engine(backend, module):
     """Count what each of the pipeline engine's forward passes saves for the backward (its
-    own micro-batch's storages, parameters excluded) and the largest sum alive at once
-    between a micro-batch's forward and its backward: the engine's real schedule."""
-    from deepspeed.runtime.pipe import schedule
-
-    engine = backend.model
+    own (chunk, micro-batch)'s storages, parameters excluded) and the largest sum alive at
+    once between a forward and its backward: the engine's real schedule, run by tds's
+    runner through the engine's ``schedule_step`` callbacks."""
+    step = backend.model.schedule_step
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    state = {"alive": [], "peak": 0}
-    forward = engine._INSTRUCTION_MAP[schedule.ForwardPass]
-    backward = engine._INSTRUCTION_MAP[schedule.BackwardPass]
+    state = {"alive": {}, "peak": 0}
+    forward, backward = step.forward, step.backward
 
-    def counted_forward(self, buffer_id):
+    def counted_forward(chunk, mb, inputs):
         seen = {}
 
         def pack(t):
@@ -186,17 +184,17 @@ def _watch_engine(backend, module):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward(self, buffer_id)
-        state["alive"].append(sum(seen.values()))
-        state["peak"] = max(state["peak"], sum(state["alive"]))
+            out = forward(chunk, mb, inputs)
+        state["alive"][(chunk, mb)] = sum(seen.values())
+        state["peak"] = max(state["peak"], sum(state["alive"].values()))
+        return out
 
-    def counted_backward(self, buffer_id):
-        backward(self, buffer_id)
-        state["alive"].pop(0)  # 1F1B: backwards run in forward order
+    def counted_backward(chunk, mb, output_grads):
+        out = backward(chunk, mb, output_grads)
+        state["alive"].pop((chunk, mb))
+        return out
 
-    # an instance attribute shadows the engine class's map for this engine only
-    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.ForwardPass: counted_forward,
-                               schedule.BackwardPass: counted_backward}
+    step.forward, step.backward = counted_forward, counted_backward  # this engine only
     return state
 
 

@@ -1,17 +1,25 @@
-"""Peak memory per pipeline stage against one real step of the tds engine (CPU, gloo), for
-1F1B and the interleaved schedule.
+"""The memory model's whole per-stage peak against the real peak of a training step (CPU,
+gloo), for 1F1B and interleaved pipelines, sequence parallelism, full recompute, bf16 with
+both of DeepSpeed's gradient accumulation dtypes, and DeepSpeed's engine without a pipeline
+(whose peak is its optimizer step).
 
-Measured on each rank: the activations alive at once (each forward pass's saved tensors,
-counted with saved-tensor hooks, each storage once, parameters excluded, until its backward:
-per micro-batch under 1F1B, per (chunk, micro-batch) interleaved) and the model states after
-the step (parameter storages, every storage a gradient lands in, every other tensor the
-optimizer reaches). The model's peak is states + activation peak + buffers + transient; the
-measured peak is the measured states + the measured activation peak + the model's own
-buffers and transient (the stage outputs the engine keeps, the 16-bit logits: not measured
-here), so the test holds the two measured parts, which are most of the peak, to 5% of the
-whole. Interleaved: the model walks the rank's action list with each chunk charged its own
-bytes (the embedding in chunk 0, the head and loss in the last).
+Measured on each rank (tests/peak_tracker.py): every tensor storage alive at once, each
+counted once however many views share it, from the first op to the last of the second of
+two steps: the weights and optimizer state, every micro-batch's saved activations, the
+stage outputs and masks the engine keeps, the logits and the loss, every gradient the
+backward makes, the gather buffers of sequence parallelism, the gradient reductions'
+flattened buckets and the optimizer step's temporaries. Held to 5% of the model's
+``states + activations + buffers + transient`` (less the gradients not yet allocated when
+the activations peak) or, where it is larger, ``states + the step's temporaries``; the
+step's own peak is held to 5% of the whole. The vocabulary is 16 x the hidden size, so the
+logits, their gradient copy and the output layer's weight gradient weigh as much as in a
+real model. Not seen: memory outside tensor storages (gloo's, the allocator's), a kernel's
+scratch space freed inside the op. Left out: what tds's pipeline runner keeps alive by
+holding each micro-batch's loss with its graph until the next step (a defect, not memory to
+plan for: docs/memory.md); it is measured (memory_peak_runs._kept_by_runner) and the model
+must lie within 5% of the peak less what was kept at that moment, and of the peak.
 """
+import json
 import random
 
 import pytest
@@ -20,46 +28,99 @@ from harness import run_distributed
 from memory_peak_runs import measure_peaks
 
 TOL = 0.05
+VOCAB = 1024  # 16 x the hidden size (GPT-2 small: 65 x)
 
 
-def _base(micro, layers, attention_dropout=0.0):
+def _base(micro, layers, seq=64, attention_dropout=0.0):
     return ["--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "32", "--max-position-embeddings", "32", "--batch-size",
-            str(micro), "--train-iters", "1", "--lr", "1e-3", "--attention-dropout",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--batch-size",
+            str(micro), "--train-iters", "2", "--lr", "1e-3", "--attention-dropout",
             str(attention_dropout), "--gas", "4"]
 
 
-@pytest.mark.slow  # ~15 s: five pipeline engines built and stepped on 4 ranks
-def test_stage_peaks_match_a_real_step_for_1f1b_and_interleaved():
-    micro = random.choice([1, 2])
+def _layouts(micro, ds_fp32_accumulation):
+    """``{name: argv}`` of the layouts measured."""
     interleaved = ["--virtual-pipeline-model-parallel-size", "2"]
-    layouts = [_base(micro, 8) + ["--pipe-parallel-size", "4"],
-               _base(micro, 4) + ["--model-parallel-size", "2", "--pipe-parallel-size", "2",
-                                  "--sequence-parallel"],
-               _base(micro, 8) + ["--pipe-parallel-size", "4"] + interleaved,
-               _base(micro, 4) + ["--model-parallel-size", "2", "--pipe-parallel-size", "2",
-                                  "--sequence-parallel"] + interleaved,
-               # bf16 weights: DeepSpeed's BF16_Optimizer; attention dropout on: the CPU's
-               # SDPA math path, which computes in fp32
-               _base(micro, 4, attention_dropout=0.1) + ["--pipe-parallel-size", "2", "--bf16"]]
-    results = run_distributed(measure_peaks, 4, layouts, random.randrange(2**31), timeout=300)
-    errors = {"activation peak": [], "stage peak": []}
+    tp_sp = ["--model-parallel-size", "2", "--pipe-parallel-size", "2", "--sequence-parallel"]
+    bf16 = ["--pipe-parallel-size", "2", "--bf16"]
+    return {"pp4 1F1B": _base(micro, 4) + ["--pipe-parallel-size", "4"],
+            # full recompute: a group's activations come back, with its backward on top
+            "tp2 pp2 SP 1F1B recompute": _base(micro, 4) + tp_sp + ["--checkpoint-activations"],
+            "pp4 v2": _base(micro, 8) + ["--pipe-parallel-size", "4"] + interleaved,
+            "tp2 pp2 SP v2": _base(micro, 4) + tp_sp + interleaved,
+            # DeepSpeed's BF16_Optimizer, bf16 accumulation; attention dropout: the CPU's
+            # SDPA math path, which computes in fp32
+            "bf16 pp2 dp2": _base(micro, 4, attention_dropout=0.1) + bf16,
+            # ZeRO-1 with data_types.grad_accum_dtype fp32: the BF16_Optimizer again, its
+            # flat gradient buffer in fp32
+            "bf16 pp2 dp2 ZeRO-1 fp32-acc": _base(micro, 4) + bf16 + [
+                "--deepspeed_config", ds_fp32_accumulation],
+            # no pipeline, bf16: DeepSpeed's unfused optimizer copies every gradient to
+            # fp32 for the step, which is this run's peak
+            "bf16 dp4 (no pipeline)": _base(1, 4, seq=32) + ["--deepspeed", "--bf16"]}
+
+
+def _table(names, results):
+    """One line per layout and stage: of its tensor- and data-parallel ranks, the one the
+    model misses most."""
+    mib, rows = 2 ** 20, {}
+    for per_layout in results:
+        for name, r in zip(names, per_layout):
+            pred, kept = r["predicted"], r["kept_by_runner"]["peak"]
+            low = r["peak"] - kept
+            error = pred["peak"] / low - 1
+            at = "step" if pred["step_peak"] > pred["schedule_peak"] else "micro-batches"
+            line = (f"{name:29s} {r['stage']:5d}  {low / mib:8.3f} ({kept / mib:5.3f})  "
+                    f"{pred['peak'] / mib:8.3f}  {error:+6.2%}  {at}")
+            key = (name, r["stage"])
+            if key not in rows or abs(error) > rows[key][0]:
+                rows[key] = (abs(error), line)
+    head = ("layout                        stage  measured MiB (runner-kept)  predicted  "
+            "error  peak at")
+    return "\n".join([head] + [line for _, line in rows.values()])
+
+
+@pytest.mark.slow  # 40-90 s: seven engines built and stepped twice on 4 ranks
+def test_stage_peaks_match_the_real_peak_of_a_step(tmp_path):
+    micro = random.choice([1, 2])
+    ds_json = tmp_path / "ds_fp32_accumulation.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 1},
+                                   "data_types": {"grad_accum_dtype": "fp32"}}))
+    layouts = _layouts(micro, str(ds_json))
+    results = run_distributed(measure_peaks, 4, list(layouts.values()), VOCAB,
+                              random.randrange(2**31), timeout=600)
+    errors = {"peak": [], "step": [], "optimizer state": []}
+    without_transients = []
     for rank, per_layout in enumerate(results):
         for r in per_layout:
-            pred = r["predicted"]
-            measured = r["states"] + r["activations"] + pred["buffers"] + pred["transient"]
-            assert r["activations"] > 0 and r["states"] > 0, r
-            assert abs(pred["activations"] - r["activations"]) <= TOL * r["activations"], \
-                (rank, r)
-            assert abs(pred["peak"] - measured) <= TOL * measured, (rank, measured, r)
-            errors["activation peak"].append(pred["activations"] / r["activations"] - 1)
-            errors["stage peak"].append(pred["peak"] / measured - 1)
-    # interleaved: the old figure (a rank's mean chunk x its in-flight count) spread the head
-    # over the last rank's chunks and overstated it beyond the tolerance (~+10% at pp 4)
-    last = [r for per in results for r in per
-            if "virtual" in r["argv"] and r["stage"] == max(x["stage"] for x in per)]
-    assert any(r["averaged"] > (1 + TOL) * r["activations"] for r in last), last
+            pred, measured, kept = r["predicted"], r["peak"], r["kept_by_runner"]
+            where = (rank, r["argv"], measured, kept, pred)
+            # the runner keeps each loss's graph (and so the received inputs and their
+            # gradients) until the next step: without it the peak is at least this
+            low = measured - kept["peak"]
+            assert (1 - TOL) * low <= pred["peak"] <= (1 + TOL) * measured, where
+            step = r["phases"]["step"] - kept["step"]  # all kept through the step
+            assert abs(pred["step_peak"] - step) <= TOL * measured, where
+            optimizer = r["states"]["optimizer"]
+            assert abs(pred["states"]["optimizer_bytes"] - optimizer) <= 0.01 * optimizer, where
+            assert r["states"]["weights"] == pred["states"]["weight_bytes"], where
+            errors["peak"].append(pred["peak"] / low - 1)
+            errors["step"].append(pred["step_peak"] / step - 1)
+            errors["optimizer state"].append(pred["states"]["optimizer_bytes"] / optimizer - 1)
+            states = sum(pred["states"][k] for k in ("weight_bytes", "grad_bytes",
+                                                     "optimizer_bytes"))
+            without_transients.append(low / (states + pred["activations"] + pred["buffers"]) - 1)
+    # the terms this test is for: without the transients and the step the model would miss
+    assert max(without_transients) > 2 * TOL, without_transients
+    # fp32 accumulation: the flat gradient buffer is 4 bytes a parameter, not 2
+    fp32_acc = [r for per in results for r in per if "--deepspeed_config" in r["argv"]]
+    params = [r["predicted"]["states"]["params"] for r in fp32_acc]
+    assert all(r["states"]["optimizer"] > 1.1 * (2 * n + 12 * n / 2)
+               for r, n in zip(fp32_acc, params)), fp32_acc
     for what, values in errors.items():
         worst = max(values, key=abs)
         print(f"{what} (micro-batch {micro}): {len(values)} rank-layouts, largest relative "
               f"error {worst:+.2%}")
+    print(f"measured peak / (states + activations + buffers) - 1: up to "
+          f"{max(without_transients):+.1%}")
+    print(_table(list(layouts), results))

@@ -3,9 +3,10 @@
 One process trains a GPT-2 of 12 layers x 768 (seq 1024, micro-batch 4, gas 2) for two steps
 through the real ``pretrain()`` on CUDA and prints the allocator's peak next to the model's
 predicted peak of its one stage (``spec_from_run_config(cfg, device="cuda")``: the CUDA
-branches of the model, its transient terms and buffers). The CPU tests
-(tests/test_memory_peak.py) hold the saved activations and model states to 5%; here the
-whole peak is held to 10%, the allocator's rounding and cuBLAS's workspace included.
+branches of the model, its transient terms and buffers). The CPU test
+(tests/test_memory_peak.py) holds the whole peak of a step, every tensor storage counted, to
+5%; here it is held to 10% of the allocator's figure, its rounding and cuBLAS's workspace
+included.
 Skipped without a CUDA device; not yet run on one (no GPU was lent to the session that wrote
 it), so a first failure may be the test's own tolerance: issue 38 runs the GPU tests.
 """
