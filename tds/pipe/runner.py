@@ -95,6 +95,15 @@ class StageCallbacks:
         raise NotImplementedError
 
 
+def _detached(outputs):
+    """The last chunk's output without its graph (tensors detached, anything else as is)."""
+    if torch.is_tensor(outputs):
+        return outputs.detach()
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(_detached(t) for t in outputs)
+    return outputs
+
+
 def _implements(callbacks, name: str) -> bool:
     method = getattr(callbacks, name, None)
     return callable(method) and getattr(method, "__func__", None) is not \
@@ -154,8 +163,8 @@ class ScheduleRunner:
         """One step: every action of this rank, in order.
 
         Returns:
-            {mb: output of the last chunk's forward} on the rank holding the last chunk,
-            else {}.
+            {mb: output of the last chunk's forward, detached} on the rank holding the last
+            chunk, else {}.
         """
         self.inputs: Dict = {}       # (chunk, mb) -> received input tuple
         self.outputs: Dict = {}      # (chunk, mb) -> output tuple waiting for its send
@@ -181,8 +190,8 @@ class ScheduleRunner:
         if isinstance(action, Forward):
             inputs = callbacks.load(mb) if c == 0 else self.inputs.pop(key)
             outputs = callbacks.forward(c, mb, inputs)
-            if last:
-                self.results[mb] = outputs
+            if last:  # detached: the graph (each micro-batch's received input and its
+                self.results[mb] = _detached(outputs)  # gradient) must not outlive it
                 return
             self._check_tuple(outputs, self.boundaries[c], f"chunk {c} output")
             if self.placement.is_local(c):  # chunk c + 1 is ours: no message
