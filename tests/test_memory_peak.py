@@ -1,6 +1,7 @@
 """The memory model's whole per-stage peak against the real peak of a training step (CPU,
-gloo), for 1F1B and interleaved pipelines, sequence parallelism, full recompute, bf16 with
-both of DeepSpeed's gradient accumulation dtypes, and DeepSpeed's engine without a pipeline
+gloo), for 1F1B, interleaved, ZB-H1 and ZB-V pipelines, sequence parallelism, full
+recompute, bf16 with both of DeepSpeed's gradient accumulation dtypes, and DeepSpeed's
+engine without a pipeline
 (whose peak is its optimizer step).
 
 Measured on each rank (tests/peak_tracker.py): every tensor storage alive at once, each
@@ -48,6 +49,11 @@ def _layouts(micro, ds_fp32_accumulation):
             "tp2 pp2 SP 1F1B recompute": _base(micro, 4) + tp_sp + ["--checkpoint-activations"],
             "pp4 v2": _base(micro, 8) + ["--pipe-parallel-size", "4"] + interleaved,
             "tp2 pp2 SP v2": _base(micro, 4) + tp_sp + interleaved,
+            # zero bubble: a micro-batch held until its weight pass (the deferred GEMMs'
+            # inputs and output gradients); ZB-V's rank 0 holds the first and last chunk
+            "pp4 ZB-V": _base(micro, 8) + ["--pipe-parallel-size", "4",
+                                           "--pipeline-schedule", "zbv"],
+            "tp2 pp2 SP ZB-H1": _base(micro, 4) + tp_sp + ["--pipeline-schedule", "zb-h1"],
             # DeepSpeed's BF16_Optimizer, bf16 accumulation; attention dropout: the CPU's
             # SDPA math path, which computes in fp32
             "bf16 pp2 dp2": _base(micro, 4, attention_dropout=0.1) + bf16,

@@ -12,12 +12,14 @@ backward, so the first chunks' come late. Counted on tds's own action lists
 from functools import lru_cache
 from typing import List, Sequence, Tuple
 
+from .schedule import rank_actions
 from .spec import MemorySpec
 
 
 @lru_cache(maxsize=256)
 def with_grads_peaks(pp: int, num_micro_batches: int, vpp: int, chunk_bytes: Tuple[int, ...],
-                     chunk_grads: Tuple[int, ...]) -> List[Tuple[int, int]]:
+                     chunk_grads: Tuple[int, ...], schedule: str = "",
+                     gemm_grads: Tuple[int, ...] = ()) -> List[Tuple[int, int]]:
     """Per pipeline rank: the most activation bytes alive at once, and the most activation
     and gradient bytes alive at once, a chunk's gradients appearing with its first backward
     of the step (all of the rank's at once under 1F1B, one chunk's at a time interleaved).
@@ -28,27 +30,33 @@ def with_grads_peaks(pp: int, num_micro_batches: int, vpp: int, chunk_bytes: Tup
         vpp: model chunks per rank (1: 1F1B).
         chunk_bytes: bytes one micro-batch saves in each global chunk (``pp x vpp``).
         chunk_grads: gradient bytes of each global chunk.
+        schedule: the schedule's name (default: what vpp implies); under a zero-bubble one
+            a (chunk, micro-batch) is held until its weight pass.
+        gemm_grads: zero bubble: of each chunk's gradient bytes, those of the weights its
+            weight pass makes (they appear at its first weight pass, the rest at its first
+            input pass; :func:`.deferred.gemm_weight_params`).
     """
     if pp == 1:  # forward and backward of one micro-batch at a time
         later = chunk_bytes[0] if num_micro_batches > 1 else 0
         return [(chunk_bytes[0], max(chunk_bytes[0], later + chunk_grads[0]))]
-    from tds.pipe import schedules  # here: importing tds starts DeepSpeed
-
-    actions = schedules.one_f_one_b(pp, num_micro_batches) if vpp == 1 else \
-        schedules.interleaved_1f1b(pp, vpp, num_micro_batches)
+    schedules, actions, _ = rank_actions(pp, num_micro_batches, vpp, schedule)
+    gemm_grads = gemm_grads or (0,) * len(chunk_grads)
+    first = {schedules.Backward: lambda c: chunk_grads[c],
+             schedules.BackwardInput: lambda c: chunk_grads[c] - gemm_grads[c],
+             schedules.BackwardWeight: lambda c: gemm_grads[c]}
     out = []
-    for rank_actions in actions:
+    for one_rank in actions:
         alive = grads = most = most_with_grads = 0
         started = set()
-        for action in rank_actions:
+        for action in one_rank:
             if isinstance(action, schedules.Forward):
                 alive += chunk_bytes[action.chunk]
-            elif isinstance(action, (schedules.Backward, schedules.BackwardInput)):
+            elif isinstance(action, (schedules.Backward, schedules.BackwardWeight)):
                 alive -= chunk_bytes[action.chunk]
-            if isinstance(action, (schedules.Backward, schedules.BackwardWeight)) and \
-                    action.chunk not in started:  # weight gradients: the W pass when split
-                started.add(action.chunk)
-                grads += chunk_grads[action.chunk]
+            kind = type(action)
+            if kind in first and (kind, action.chunk) not in started:
+                started.add((kind, action.chunk))  # a chunk's gradients at its first pass
+                grads += first[kind](action.chunk)
             most = max(most, alive)
             most_with_grads = max(most_with_grads, alive + grads)
         out.append((most, most_with_grads))

@@ -76,15 +76,17 @@ def stage_params(spec: MemorySpec, layers: StageLayers) -> int:
     if spec.family == "gpt2":
         embedding = word + spec.max_positions * h  # learned positions, replicated
         count = layers.encoder_layers * _gpt2_layer_params(spec)
-        count += embedding * (layers.embedding + (layers.head and spec.pp > 1))
+        # the head's tied copy is another module only on another rank (ZB-V's rank 0 and a
+        # serial model hold both uses of one embedding)
+        count += embedding * (layers.embedding or (layers.head and spec.pp > 1))
         return count + 2 * h * layers.final_norm
     count = layers.encoder_layers * _t5_layer_params(spec, False)
     count += layers.decoder_layers * _t5_layer_params(spec, True)
     bias_table = spec.num_buckets * spec.heads // t
     count += bias_table * ((layers.encoder_layers > 0) + (layers.decoder_layers > 0))
     count += h * (layers.encoder_norm + layers.final_norm)
-    # the output layer is a tied copy of the embedding (pp > 1) or T5's own lm head
-    head = layers.head and (spec.pp > 1 or not spec.tie_embeddings)
+    # the output layer is a tied copy of the embedding on another rank, or T5's own lm head
+    head = layers.head and (not spec.tie_embeddings or (spec.pp > 1 and not layers.embedding))
     return count + word * (layers.embedding + head)
 
 

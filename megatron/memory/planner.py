@@ -7,6 +7,7 @@ memory less a reserve (CUDA context, NCCL, allocator fragmentation). Step time f
 tensor-parallel collectives, the pipeline's bubble and p2p, the data-parallel gradient
 reduction and the optimizer step, each a roofline with stated constants.
 """
+import itertools
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, List, Optional
 
@@ -115,12 +116,15 @@ class Plan:
 
     def layout(self) -> str:
         s = self.spec
-        return (f"tp={s.tp} pp={s.pp} dp={s.dp} mb={s.micro_batch} m={s.num_micro_batches} "
-                f"recompute={s.recompute} zero={s.zero_stage} sp={int(s.sequence_parallel)}")
+        schedule = f" {s.pipeline_schedule}" if s.pp > 1 else ""
+        return (f"tp={s.tp} pp={s.pp}{schedule} dp={s.dp} mb={s.micro_batch} "
+                f"m={s.num_micro_batches} recompute={s.recompute} zero={s.zero_stage} "
+                f"sp={int(s.sequence_parallel)}")
 
     def to_dict(self) -> dict:
         s, t = self.spec, self.time
         return {"tp": s.tp, "pp": s.pp, "dp": s.dp, "micro_batch": s.micro_batch,
+                "pipeline_schedule": s.pipeline_schedule if s.pp > 1 else None, "vpp": s.vpp,
                 "num_micro_batches": s.num_micro_batches, "recompute": s.recompute,
                 "zero_stage": s.zero_stage, "sequence_parallel": s.sequence_parallel,
                 "peak_bytes": self.peak, "stage_peak_bytes": [x.peak for x in self.stages],
@@ -192,8 +196,18 @@ def layouts(base: MemorySpec, hw: Hardware, global_batch: int) -> Iterator[Memor
                 yield from _variants(base, tp, pp, dp, mb, global_batch // (dp * mb))
 
 
+def _schedules(base, pp):
+    """``(schedule, vpp)`` candidates: none without a pipeline; 1F1B and ZB-H1; interleaved
+    (v = 2) and ZB-V where the layers split into 2 pp equal chunks."""
+    if pp == 1:
+        return [("", 1)]
+    layers = base.num_layers * (2 if base.family == "t5" else 1)
+    two_chunks = [("interleaved", 2), ("zbv", 2)] if layers % (2 * pp) == 0 else []
+    return [("1f1b", 1), ("zb-h1", 1)] + two_chunks
+
+
 def _variants(base, tp, pp, dp, mb, m):
-    for recompute in ("none", "full"):
+    for (schedule, vpp), recompute in itertools.product(_schedules(base, pp), ("none", "full")):
         for zero in (0, 1) if pp > 1 else (0, 1, 2):
             for sp in (False, True) if tp > 1 else (False,):
                 if zero and dp == 1:
@@ -201,7 +215,7 @@ def _variants(base, tp, pp, dp, mb, m):
                 backend = "engine" if pp > 1 or zero or base.backend == "engine" else "ddp"
                 yield replace(base, tp=tp, pp=pp, dp=dp, micro_batch=mb, num_micro_batches=m,
                               recompute=recompute, zero_stage=zero, sequence_parallel=sp,
-                              backend=backend, vpp=1)
+                              backend=backend, vpp=vpp, schedule=schedule)
 
 
 def plan(base: MemorySpec, hw: Hardware, global_batch: int, step_flops: float,

@@ -8,9 +8,10 @@ from .activations import gpt2_stage
 from .backward import gpt2_backward, t5_backward
 from .grad_timing import grads_freed_each_step, late_grads, with_grads_peaks
 from .model_states import ModelStates, model_states, step_bytes
-from .schedule import activation_peaks, in_flight
+from .deferred import deferred_bytes, gemm_weight_params
+from .schedule import activation_peaks, in_flight, rank_chunks
 from .spec import MemorySpec
-from .stages import chunk_layers, stage_layers
+from .stages import chunk_layers, rank_layers, stage_layers
 from .t5_activations import t5_stage
 
 GIB = 2 ** 30
@@ -119,30 +120,37 @@ def predict(spec: MemorySpec) -> List[StageMemory]:
         ConfigError: a spec the model does not describe.
     """
     spec.check()
-    counts = in_flight(spec.pp, spec.num_micro_batches, spec.vpp)
+    schedule = spec.pipeline_schedule
+    counts = in_flight(spec.pp, spec.num_micro_batches, spec.vpp, schedule)
     stage_fn, backward_fn = (gpt2_stage, gpt2_backward) if spec.family == "gpt2" else \
         (t5_stage, t5_backward)
-    stages = stage_layers(spec)
-    parts = chunk_layers(spec) if spec.vpp > 1 else stages
+    parts = chunk_layers(spec) if spec.vpp > 1 else stage_layers(spec)
+    chunks_of = rank_chunks(spec.pp, spec.vpp, schedule)  # each rank's global chunks
+    stages = [rank_layers(parts, r, mine) for r, mine in enumerate(chunks_of)] \
+        if schedule == "zbv" else stage_layers(spec)  # a loop: the stages' own partition
     acts = [stage_fn(spec, part) for part in parts]
     backwards = [backward_fn(spec, part, act) for part, act in zip(parts, acts)]
     saved = tuple(act.saved for act in acts)
     peaks = [None] * spec.pp
-    if spec.vpp > 1:
-        peaks = activation_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved)
+    if spec.vpp > 1 or schedule in ("zb-h1", "zbv"):
+        deferred = tuple(deferred_bytes(spec, part) for part in parts)
+        peaks = activation_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved, schedule,
+                                 deferred)
     grads = tuple(model_states(spec, part).grad_bytes for part in parts)
-    timing = with_grads_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved, grads) \
-        if grads_freed_each_step(spec) else None
+    gemm = tuple(0 if schedule not in ("zb-h1", "zbv") else
+                 min(g, gemm_weight_params(spec, part) * g // max(1, model_states(spec, part).params))
+                 for g, part in zip(grads, parts))
+    timing = with_grads_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved, grads,
+                              schedule, gemm) if grads_freed_each_step(spec) else None
     out = []
-    for layers, count, peak in zip(stages, counts, peaks):
+    for layers, count, peak, mine in zip(stages, counts, peaks, chunks_of):
         states = model_states(spec, layers)
-        mine = acts[layers.stage::spec.pp]  # this rank's chunks: stage, + pp, + 2 pp, ...
-        per_micro_batch = sum(act.saved for act in mine) // spec.vpp
+        per_micro_batch = sum(acts[c].saved for c in mine) // spec.vpp
         buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
         buffers += _pipeline_buffers(spec, layers, count)
-        transient = max(max(backwards[layers.stage::spec.pp]),
+        transient = max(max(backwards[c] for c in mine),
                         _loss_forward(spec) if layers.head else 0)
-        late = min(states.grad_bytes, late_grads(spec, timing, sum(grads[layers.stage::spec.pp]),
+        late = min(states.grad_bytes, late_grads(spec, timing, sum(grads[c] for c in mine),
                                                  layers.stage)) if timing else 0
         out.append(StageMemory(layers.stage, states, per_micro_batch, count, buffers,
                                transient, peak, late, step_bytes(spec, layers, states)))

@@ -42,7 +42,10 @@ class MemorySpec:
     pp: int = 1
     dp: int = 1
     vpp: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
+    """Model chunks per pipeline rank (interleaved schedule; ZB-V: 2)."""
+    schedule: str = ""
+    """``--pipeline-schedule`` (1f1b, interleaved, zb-h1, zbv); empty: 1f1b, or interleaved
+    when vpp > 1."""
     sequence_parallel: bool = False
     recompute: str = "none"
     """``none`` or ``full`` (--checkpoint-activations: each group of layers keeps its input)."""
@@ -90,6 +93,11 @@ class MemorySpec:
         """Bytes per element of the residual stream: fp32 under autocast (the fp32 biases
         promote it), the weights' dtype under the engine."""
         return 4 if self.backend == "ddp" else self.e
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule's name (:data:`schedule`, or what vpp implies)."""
+        return self.schedule or ("interleaved" if self.vpp > 1 else "1f1b")
 
     def check(self) -> None:
         """Raise :class:`~megatron.errors.ConfigError` for a spec the model cannot describe."""
@@ -229,6 +237,7 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         heads=m.num_attention_heads, kv_channels=m.kv_channels, ffn=m.ffn_hidden_size,
         vocab=rows, micro_batch=cfg.batch.micro_batch_size,
         num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp, vpp=p.vpp,
+        schedule=p.pipeline_schedule if p.pp > 1 else "",
         sequence_parallel=p.sequence_parallel,
         recompute="full" if m.checkpoint_activations else "none",
         recompute_num_layers=m.checkpoint_num_layers, dtype=dtype, backend=backend,

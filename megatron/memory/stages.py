@@ -6,7 +6,7 @@ layer weighs 1, the embedding, final norms and output layer 0); this module repl
 partition on the same spec list, so the model charges each stage exactly its layers.
 """
 from dataclasses import dataclass
-from typing import List
+from typing import List, Sequence
 
 from .spec import MemorySpec
 
@@ -49,14 +49,33 @@ def stage_layers(spec: MemorySpec) -> List[StageLayers]:
 
 
 def chunk_layers(spec: MemorySpec) -> List[StageLayers]:
-    """Each model chunk's layers under the interleaved schedule: tds's PipelineModule runs
+    """Each model chunk's layers with several chunks per rank: tds's PipelineModule runs
     DeepSpeed's partition over ``pp x vpp`` chunks, global chunk c on pipeline rank
-    ``c % pp``; the embedding is in chunk 0, the head in the last (``stage`` = chunk).
+    ``c % pp`` (interleaved; ZB-V's V: :func:`.schedule.rank_chunks`); the embedding is in
+    chunk 0, the head in the last (``stage`` = chunk).
 
     Args:
         spec: the run (family, layers, pp, vpp).
     """
     return _partition(spec, spec.pp * spec.vpp)
+
+
+def rank_layers(chunks: List[StageLayers], rank: int, mine: Sequence[int]) -> StageLayers:
+    """The layers pipeline rank ``rank`` holds as the union of its chunks ``mine`` (ZB-V's
+    rank 0: the embedding's chunk and the head's, the tied embedding once).
+
+    Args:
+        chunks: every global chunk's layers (:func:`chunk_layers`).
+        rank: the pipeline rank.
+        mine: its global chunks.
+    """
+    parts = [chunks[c] for c in mine]
+    return StageLayers(stage=rank, embedding=any(p.embedding for p in parts),
+                       encoder_layers=sum(p.encoder_layers for p in parts),
+                       decoder_layers=sum(p.decoder_layers for p in parts),
+                       encoder_norm=any(p.encoder_norm for p in parts),
+                       final_norm=any(p.final_norm for p in parts),
+                       head=any(p.head for p in parts))
 
 
 def _partition(spec: MemorySpec, parts_count: int) -> List[StageLayers]:

@@ -15,8 +15,11 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
   ``2 (t - 1) / t`` of ``s b h e``); under SP reduce-scatters and all-gathers of the same
   total plus the backward's re-gather of the QKV / fc1 input shards; not overlapped.
 - **Pipeline**: ``m x`` the slowest stage's micro-batch time + one pass of every other
-  stage ``/ v`` (the bubble: Narayanan et al.'s ``(p - 1) / v`` stage passes interleaved),
-  each micro-batch paying its p2p sends.
+  stage ``/ v`` (the bubble: Narayanan et al.'s ``(p - 1) / v`` stage passes interleaved;
+  ``/ 3`` for ZB-H1 and ``/ 6`` for ZB-V, whose weight passes fill the rest: Qi et al.
+  2024, with input and weight gradients each as long as the forward, as the GEMM terms
+  here make them; tds's schedules reach these on the simulator), each micro-batch paying its
+  p2p sends (ZB-V sends twice per stage pass, as v = 2).
 - **Data parallel**: the gradient ring all-reduce (ZeRO: reduce-scatter + all-gather, the
   same volume); torch DDP overlaps it with the last backward, the engine does not.
 - **Optimizer**: the Adam step's bytes (weights, gradients, moments, masters) at HBM speed.
@@ -192,7 +195,8 @@ def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: Li
     slowest = max(per_mb) + p2p
     # m passes of the slowest stage + the fill and drain: the other stages once, in chunks
     # of 1/v (interleaved: (p - 1) / v of a stage; 1F1B, v = 1: (m - 1) slowest + all)
-    pipeline = m * slowest + (sum(per_mb) + p * p2p - slowest) / v
+    fill = {"zb-h1": 3, "zbv": 6}.get(spec.pipeline_schedule, v)
+    pipeline = m * slowest + (sum(per_mb) + p * p2p - slowest) / fill
     bubble = 1 - m * slowest / pipeline if pipeline else 0.0
     grad_bytes = params_per_rank * (4 if spec.backend == "ddp" else spec.e)
     dp_bw = _bw(spec.tp * spec.dp, per_node, dev)
