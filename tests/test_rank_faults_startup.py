@@ -295,7 +295,7 @@ def main():
         dist.init_process_group("gloo")
     rank = int(os.environ["RANK"])
     if os.environ["CASE"].startswith("late"):
-        time.sleep(2.0 * rank)  # rank 1 reaches the same error 2 s after rank 0
+        time.sleep(3.0 * rank)  # rank 1 reaches the same error 3 s after rank 0
     elif rank == 1:
         time.sleep(120)  # busy: never reaches an error
     print(f"rank {rank} raises at {time.time():.3f}", flush=True)
@@ -318,7 +318,7 @@ def _peer_report_run(tmp_path, case):
 
 @pytest.mark.parametrize("case", ["late", "late, before torch.distributed"])
 def test_a_rank_that_fails_first_waits_for_its_peer_to_print(tmp_path, case):
-    """Rank 1 reaches the same user error 2 s after rank 0 (in a run whose process group
+    """Rank 1 reaches the same user error 3 s after rank 0 (in a run whose process group
     exists, and before it starts: torchrun's agent store is counted in then)."""
     result, raised, ended = _peer_report_run(tmp_path, case)
     err = result.stderr
@@ -327,7 +327,9 @@ def test_a_rank_that_fails_first_waits_for_its_peer_to_print(tmp_path, case):
     prefix = "" if "before" in case else "[rank {}] "  # no rank prefix before it starts
     for rank in (0, 1):  # torchrun would have stopped rank 1 before it printed
         assert f"{prefix.format(rank)}error: the same problem (found by rank {rank})" in err, err
-    assert raised[1] - raised[0] >= 1.9, raised
+    # the ranks start up to a second or two apart (before torch.distributed nothing lines
+    # them up): rank 1 still raised well after rank 0, whose exit would have cut it off
+    assert raised[1] - raised[0] >= 1.5, raised
     assert ended - raised[1] < 8, (raised, ended)  # not the 10 s bound: it saw rank 1 print
 
 
