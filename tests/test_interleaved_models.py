@@ -6,7 +6,7 @@ Models have one transformer layer per chunk (GPT-2 p v layers, T5 p v / 2 per st
 Several layouts run in one launch of 4 ranks (``train_many``); one serial launch per family
 computes the references (``SerialReferences``). The unmarked tests cover every (pp, v),
 tp and m in {p, 2p, 2p + 1} once per family, with DDP, ZeRO-1, sequence parallelism and
-activation recompute; the slow test runs the whole 36-run matrix.
+activation recompute; `-m exhaustive` runs the whole 36-run matrix.
 """
 import pytest
 
@@ -148,6 +148,7 @@ def _matrix(world):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # the unmarked tests above cover every (pp, v), tp and m once
 @pytest.mark.parametrize("family", ["gpt2", "t5"])
 def test_whole_matrix_equals_serial(family, serial_refs, tmp_path):
     """All 18 layouts of a family (36 in all), one launch per world size."""

@@ -78,7 +78,8 @@ def _first_loss_and_transformers(argv, hf_dir):
     return state.losses[0], sum(losses).item() / gas, len(seen)
 
 
-@pytest.mark.parametrize("layout", ["tp2 pp2", "pp2 v2"])
+@pytest.mark.parametrize("layout", [
+    pytest.param("tp2 pp2", marks=[pytest.mark.slow, pytest.mark.exhaustive]), "pp2 v2"])
 def test_from_hf_trains_at_that_layout_with_transformers_first_loss(gpt2_data, tmp_path, seed,
                                                                    layout):
     from convert_llama import main

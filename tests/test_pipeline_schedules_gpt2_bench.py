@@ -33,6 +33,7 @@ FLAGS = ["--pp", "4", "--micro-batches", "4", "--layers", "8", "--hidden", "384"
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # a 40-50 s timing that stops the other workers: -m exhaustive
 @pytest.mark.alone  # a timing: neighbours in the same test run would skew it
 def test_gpt2_schedules_match_the_simulator_and_zero_bubble_beats_1f1b(gpt2_data):
     opts = parse_args(FLAGS)
