@@ -118,13 +118,12 @@ def _losses(text):
     return [float(x) for x in re.findall(r"lm loss: (\S+)", text)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_full_disk_on_one_rank_ends_every_rank_and_the_previous_checkpoint_resumes(
-        gpt2_data, tmp_path, mode):
-    ckpt = str(tmp_path / "ckpt")
-    script = tmp_path / "full_disk.py"
-    script.write_text(_FULL_DISK_ON_RANK_1)
+def _fault_run(gpt2_data, tmp_path, name, body, ckpt, mode):
+    """A tp=2 run of the fault script ``body`` saving every 2 steps to ``ckpt`` (``mode``
+    "async": --async-save): it ends non-zero within 60 s with the user error on both ranks.
+    Returns the finished process (its stdout and stderr)."""
+    script = tmp_path / name
+    script.write_text(body)
     extra = ("--save", ckpt, "--save-interval", "2") + (("--async-save",) if mode == "async"
                                                          else ())
     start = time.monotonic()
@@ -132,8 +131,18 @@ def test_full_disk_on_one_rank_ends_every_rank_and_the_previous_checkpoint_resum
                         env=dict(NO_NATIVE, PYTHONPATH=REPO))
     seconds = time.monotonic() - start
     err = result.stderr
-    assert result.returncode != 0 and seconds < 60, (result.returncode, err[-3000:])
+    assert result.returncode != 0 and seconds < 60, (result.returncode, seconds, err[-3000:])
     _assert_user_error_on_both_ranks(err)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_full_disk_on_one_rank_ends_every_rank_and_the_previous_checkpoint_resumes(
+        gpt2_data, tmp_path, mode):
+    ckpt = str(tmp_path / "ckpt")
+    result = _fault_run(gpt2_data, tmp_path, "full_disk.py", _FULL_DISK_ON_RANK_1, ckpt, mode)
+    err = result.stderr
     what = ("the background write of the checkpoint" if mode == "async"
             else "writing the files of the checkpoint")
     cause = (f"{what} of iteration 4 to {ckpt} failed on rank 1: OSError: [Errno 28] No "
@@ -150,6 +159,7 @@ def test_full_disk_on_one_rank_ends_every_rank_and_the_previous_checkpoint_resum
     # sync: stops in the save of iteration 4; async: at the step boundary after the writers
     # finished, well before the next save (iteration 6)
     assert len(logged) == 4 if mode == "sync" else 4 <= len(logged) < 6, result.stdout[-2000:]
+    script = tmp_path / "resume.py"
     script.write_text(_RESUME)
     resumed = run_script([str(script), *_tp2(gpt2_data, "--load", ckpt, iters=4)], nproc=2,
                          env=dict(NO_NATIVE, PYTHONPATH=REPO))
@@ -183,17 +193,9 @@ def test_publication_failing_on_rank_0_ends_every_rank_and_keeps_the_tracker(
     """Rank 0 alone publishes (folder renamed into place, then the tracker rewritten): its
     tracker write fails at the save of iteration 4; every rank stops with its cause."""
     ckpt = str(tmp_path / "ckpt")
-    script = tmp_path / "tracker_fails.py"
-    script.write_text(_TRACKER_WRITE_FAILS_ON_RANK_0)
-    extra = ("--save", ckpt, "--save-interval", "2") + (("--async-save",) if mode == "async"
-                                                         else ())
-    start = time.monotonic()
-    result = run_script([str(script), *_tp2(gpt2_data, *extra, iters=8)], nproc=2,
-                        env=dict(NO_NATIVE, PYTHONPATH=REPO))
-    seconds = time.monotonic() - start
+    result = _fault_run(gpt2_data, tmp_path, "tracker_fails.py",
+                        _TRACKER_WRITE_FAILS_ON_RANK_0, ckpt, mode)
     err = result.stderr
-    assert result.returncode != 0 and seconds < 60, (result.returncode, seconds, err[-3000:])
-    _assert_user_error_on_both_ranks(err)
     cause = (f"publishing the checkpoint of iteration 4 to {ckpt} failed on rank 0: OSError: "
              f"[Errno 5] Input/output error; the tracker still names the previous complete "
              f"checkpoint")
