@@ -82,6 +82,7 @@ def _t5_env(data, tmp_path, **overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # the sbatch path is GPT-2's test's; run_t5.sh has its own tests
 def test_t5_sbatch_two_nodes_match_one_node(slurm, t5_data, tmp_path):
     one = subprocess.Popen(["bash", "examples/run_t5.sh"], cwd=REPO,
                            env=_t5_env(t5_data, tmp_path / "one"), stdout=subprocess.PIPE,
