@@ -11,8 +11,10 @@ Every case trains on the same device in the same process, tp = pp = dp = 1, bf16
 - ``megatron``: the real training path, as pretrain() builds it: run configuration from
   flags, model from the family's hooks, :func:`megatron.training.backend.build_backend`
   (our AdamW wrapper or the DeepSpeed engine) and ``backend.train_step`` with the entry
-  script's ``forward_step``; ``+compile`` adds ``--compile``; ``deepspeed`` adds
-  ``--deepspeed --zero-stage 1`` (only when deepspeed imports);
+  script's ``forward_step``; ``compile`` adds ``--compile``; ``deepspeed`` adds
+  ``--deepspeed --zero-stage 1`` (only when deepspeed imports); ``unfused`` adds
+  ``--no-layernorm-fusion --no-masked-softmax-fusion`` (PyTorch's LayerNorm and softmax);
+  ``--kinds`` picks among them;
 - ``plain``: benchmarks/plain_models.py's GPT-2 (SDPA, autocast, fused AdamW), eager and
   under ``torch.compile``; ``hf-t5``: transformers' T5ForConditionalGeneration, same.
 
@@ -22,6 +24,7 @@ megatron/training/training_log.py's table; ``--peak-tflops`` overrides), peak me
 """
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -36,6 +39,10 @@ GPT2_SIZES = {"124M": (12, 768, 12), "345M": (24, 1024, 16)}  # layers, hidden, 
 T5_SIZES = {"t5-base": (12, 768, 3072, 12), "t5-large": (24, 1024, 4096, 16)}
 TINY_GPT2 = {"tiny": (2, 64, 4)}
 TINY_T5 = {"tiny-t5": (2, 64, 128, 4)}
+#: The project's cases: flags added to the run's own.
+KIND_FLAGS = {"eager": (), "compile": ("--compile",),
+              "deepspeed": ("--deepspeed", "--zero-stage", "1"),
+              "unfused": ("--no-layernorm-fusion", "--no-masked-softmax-fusion")}
 
 
 def peak_tflops(device, override, dtype):
@@ -75,19 +82,29 @@ def time_steps(step, device, warmup, steps):
 
 
 def profile_step(step, device, path, name):
-    """One profiled step: a chrome trace under ``path`` and the top kernels printed."""
+    """One profiled step: a chrome trace under ``path``, the top kernels and the share of the
+    step's wall time the device was busy (a low share: the step is host-bound)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
+    _sync(device)
+    start = time.perf_counter()
     with profile(activities=activities) as prof:
         step()
         _sync(device)
+    wall = time.perf_counter() - start
     os.makedirs(path, exist_ok=True)
     prof.export_chrome_trace(os.path.join(path, f"{name}.json"))
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(f"--- top kernels: {name} (by {key})")
-    print(prof.key_averages().table(sort_by=key, row_limit=12))
+    events = prof.key_averages()
+    on_device = device.type == "cuda"
+    key = "self_device_time_total" if on_device else "self_cpu_time_total"
+    if on_device and not hasattr(events[0], key):  # older torch
+        key = "self_cuda_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e6 if on_device else None
+    print(f"--- profile: {name}: wall {wall * 1e3:.1f} ms (profiled)"
+          + (f", device busy {busy * 1e3:.1f} ms ({busy / wall:.0%})" if on_device else ""))
+    print(events.table(sort_by=key, row_limit=15, max_name_column_width=60))
 
 
 # ------------------------------------------------------------------ this project's steps
@@ -137,8 +154,7 @@ def project_step(kind, family, flags, vocab, batch_fn, device):
     from megatron.training.backend_factory import build_backend
 
     model_family = get_family(family)
-    argv = flags + (["--compile"] if kind == "compile" else []) + \
-        (["--deepspeed", "--zero-stage", "1"] if kind == "deepspeed" else [])
+    argv = flags + list(KIND_FLAGS[kind])
     cfg = _init_project(argv, model_family, vocab, eod=vocab - 1)
     backend = build_backend(cfg, lambda pipeline: model_family.build_model(cfg, pipeline))
     forward_step = model_family.forward_step(model_family.make_batch_fn(cfg, get_tokenizer()))
@@ -215,11 +231,9 @@ def gpt2_cases(opts, name, layers, hidden, heads, batch):
     def plain_loss(model):
         return model(text[:, :-1], text[:, 1:])
 
-    kinds = ["eager"] + (["compile"] if opts.compile else []) + \
-        (["deepspeed"] if opts.deepspeed else [])
     cases = [(f"megatron {k}", lambda k=k: project_step(k, "gpt2", flags, vocab, batch_fn,
-                                                        opts.device)[0]) for k in kinds]
-    for compiled in (False, True) if opts.compile else (False,):
+                                                        opts.device)[0]) for k in opts.kinds]
+    for compiled in opts.baselines:
         cases.append((f"plain {'compiled' if compiled else 'eager'}",
                       lambda c=compiled: plain_step(PlainGPT2(vocab, seq, hidden, heads, layers),
                                                     plain_loss, opts, opts.device, c)))
@@ -239,11 +253,10 @@ def t5_cases(opts, name, layers, d_model, d_ff, heads, batch):
         return model(input_ids=data["text_enc"], decoder_input_ids=data["text_dec"],
                      labels=data["labels"]).loss
 
-    kinds = ["eager"] + (["compile"] if opts.compile else [])
     cases = [(f"megatron {k}", lambda k=k: project_step(k, "t5", flags, vocab, batch_fn,
-                                                        opts.device)[0]) for k in kinds]
+                                                        opts.device)[0]) for k in opts.kinds]
     if hf_t5(vocab, 1, 8, 8, 1, 8) is not None:
-        for compiled in (False, True) if opts.compile else (False,):
+        for compiled in opts.baselines:
             cases.append((f"hf-t5 {'compiled' if compiled else 'eager'}",
                           lambda c=compiled: plain_step(
                               hf_t5(vocab, layers, d_model, d_ff, heads, d_kv), hf_loss, opts,
@@ -266,10 +279,12 @@ def run_table(title, cases, tokens_per_step, flops, opts):
     peak = peak_tflops(opts.device, opts.peak_tflops, opts.dtype)
     rows = []
     for label, factory in cases:
+        torch._dynamo.reset()  # every compiled case compiles afresh (no recompile limit hit)
         step = factory()
         seconds, memory = time_steps(step, opts.device, opts.warmup, opts.steps)
         if opts.profile:
-            profile_step(step, opts.device, opts.profile, f"{title}-{label}".replace(" ", "_"))
+            profile_step(step, opts.device, opts.profile,
+                         re.sub(r"[^A-Za-z0-9.-]+", "_", f"{title}-{label}"))
         tflops = flops / seconds / 1e12
         rows.append((label, seconds, tokens_per_step / seconds, tflops,
                      tflops / peak if peak else None, memory))
@@ -294,6 +309,12 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny sizes, fp32 on CPU (smoke run)")
     p.add_argument("--models", default="gpt2,t5", help="comma list: gpt2, t5")
     p.add_argument("--batches", default="8,16", help="GPT-2 micro-batches")
+    p.add_argument("--gpt2-sizes", default=",".join(GPT2_SIZES), help="comma list of GPT-2 sizes")
+    p.add_argument("--t5-sizes", default="t5-base", help="comma list of T5 sizes")
+    p.add_argument("--kinds", default="eager,compile,deepspeed",
+                   help=f"the project's cases, comma list of {', '.join(KIND_FLAGS)}")
+    p.add_argument("--baselines", default="eager,compiled",
+                   help="the plain / transformers baselines: eager, compiled")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", dest="compile", action="store_false")
@@ -303,6 +324,17 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=None,
                    help="also draw each table (tokens/s vs the best baseline) into this PNG")
     opts = p.parse_args(argv)
+    opts.kinds = [k for k in opts.kinds.split(",") if k]
+    unknown = [k for k in opts.kinds if k not in KIND_FLAGS]
+    if unknown:
+        p.error(f"--kinds: unknown {unknown}; choose from {', '.join(KIND_FLAGS)}")
+    baselines = [b for b in opts.baselines.split(",") if b]
+    if set(baselines) - {"eager", "compiled"}:
+        p.error(f"--baselines: {baselines}; choose from eager, compiled")
+    opts.baselines = [b == "compiled" for b in baselines]
+    if not opts.compile:
+        opts.kinds = [k for k in opts.kinds if k != "compile"]
+        opts.baselines = [b for b in opts.baselines if not b]
     opts.device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
     opts.dtype = torch.bfloat16 if opts.device.type == "cuda" else torch.float32
     tiny = opts.tiny
@@ -315,6 +347,8 @@ def parse_args(argv=None):
             import deepspeed  # noqa: F401
         except ImportError:
             opts.deepspeed = False
+    if not opts.deepspeed:
+        opts.kinds = [k for k in opts.kinds if k != "deepspeed"]
     return opts
 
 
@@ -348,14 +382,14 @@ def main(argv=None):
     models = opts.models.split(",")
     tables = {}
     if "gpt2" in models:
-        sizes = TINY_GPT2 if opts.tiny else GPT2_SIZES
+        sizes = TINY_GPT2 if opts.tiny else {k: GPT2_SIZES[k] for k in opts.gpt2_sizes.split(",")}
         for size, (layers, hidden, heads) in sizes.items():
             for batch in (int(b) for b in opts.batches.split(",")):
                 cases, tokens, flops = gpt2_cases(opts, size, layers, hidden, heads, batch)
                 title = f"GPT-2 {size}, micro-batch {batch}, seq {opts.seq}"
                 tables[title] = run_table(title, cases, tokens, flops, opts)
     if "t5" in models:
-        sizes = TINY_T5 if opts.tiny else T5_SIZES
+        sizes = TINY_T5 if opts.tiny else {k: T5_SIZES[k] for k in opts.t5_sizes.split(",")}
         for size, (layers, d_model, d_ff, heads) in sizes.items():
             batch = 2 if opts.tiny else 16
             cases, tokens, flops = t5_cases(opts, size, layers, d_model, d_ff, heads, batch)

@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from gpt2_runs import REPO, gpt2_argv
+from gpt2_runs import REPO, gpt2_argv, user_error
+from harness import run_distributed
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -50,3 +51,17 @@ def test_predicted_peak_matches_the_cuda_allocator(gpt2_data, precision):
     measured, predicted = map(int, re.search(r"PEAK measured (\d+) predicted (\d+)",
                                              out.stdout).groups())
     assert abs(predicted - measured) <= 0.10 * measured, (measured, predicted)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_run_that_cannot_fit_is_refused_before_it_allocates(gpt2_data):
+    # GPT-2 of 64 layers x 12288 (~116B parameters, ~1.9 TB of weights, gradients and Adam
+    # states on one GPU): the start-up check refuses it with the figures, before any weight
+    # is allocated (the run would otherwise die in the model's constructor with a CUDA OOM).
+    argv = gpt2_argv(gpt2_data, "--batch-size", "1", "--train-iters", "2", "--bf16",
+                     layers=64, hidden=12288, heads=96, seq=1024)
+    message = run_distributed(user_error, 1, argv, env={"MEGATRON_DEVICE": "cuda"},
+                              timeout=300)[0]
+    assert message is not None and "predicted to need" in message, message
+    assert "GiB free" in message and "changes that would fit" in message, message

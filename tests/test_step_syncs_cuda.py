@@ -4,9 +4,9 @@ The CPU tests (tests/test_step_syncs.py) count value reads and host copies with 
 mode; on a GPU the device says it itself: steps N+1..2N of the real ``pretrain()`` (neither
 the first, lazy step nor the last, logging one) run under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising call (a value
-read, a copy to the host, a host-to-device copy from pageable memory). One process, torch
-DDP backend at tp = 1, fp32 / bf16 / fp16 (fp16: the loss scaler's overflow check stays on
-the device). Skipped without a CUDA device; not yet run on one (no GPU was lent to the
+read, a copy to the host, a host-to-device copy from pageable memory). One process at tp = 1:
+torch DDP backend in fp32 / bf16 / fp16 (fp16: the loss scaler's overflow check stays on the
+device), and DeepSpeed's ZeRO-1 in fp32 / bf16 (stepped by tds.sync_free; the cases tests/test_step_syncs.py holds on the CPU). Skipped without a CUDA device; not yet run on one (no GPU was lent to the
 sessions that wrote it), so a first failure may be the test's own.
 """
 import os
@@ -49,8 +49,10 @@ print("NO SYNCS IN STEPS", N + 1, "TO", 2 * N)
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("precision", [(), ("--bf16",), ("--fp16",)],
-                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", [(), ("--bf16",), ("--fp16",),
+                                       ("--deepspeed", "--zero-stage", "1"),
+                                       ("--bf16", "--deepspeed", "--zero-stage", "1")],
+                         ids=["fp32", "bf16", "fp16", "zero1-fp32", "zero1-bf16"])
 def test_no_syncs_in_a_cuda_step(gpt2_data, precision):
     argv = gpt2_argv(gpt2_data, "--batch-size", "2", "--gas", "2", "--train-iters",
                      str(2 * N + 1), "--log-interval", "1000", "--hidden-dropout", "0",
