@@ -101,7 +101,9 @@ def profile_step(step, device, path, name):
     key = "self_device_time_total" if on_device else "self_cpu_time_total"
     if on_device and not hasattr(events[0], key):  # older torch
         key = "self_cuda_time_total"
-    busy = sum(getattr(e, key) for e in events) / 1e6 if on_device else None
+    # the kernels alone (an operator's device time is its kernels' again)
+    busy = sum(getattr(e, key) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6 if on_device else None
     print(f"--- profile: {name}: wall {wall * 1e3:.1f} ms (profiled)"
           + (f", device busy {busy * 1e3:.1f} ms ({busy / wall:.0%})" if on_device else ""))
     print(events.table(sort_by=key, row_limit=15, max_name_column_width=60))

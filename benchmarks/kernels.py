@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron import fused_kernels, run_plots  # noqa: E402
-from megatron.model.fused_layer_norm import MixedFusedLayerNorm  # noqa: E402
+from megatron.model.fused_layer_norm import MixedFusedLayerNorm, MixedFusedRMSNorm  # noqa: E402
 from megatron.model.fused_softmax import AttnMaskType, FusedScaleMaskSoftmax  # noqa: E402
 
 
@@ -177,29 +177,40 @@ def bench_softmax_case(timer, device, dtype, b, h, s, causal, use_compile):
     return rows
 
 
-def bench_layer_norm_case(timer, device, dtype, rows, hidden, use_compile):
-    fused = MixedFusedLayerNorm(hidden, params_dtype=dtype, device=device)
+def bench_layer_norm_case(timer, device, dtype, rows, hidden, use_compile, rms=False):
+    """LayerNorm (``rms``: RMSNorm) forward and forward+backward: the fused kernel against
+    the PyTorch path the model takes without it (``F.layer_norm``; RMSNorm: fp32 math,
+    megatron.mpu.norms.rms_norm_reference) and that path compiled."""
+    from megatron.mpu.norms import norm_kernel_unavailable_reason, rms_norm_reference
+
+    cls = MixedFusedRMSNorm if rms else MixedFusedLayerNorm
+    fused = cls(hidden, params_dtype=dtype, device=device)
     x = torch.randn(rows, hidden, device=device).to(dtype).requires_grad_()
-    from megatron.model.fused_layer_norm import norm_kernel_unavailable_reason
-
-    if norm_kernel_unavailable_reason(x, fused.weight) is not None:
+    if norm_kernel_unavailable_reason(x, fused.weight, rms=rms) is not None:
         return None
-    w, bias = fused.weight, fused.bias
+    if rms:
+        w, bias = fused.weight, None
 
-    def eager(x, w, bias):
-        return torch.nn.functional.layer_norm(x, (hidden,), w, bias, 1e-5)
+        def eager(x, w, bias):
+            return rms_norm_reference(x, w, fused.eps, (hidden,))
+    else:
+        w, bias = fused.weight, fused.bias
+
+        def eager(x, w, bias):
+            return torch.nn.functional.layer_norm(x, (hidden,), w, bias, 1e-5)
 
     impls = {"fused": lambda x, w, bias: fused(x), "eager": eager,
              "compile": compiled(eager, use_compile)}
     impls = {name: fn for name, fn in impls.items() if fn is not None}
     dy = torch.randn_like(x)
     n = rows * hidden * x.element_size()
+    wanted = (x, w) if bias is None else (x, w, bias)
     with torch.no_grad():
         fwd = timer.compare({name: (lambda fn=fn: fn(x, w, bias)) for name, fn in impls.items()})
-    both = timer.compare({name: (lambda fn=fn: torch.autograd.grad(fn(x, w, bias), (x, w, bias),
-                                                                   dy))
+    both = timer.compare({name: (lambda fn=fn: torch.autograd.grad(fn(x, w, bias), wanted, dy))
                           for name, fn in impls.items()})
-    return [("layer_norm", "fwd", fwd, 2 * n), ("layer_norm", "fwd+bwd", both, 5 * n)]
+    op = "rms_norm" if rms else "layer_norm"
+    return [(op, "fwd", fwd, 2 * n), (op, "fwd+bwd", both, 5 * n)]
 
 
 def print_table(title, rows, copy_bw, gpu, results):
@@ -228,14 +239,14 @@ def check_targets(results, gpu):
     fused = [r for r in results if r["impl"] == "fused"]
     lines = []
     for r in fused:
-        seq = int(r["table"].split(" x ")[-1].split()[0]) if r["op"] != "layer_norm" else 0
+        seq = int(r["table"].split(" x ")[-1].split()[0]) if "norm" not in r["op"] else 0
         if gpu and r["op"] == "causal" and seq >= 1024:
             ok = r["of_copy"] >= 0.8 and r["vs_eager"] >= 1.5
             lines.append((ok, f"causal {r['direction']} {r['table']}: {r['of_copy']:.0%} of copy "
                               f"(>= 80%), {r['vs_eager']:.2f}x eager (>= 1.5x)"))
-        elif gpu and r["op"] == "layer_norm" and r["direction"] == "fwd+bwd":
-            lines.append((r["vs_eager"] >= 1.0, f"layer_norm fwd+bwd {r['table']}: "
-                                                f"{r['vs_eager']:.2f}x F.layer_norm (>= 1x)"))
+        elif gpu and "norm" in r["op"] and r["direction"] == "fwd+bwd":
+            lines.append((r["vs_eager"] >= 1.0, f"{r['op']} fwd+bwd {r['table']}: "
+                                                f"{r['vs_eager']:.2f}x PyTorch's (>= 1x)"))
         elif not gpu and r["op"] in ("causal", "padding"):
             lines.append((r["vs_eager"] >= 1.5, f"{r['op']} {r['direction']} {r['table']}: "
                                                 f"{r['vs_eager']:.2f}x eager (>= 1.5x)"))
@@ -282,7 +293,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
     print(f"machine: {machine(device)}")
-    status = fused_kernels.load(None)
+    # the fused norms are measured whatever the device's default path (--layernorm-fusion)
+    status = fused_kernels.load(argparse.Namespace(masked_softmax_fusion=True,
+                                                   layernorm_fusion=True))
     print(f"kernels: {status}")
     timer = Timer(device, repeats)
     copy_bw = copy_bandwidth(device, timer) if gpu else None
@@ -302,11 +315,14 @@ def main(argv=None):
             else:
                 print(f"\nsoftmax {name} {b} x {h} x {s} x {s}: no fused kernel for this case")
         for hidden in (int(v) for v in args.hiddens.split(",") if v):
-            case = bench_layer_norm_case(timer, device, dtype, rows, hidden, not args.no_compile)
-            if case:
-                print_table(f"layer_norm {name} {rows} x {hidden}", case, copy_bw, gpu, results)
-            else:
-                print(f"\nlayer_norm {name} {rows} x {hidden}: no fused kernel for this case")
+            for rms in (False, True):
+                op = "rms_norm" if rms else "layer_norm"
+                case = bench_layer_norm_case(timer, device, dtype, rows, hidden,
+                                             not args.no_compile, rms=rms)
+                if case:
+                    print_table(f"{op} {name} {rows} x {hidden}", case, copy_bw, gpu, results)
+                else:
+                    print(f"\n{op} {name} {rows} x {hidden}: no fused kernel for this case")
     met = check_targets(results, gpu)
     if args.json:
         with open(args.json, "w") as f:

@@ -5,9 +5,11 @@
 #   bash benchmarks/run_h100.sh [PHASE ...]       (default: every phase, in this order)
 #
 # Phases: env (versions, nvidia-smi), build (the CUDA and CPU kernels, once), tests (pytest -m
-# gpu), kernels (benchmarks/kernels.py at the models' shapes), eager (throughput tables, the
-# eager cases), compiled (the --compile cases and compiled baselines). Each phase has its own
-# time limit (PHASE_LIMIT_<name> seconds), so one that runs long leaves the rest their time.
+# gpu), checks (the tests and tests/gpu_probe_t5_fp16.py side by side: neither is timed),
+# kernels (benchmarks/kernels.py at the models' shapes), eager (throughput tables, the eager
+# cases), compiled (the --compile cases and compiled baselines), throughput (the tables with
+# $THROUGHPUT_ARGS). Each phase has its own time limit (PHASE_LIMIT_<name> seconds), so one
+# that runs long leaves the rest their time.
 #
 # The GPU machine has no package index: DeepSpeed and what it needs beyond the machine's image
 # travel as wheels in .whl/ (ignored by git; see docs/benchmarks.md for the pip commands).
@@ -45,14 +47,19 @@ from megatron.fused_kernels import build
 t = time.time(); m = build.load_kernels('cpu'); print('cpu kernels', m is not None, f'{time.time() - t:.0f} s', build._ERRORS)
 " 2>&1 | tail -5
       wait ;;
-    tests)
+    tests|checks)
+      if [ "$phase" = checks ]; then
+        timeout "$(limit checks 240)" python3 tests/gpu_probe_t5_fp16.py > "$OUT/probe.txt" 2>&1 &
+      fi
       timeout "$(limit tests 240)" python3 -m pytest -q -m gpu -n "${GPU_TEST_WORKERS:-8}" \
         -p no:cacheprovider --durations=15 ${GPU_TESTS:-} > "$OUT/gpu_tests.txt" 2>&1
       echo "pytest rc=$?" >> "$OUT/gpu_tests.txt"
-      grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/gpu_tests.txt" | tail -40 ;;
+      wait
+      grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/gpu_tests.txt" | tail -40
+      [ "$phase" = checks ] && grep -vE "^\[|WARNING" "$OUT/probe.txt" | tail -12 ;;
     kernels)
       timeout "$(limit kernels 120)" python3 benchmarks/kernels.py --dtypes bf16 \
-        --seqs "${KERNEL_SEQS:-1024,2048}" --hiddens "${KERNEL_HIDDENS:-768,1024,4096}" \
+        --seqs "${KERNEL_SEQS-1024,2048}" --hiddens "${KERNEL_HIDDENS-768,1024,4096}" \
         --json "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
       echo "kernels rc=$?" >> "$OUT/kernels.txt"
       grep -vE "^\[|WARNING" "$OUT/kernels.txt" | tail -30 ;;
@@ -68,7 +75,13 @@ t = time.time(); m = build.load_kernels('cpu'); print('cpu kernels', m is not No
         > "$OUT/throughput_compiled.txt" 2>&1
       echo "throughput rc=$?" >> "$OUT/throughput_compiled.txt"
       grep -E "^(###|\||--- profile)|rc=|Error" "$OUT/throughput_compiled.txt" | tail -60 ;;
-    *) log "unknown phase $phase (env build tests kernels eager compiled)"; exit 2 ;;
+    throughput)
+      timeout "$(limit throughput 300)" python3 benchmarks/gpu_throughput.py ${THROUGHPUT_ARGS:-} \
+        --profile /tmp/profiles > "$OUT/throughput.txt" 2>&1
+      echo "throughput rc=$?" >> "$OUT/throughput.txt"
+      grep -E "^(###|\||--- profile)|rc=|Error" "$OUT/throughput.txt" | tail -60 ;;
+    *) log "unknown phase $phase (env build tests checks kernels eager compiled throughput)"
+       exit 2 ;;
   esac
   log "phase $phase: done"
 done

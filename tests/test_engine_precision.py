@@ -75,3 +75,23 @@ def test_fp16_zero1_engine_tracks_fp32(gpt2_data, fp32_losses):
     assert len(losses) == STEPS
     assert losses[-1] < losses[0] - 0.2
     assert abs(losses[0] - fp32_losses[0]) / fp32_losses[0] < BF16_TOLERANCE
+
+
+def test_deepspeed_runs_as_one_process_without_a_launcher(gpt2_data):
+    # `python pretrain_gpt2.py --deepspeed` on one device: no launcher sets LOCAL_RANK, which
+    # DeepSpeed's engine asserts on (found on the H100: the CUDA sync test ran it so).
+    import os
+    import subprocess
+    import sys
+
+    from gpt2_runs import REPO, gpt2_argv
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    argv = gpt2_argv(gpt2_data, "--batch-size", "2", "--train-iters", "3", "--deepspeed",
+                     "--zero-stage", "1", "--eval-iters", "0")
+    out = subprocess.run([sys.executable, "pretrain_gpt2.py", *argv], cwd=REPO,
+                         env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "iteration        3/       3" in out.stdout, out.stdout[-2000:]

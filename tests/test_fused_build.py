@@ -167,7 +167,8 @@ def test_arguments_and_status(monkeypatch):
     monkeypatch.setattr(fused_kernels, "_FLAGS", dict(fused_kernels._FLAGS))
     parser = fused_kernels.add_fused_kernel_args(argparse.ArgumentParser())
     args = parser.parse_args([])
-    assert args.masked_softmax_fusion and args.layernorm_fusion
+    assert args.masked_softmax_fusion and args.layernorm_fusion is None  # per device
+    assert parser.parse_args(["--layernorm-fusion"]).layernorm_fusion is True
     args = parser.parse_args(["--no-masked-softmax-fusion", "--no-layernorm-fusion"])
     assert not args.masked_softmax_fusion and not args.layernorm_fusion
     status = fused_kernels.load(args)
@@ -208,3 +209,22 @@ def test_stale_ahead_of_time_module_is_ignored(monkeypatch):
     monkeypatch.setattr(build, "_AOT_CHECKED", {})
     monkeypatch.setattr(build.importlib, "import_module", lambda name: current)
     assert build._ahead_of_time_module("cpu") is current
+
+
+def test_norms_take_the_faster_path_per_device_without_a_flag(monkeypatch):
+    # Measured on an H100 (issue 38): F.layer_norm beats the fused LayerNorm; the fused
+    # RMSNorm beats PyTorch's four kernels; on the CPU both twins win. A flag overrides.
+    monkeypatch.setattr(fused_kernels, "_FLAGS", {"layernorm_fusion": None})
+    monkeypatch.delenv(fused_kernels.ENV_DISABLE, raising=False)
+    enabled = fused_kernels.norm_fusion_enabled
+    assert not enabled("layer_norm", "cuda") and enabled("rms_norm", "cuda")
+    assert enabled("layer_norm", "cpu") and enabled("rms_norm", "cpu")
+    said = fused_kernels._norm_path(None, object(), None, "cuda")
+    assert said.startswith("PyTorch (faster on CUDA") and "RMSNorm: fused CUDA kernel" in said
+    assert fused_kernels._norm_path(None, object(), None, "cpu") == "fused CPU kernel"
+    for flag in (True, False):
+        monkeypatch.setitem(fused_kernels._FLAGS, "layernorm_fusion", flag)
+        assert enabled("layer_norm", "cuda") is flag and enabled("rms_norm", "cpu") is flag
+    monkeypatch.setitem(fused_kernels._FLAGS, "layernorm_fusion", None)
+    monkeypatch.setenv(fused_kernels.ENV_DISABLE, "1")
+    assert not enabled("rms_norm", "cpu")

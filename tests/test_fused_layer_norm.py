@@ -176,6 +176,7 @@ def test_unsupported_inputs_take_the_fallback(cpu_kernels, monkeypatch, seed):
 @pytest.mark.parametrize("rows,hidden", [(1, 8), (7, 1000), (300, 1024), (64, 4096),
                                          (33, 8192)])
 def test_cuda_kernel_matches_reference(monkeypatch, seed, rows, hidden, dtype, params_dtype, rms):
+    monkeypatch.setitem(fused_kernels._FLAGS, "layernorm_fusion", True)  # LayerNorm: not default
     torch.manual_seed(seed)
     norm = make_norm(rms, hidden, params_dtype, "cuda", seed)
     x = (torch.randn(rows, hidden, device="cuda") * 3 + 1).to(dtype)

@@ -224,7 +224,9 @@ class KernelConfig(Section):
     """How fast the step runs, not what it computes (``cfg.kernels``)."""
 
     masked_softmax_fusion: bool
-    layernorm_fusion: bool
+    layernorm_fusion: Optional[bool]
+    """True / False from ``--[no-]layernorm-fusion``; None: each norm's faster path on the
+    device (``megatron.fused_kernels.NORM_FUSION_BY_DEFAULT``)."""
     attention_backend: str
     """``sdpa`` or ``unfused`` (megatron/model/attention.py)."""
     compile: bool

@@ -5,9 +5,10 @@ the kernels for this process's device and returns a :class:`KernelStatus` saying
 each op takes. The model-side wrappers (megatron/model/fused_softmax.py, fused_layer_norm.py)
 ask :func:`get_module` for the compiled module at call time; None means the PyTorch path.
 
-Switches: ``--no-masked-softmax-fusion`` / ``--no-layernorm-fusion`` (arguments, see
+Switches: ``--no-masked-softmax-fusion`` / ``--[no-]layernorm-fusion`` (arguments, see
 :func:`add_fused_kernel_args`) and ``MEGATRON_TDS_NO_FUSED_KERNELS=1`` (environment, forces
-every op onto the PyTorch path without attempting a build).
+every op onto the PyTorch path without attempting a build). Without ``--[no-]layernorm-fusion``
+each norm takes the path measured faster on its device (:data:`NORM_FUSION_BY_DEFAULT`).
 """
 import dataclasses
 import logging
@@ -20,16 +21,28 @@ logger = logging.getLogger(__name__)
 
 ENV_DISABLE = "MEGATRON_TDS_NO_FUSED_KERNELS"
 
-#: ``--[no-]layernorm-fusion`` for MixedFusedLayerNorm (Megatron's constructor has no switch).
+#: ``--[no-]layernorm-fusion`` for MixedFusedLayerNorm / MixedFusedRMSNorm (Megatron's
+#: constructors have no switch): True / False, or None (neither flag: per device, below).
 #: The masked softmax takes ``--[no-]masked-softmax-fusion`` from its model config alone.
-_FLAGS = {"layernorm_fusion": True}
+_FLAGS = {"layernorm_fusion": None}
+
+#: Whether a norm takes the fused kernel when neither ``--layernorm-fusion`` nor
+#: ``--no-layernorm-fusion`` is given, per (norm, device type): the faster path where it was
+#: measured. On an H100 (benchmarks/kernels.py, bf16, 16384 rows x 768 / 1024 / 4096, issue
+#: 38) the fused LayerNorm's forward + backward took 0.32x / 0.34x / 0.61x the time of
+#: ``F.layer_norm``'s, and GPT-2 345M trained 7-14% faster without it; the fused RMSNorm
+#: replaces four PyTorch kernels (T5-base: 8% slower without it). On the CPU both twins are
+#: the faster (docs/benchmarks.md). A pair not listed takes the kernel.
+NORM_FUSION_BY_DEFAULT = {("layer_norm", "cuda"): False, ("rms_norm", "cuda"): True,
+                          ("layer_norm", "cpu"): True, ("rms_norm", "cpu"): True}
 _STATUS = None
 #: Why every op was put on the PyTorch path after start-up (:func:`force_fallback`), or None.
 _FORCED_OFF = None
 
 
 def add_fused_kernel_args(parser):
-    """Add ``--[no-]masked-softmax-fusion`` and ``--[no-]layernorm-fusion`` (default: on).
+    """Add ``--[no-]masked-softmax-fusion`` (default: on) and ``--[no-]layernorm-fusion``
+    (default: None, the faster path per device, :data:`NORM_FUSION_BY_DEFAULT`).
 
     Args:
         parser: an ``argparse.ArgumentParser``; the flags go in a "fused kernels" group.
@@ -41,7 +54,7 @@ def add_fused_kernel_args(parser):
         group.add_argument(f"--{name}", dest=dest, action="store_true", help=f"use the {what}")
         group.add_argument(f"--no-{name}", dest=dest, action="store_false",
                            help=f"use PyTorch instead of the {what}")
-        group.set_defaults(**{dest: True})
+        group.set_defaults(**{dest: True if name == "masked-softmax-fusion" else None})
     return parser
 
 
@@ -56,8 +69,17 @@ def disabled_reason():
 
 
 def fusion_enabled(op):
-    """Whether the run allows fusing ``op`` (``"layernorm_fusion"``)."""
-    return _FLAGS[op] and disabled_reason() is None
+    """Whether the run allows fusing ``op`` (``"layernorm_fusion"``) on some device."""
+    return _FLAGS[op] is not False and disabled_reason() is None
+
+
+def norm_fusion_enabled(norm, device_type):
+    """Whether ``norm`` (``"layer_norm"`` / ``"rms_norm"``) on ``device_type`` takes the fused
+    kernel: the flag when given, else :data:`NORM_FUSION_BY_DEFAULT`."""
+    if disabled_reason() is not None:
+        return False
+    flag = _FLAGS["layernorm_fusion"]
+    return NORM_FUSION_BY_DEFAULT.get((norm, device_type), True) if flag is None else flag
 
 
 def get_module(device_type, collective=False):
@@ -124,6 +146,19 @@ def _path(enabled, cli_flag, module, failure, kind):
     return f"fused {kind.upper()} kernel"
 
 
+def _norm_path(flag, module, failure, kind):
+    """The norms' status: the flag's path, or without one each norm's default on ``kind``."""
+    if flag is not None:
+        return _path(flag, "--no-layernorm-fusion", module, failure, kind)
+    paths = {norm: _path(True, "", module, failure, kind)
+             if NORM_FUSION_BY_DEFAULT.get((norm, kind), True) else
+             f"PyTorch (faster on {kind.upper()}; --layernorm-fusion forces the kernel)"
+             for norm in ("layer_norm", "rms_norm")}
+    if paths["layer_norm"] == paths["rms_norm"]:
+        return paths["layer_norm"]
+    return f"{paths['layer_norm']}; RMSNorm: {paths['rms_norm']}"
+
+
 def load(kernels=None):
     """Build or load the kernels for this process's device; return the status for the log.
 
@@ -137,13 +172,16 @@ def load(kernels=None):
     global _STATUS
     softmax = True if kernels is None else bool(kernels.masked_softmax_fusion)
     if kernels is not None:
-        _FLAGS.update(layernorm_fusion=bool(kernels.layernorm_fusion))
+        flag = kernels.layernorm_fusion
+        _FLAGS.update(layernorm_fusion=None if flag is None else bool(flag))
     from ..device import get_device
 
     kind = get_device().type
     failure = disabled_reason()
     module, build_failure = None, ""
-    if failure is None and (softmax or _FLAGS["layernorm_fusion"]):
+    norms = _FLAGS["layernorm_fusion"]
+    if failure is None and (softmax or norms is True or (norms is None and any(
+            NORM_FUSION_BY_DEFAULT.get((n, kind), True) for n in ("layer_norm", "rms_norm")))):
         module = get_module(kind, collective=True)
         if module is None:
             from .build import last_error
@@ -154,8 +192,7 @@ def load(kernels=None):
     _STATUS = KernelStatus(
         device=kind,
         masked_softmax=_path(softmax, "--no-masked-softmax-fusion", module, failure, kind),
-        layer_norm=_path(_FLAGS["layernorm_fusion"], "--no-layernorm-fusion", module, failure,
-                         kind),
+        layer_norm=_norm_path(_FLAGS["layernorm_fusion"], module, failure, kind),
         target=module.target() if module is not None else "", build_failure=build_failure)
     logger.debug("fused kernels: %s", _STATUS)  # the caller prints it (initialize_megatron)
     return _STATUS

@@ -9,8 +9,10 @@ return the input's dtype:
   computed entirely in fp32, then cast back).
 
 Parameters are named ``weight`` / ``bias`` as in ``torch.nn.LayerNorm``, so checkpoints and
-HF conversions map one to one. The kernels run when ``--layernorm-fusion`` is on (default),
-the compiled module is available for the device, and the shape/dtype fit (CPU: fp32/bf16
+HF conversions map one to one. The kernels run when ``--layernorm-fusion`` is given, or
+neither flag is and the kernel is the faster path on the device
+(``fused_kernels.NORM_FUSION_BY_DEFAULT``: CUDA LayerNorm takes ``F.layer_norm``), the
+compiled module is available for the device, and the shape/dtype fit (CPU: fp32/bf16
 input; CUDA: fp32/fp16/bf16 with hidden % 8 == 0 and hidden <= 8192).
 
 They are mpu pieces (``mpu.RMSNorm`` is :class:`MixedFusedRMSNorm`): with
@@ -38,14 +40,16 @@ def fused_norm(x, weight, bias, eps, rms):
     return custom_ops.norm(x, weight, bias, eps, rms)
 
 
-def norm_kernel_unavailable_reason(x, weight):
+def norm_kernel_unavailable_reason(x, weight, rms=False):
     """Why the fused norm does not apply to ``x`` with ``weight``, or None when it does.
 
     Args:
         x: the input activations.
         weight: the norm's weight (its numel is the normalized size).
+        rms: RMSNorm (else LayerNorm): the default path differs per device.
     """
-    if not fused_kernels.fusion_enabled("layernorm_fusion"):
+    if not fused_kernels.norm_fusion_enabled("rms_norm" if rms else "layer_norm",
+                                             x.device.type):
         return "fusion disabled"
     hidden, device = weight.numel(), x.device
     if weight.dtype not in (torch.float32, x.dtype) or weight.device != device:
@@ -158,7 +162,7 @@ class MixedFusedRMSNorm(nn.Module):
 
     def forward(self, input):
         weight = sequence_parallel_param(self.weight) if self.sequence_parallel else self.weight
-        if norm_kernel_unavailable_reason(input, weight) is None:
+        if norm_kernel_unavailable_reason(input, weight, rms=True) is None:
             return fused_norm(input, weight, None, self.eps, True)
         return rms_norm_reference(input, weight, self.eps, self.normalized_shape)
 

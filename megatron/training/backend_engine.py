@@ -9,6 +9,7 @@ schedule come from the same factory as the DDP backend's, so both take the same 
 """
 import functools
 import json
+import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .. import mpu
@@ -105,9 +106,16 @@ def build_deepspeed_config(cfg: Any, pipeline: bool) -> Dict[str, Any]:
 
 def attach_deepspeed_comm(cfg: Any) -> None:
     """Attach DeepSpeed's communication layer to the default group (megatron.initialize
-    started torch.distributed; this creates no other group)."""
+    started torch.distributed; this creates no other group).
+
+    DeepSpeed's engine reads the local rank from ``LOCAL_RANK`` alone (an assertion without
+    it); a launcher sets it, ``python pretrain_gpt2.py --deepspeed`` on one device does not.
+    The local rank megatron.initialize chose (0 without a launcher) is exported for it.
+    """
     import tds as deepspeed
 
+    if "LOCAL_RANK" not in os.environ and "OMPI_COMM_WORLD_LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(cfg.parallel.local_rank)
     deepspeed.init_distributed(dist_backend=cfg.parallel.dist_backend)
 
 
