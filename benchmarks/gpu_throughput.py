@@ -107,6 +107,9 @@ def profile_step(step, device, path, name):
     print(f"--- profile: {name}: wall {wall * 1e3:.1f} ms (profiled)"
           + (f", device busy {busy * 1e3:.1f} ms ({busy / wall:.0%})" if on_device else ""))
     print(events.table(sort_by=key, row_limit=15, max_name_column_width=60))
+    if on_device:  # where the host's time goes (a host-bound step)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12,
+                           max_name_column_width=60))
 
 
 # ------------------------------------------------------------------ this project's steps
