@@ -24,6 +24,12 @@ The ZeRO optimizer is configured with ``zero_optimization.compute_grad_norm: fal
 ``gradient_clipping``. Checkpoints record that value as DeepSpeed does, so a checkpoint moves
 between runs with and without the sync-free step in either direction.
 
+DeepSpeed's norm helpers mask a non-finite norm to -1 with a tensor made from host data
+(``deepspeed.runtime.utils.mask_nan_or_inf_with_val_inplace``: ``torch.tensor(-1.0,
+device=...)``, on a GPU a copy from pageable memory, which waits: found on an H100 by
+``torch.cuda.set_sync_debug_mode``). :func:`install` puts :func:`mask_nan_or_inf_inplace`
+(the same values, filled from a Python number) in its place in DeepSpeed's modules that call it.
+
 Where a configuration is one DeepSpeed's sync-free options do not allow (optimizer offload,
 ZeRO-1 bf16 with fp32 gradient accumulation: DeepSpeed's bf16 optimizer is used then, and is
 made sync-free instead), nothing changes but what this module can change; ``engine.
@@ -34,6 +40,8 @@ import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import deepspeed.runtime.utils as ds_utils
+import deepspeed.runtime.zero.stage_1_and_2 as ds_zero
 from deepspeed.checkpoint.constants import CLIP_GRAD
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.utils import get_global_norm_of_tensors
@@ -82,6 +90,24 @@ def prepare_config(config: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[flo
     return config, max_norm
 
 
+def mask_nan_or_inf_inplace(input: torch.Tensor, device: Any = None,
+                            val: float = -1.0) -> None:
+    """DeepSpeed's ``mask_nan_or_inf_with_val_inplace`` without its host-made tensor: inf and
+    nan entries of ``input`` become ``val`` (DeepSpeed's callers: -1), on the device."""
+    input.masked_fill_(input.isinf().logical_or_(input.isnan()), val)
+
+
+#: DeepSpeed's modules whose norm helpers call the masking by this name.
+_MASKING_MODULES = (ds_utils, ds_zero)
+#: DeepSpeed's own masking (kept for the tests that compare the two).
+DEEPSPEED_MASKING = ds_utils.mask_nan_or_inf_with_val_inplace
+
+
+def _install_masking() -> None:
+    for module in _MASKING_MODULES:
+        module.mask_nan_or_inf_with_val_inplace = mask_nan_or_inf_inplace
+
+
 def install(engine: Any, max_norm: Optional[float]) -> bool:
     """Make ``engine``'s optimizer step sync-free (see the module docstring); returns whether
     it now is (also kept as ``engine.sync_free_step``)."""
@@ -97,6 +123,8 @@ def install(engine: Any, max_norm: Optional[float]) -> bool:
                 not getattr(optimizer, "_uses_muon", False):
             optimizer.__class__ = SyncFreeBF16Optimizer
             done = True
+    if done:
+        _install_masking()
     engine.sync_free_step = done
     return done
 

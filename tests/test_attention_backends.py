@@ -177,3 +177,29 @@ def test_attention_backend_spellings():
     assert {resolve_attention_backend(n) for n in ("unfused", "local")} == {"unfused"}
     with pytest.raises(ConfigError, match="unknown attention backend"):
         resolve_attention_backend("triton")
+
+
+def test_a_masked_cuda_call_leaves_cudnn_out(monkeypatch, seed):
+    # cuDNN's masked SDPA backward stopped T5 fp16 training on an H100 (issue 38): a call with
+    # a mask tensor on CUDA may use every kernel but cuDNN's; other calls keep PyTorch's pick.
+    from torch.nn.attention import SDPBackend
+
+    from megatron.model import attention
+
+    masked = attention.sdpa_backends_for("cuda", True)
+    assert SDPBackend.CUDNN_ATTENTION not in masked and SDPBackend.MATH in masked
+    assert attention.sdpa_backends_for("cuda", False) is None
+    assert attention.sdpa_backends_for("cpu", True) is None
+    # the restricted call computes the same (run here on the CPU's kernels of the list)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(16, 2, 4, 8, generator=g) for _ in range(3))
+    bias = torch.randn(1, 4, 16, 16, generator=g)
+    mask = torch.rand(2, 1, 16, 16, generator=g) < 0.3
+    free = attention.sdpa_attention(q, k, v, scale=1.0, dropout_p=0.0, mask=mask, bias=bias)
+    calls = []
+    monkeypatch.setattr(attention, "sdpa_backends_for",
+                        lambda device, has_mask: calls.append(has_mask) or
+                        (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH))
+    kept = attention.sdpa_attention(q, k, v, scale=1.0, dropout_p=0.0, mask=mask, bias=bias)
+    assert calls == [True]
+    torch.testing.assert_close(kept, free)

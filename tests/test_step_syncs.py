@@ -90,14 +90,16 @@ def test_counter_sees_value_reads_and_host_copies_on_its_thread_only():
         x.tolist()
         x.numpy()
         x.nonzero()
+        torch.tensor(-1.0)  # host data made a tensor: on a GPU (device=...) a pageable copy
         y = x * 2  # no read: not counted
         thread = threading.Thread(target=lambda: seen.append(x.sum().item()))
         thread.start()
         thread.join()
     names = [name for name, _ in counter.events]
-    assert len(names) == 7, names
+    assert len(names) == 8, names
     assert names.count("aten._local_scalar_dense.default") >= 2
-    assert {"Tensor.cpu", "Tensor.tolist", "Tensor.numpy", "aten.nonzero.default"} <= set(names)
+    assert {"Tensor.cpu", "Tensor.tolist", "Tensor.numpy", "aten.nonzero.default",
+            "aten.lift_fresh.default"} <= set(names)
     assert torch.equal(y, x * 2) and seen  # the other thread ran, uncounted
     assert torch.Tensor.cpu is not None and x.cpu() is x  # methods restored
 

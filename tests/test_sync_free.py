@@ -193,3 +193,38 @@ def test_prepare_config_leaves_fp16_and_offload_to_deepspeed():
     assert prepare_config(offload) == (offload, None)
     with pytest.raises(TypeError, match="as a dict"):
         prepare_config("ds_config.json")
+
+
+def test_norm_masking_is_deepspeeds_without_a_host_made_tensor():
+    # DeepSpeed masks a non-finite norm with torch.tensor(-1.0, device=...): a pageable copy
+    # (a wait) on a GPU, found on an H100. tds's replacement gives the same values from a
+    # Python number; install() puts it where DeepSpeed's norm helpers look it up.
+    import deepspeed.runtime.utils as ds_utils
+    import deepspeed.runtime.zero.stage_1_and_2 as ds_zero
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tds import sync_free
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    original = sync_free.DEEPSPEED_MASKING
+    assert original is not sync_free.mask_nan_or_inf_inplace
+    values = torch.tensor([1.5, float("inf"), float("nan"), -float("inf"), 0.0, -2.0])
+    theirs, ours = values.clone(), values.clone()
+    with Ops() as their_ops:
+        original(theirs, device=theirs.device)
+    with Ops() as our_ops:
+        sync_free.mask_nan_or_inf_inplace(ours, device=ours.device)
+    assert torch.equal(theirs, ours) and ours.tolist() == [1.5, -1.0, -1.0, -1.0, 0.0, -2.0]
+    assert "aten.lift_fresh.default" in their_ops.seen  # the copy the replacement avoids
+    assert "aten.lift_fresh.default" not in our_ops.seen, our_ops.seen
+    sync_free._install_masking()
+    assert ds_utils.mask_nan_or_inf_with_val_inplace is sync_free.mask_nan_or_inf_inplace
+    assert ds_zero.mask_nan_or_inf_with_val_inplace is sync_free.mask_nan_or_inf_inplace

@@ -20,6 +20,13 @@ become one additive float mask whose masked entries are the dtype's lowest value
 with every entry masked comes out uniform, as Megatron's -10000 fill gives) and whose
 gradient reaches the bias.
 
+With a mask tensor on CUDA (T5's bias and padding, a padded or cached GPT-2) SDPA may not
+pick cuDNN's kernel (:data:`MASKED_SDPA_BACKENDS`): on an H100 (torch 2.11, cuDNN's
+default-on-Hopper attention) T5's fp16 run got non-finite gradients at every step from the
+second on, at every loss scale, and trained with cuDNN off and nothing else changed
+(tests/gpu_probe_t5_fp16.py; pytorch/pytorch#196678 describes cuDNN's masked backward
+writing NaN into dQ). The causal GPT-2 path passes no mask and keeps every kernel.
+
 At tensor-parallel size > 1 attention dropout runs inside the model-parallel RNG tracker on
 both paths, so the ranks (which hold different heads) draw their own masks; the tracker is
 forked only where a mask is drawn (p > 0, training). At tp = 1 no other rank holds heads and
@@ -28,6 +35,7 @@ the default stream serves, with no fork: ``torch.compile`` cannot trace the fork
 """
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import mpu
 from ..errors import ConfigError
@@ -37,6 +45,9 @@ from .fused_softmax import causal_exclusion
 ATTENTION_BACKENDS = {"auto": "sdpa", "flash": "sdpa", "fused": "sdpa", "sdpa": "sdpa",
                       "unfused": "unfused", "local": "unfused"}
 DEFAULT_ATTENTION_BACKEND = "sdpa"
+#: The SDPA kernels allowed with a mask tensor on CUDA: all but cuDNN's (module docstring).
+MASKED_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH)
 
 
 def resolve_attention_backend(name):
@@ -125,10 +136,24 @@ def sdpa_attention(q, k, v, *, scale, dropout_p, causal=False, mask=None, bias=N
     args = (to_heads_first(q), to_heads_first(k), to_heads_first(v))
     kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
     if dropout_p > 0 and per_rank_dropout:  # a graph break when compiled: only where needed
-        context = mpu.in_model_parallel_stream(F.scaled_dot_product_attention, *args, **kwargs)
+        context = mpu.in_model_parallel_stream(_sdpa, *args, **kwargs)
     else:
-        context = F.scaled_dot_product_attention(*args, **kwargs)
+        context = _sdpa(*args, **kwargs)
     return from_heads_first(context)  # [sq, b, np * hn]
+
+
+def sdpa_backends_for(device_type, has_mask):
+    """The SDPA kernels a call may use: None (PyTorch's choice among all), or
+    :data:`MASKED_SDPA_BACKENDS` for a mask tensor on CUDA."""
+    return MASKED_SDPA_BACKENDS if has_mask and device_type == "cuda" else None
+
+
+def _sdpa(q, k, v, **kwargs):
+    backends = sdpa_backends_for(q.device.type, kwargs["attn_mask"] is not None)
+    if backends is None:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(list(backends)):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def bmm_attention(q, k, v, scale_mask_softmax, dropout, mask=None, bias=None,

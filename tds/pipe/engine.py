@@ -93,6 +93,23 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
             return super()._loss_stage_global_rank()
         return self.grid.stage_to_global(self._loss_stage)
 
+    def _aggregate_total_loss(self) -> torch.Tensor:
+        """DeepSpeed's loss aggregation; a stage without the loss receives it into a buffer
+        made on the device (DeepSpeed's ``torch.Tensor([0.] * n).to(device)`` copies host
+        data: on a GPU a copy from pageable memory, which waits every step)."""
+        if self.is_last_stage():
+            return super()._aggregate_total_loss()
+        additional = self.module.get_additional_losses()
+        names = [] if additional is None else list(additional.keys())
+        losses = torch.zeros(2 + len(names), device=self.device)
+        torch.distributed.broadcast(losses, src=self._loss_stage_global_rank(),
+                                    group=self.grid.get_pipe_parallel_group())
+        self.dp_group_loss = losses[0].clone().detach()
+        if additional is not None:
+            self.agg_additional_losses = {name: losses[2 + i].clone().detach()
+                                          for i, name in enumerate(names)}
+        return losses[1].clone().detach()
+
     # ------------------------------------------------------------ CPM-Pretrain setters
     def _set_contract(self, types=None, grads=None, partitioned=None):
         c = self.contract
