@@ -5,9 +5,12 @@ mode; on a GPU the device says it itself: steps N+1..2N of the real ``pretrain()
 the first, lazy step nor the last, logging one) run under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising call (a value
 read, a copy to the host, a host-to-device copy from pageable memory). One process at tp = 1:
-torch DDP backend in fp32 / bf16 / fp16 (fp16: the loss scaler's overflow check stays on the
-device), and DeepSpeed's ZeRO-1 in fp32 / bf16 (stepped by tds.sync_free; the cases tests/test_step_syncs.py holds on the CPU). Skipped without a CUDA device; not yet run on one (no GPU was lent to the
-sessions that wrote it), so a first failure may be the test's own.
+torch DDP fp32 / bf16 / fp16 (fp16: the loss scaler's overflow check stays on the device), and
+DeepSpeed's ZeRO-1 in fp32 / bf16 (stepped by tds.sync_free; the cases
+tests/test_step_syncs.py holds on the CPU). Skipped without a CUDA device. On an H100
+(2026-11-27) the DDP cases passed; the ZeRO-1 cases found DeepSpeed's norm masking copying a
+host-made tensor every step (now replaced by tds.sync_free, checked on the CPU by
+tests/test_sync_free.py and the CPU counter, not yet again on a GPU).
 """
 import os
 import subprocess
