@@ -15,9 +15,10 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # torch is a floor only: on a CPU machine install `torch==2.13.0` (the CPU
-# wheel) first, and this range will not pull several GB of CUDA wheels.
+# wheel) first, and this range will not pull several GB of CUDA wheels. 2.4 is the
+# oldest with torch.library.custom_op (the fused kernels' operators) and sdpa_kernel.
 INSTALL_REQUIRES = [
-    "torch>=2.1",
+    "torch>=2.4",
     "deepspeed>=0.19,<0.20",
     "numpy",
     "sentencepiece",
