@@ -197,6 +197,7 @@ def test_one_graph_per_layer_at_tp1(results):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # the default run: tp 1's graphs and the tracker-fork test at tp 2
 def test_graphs_per_layer_at_tp2(results):
     per_rank = [rank[0] for rank in results(2)]
     assert per_rank[0] == per_rank[1]

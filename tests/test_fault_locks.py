@@ -159,8 +159,11 @@ def test_stale_temporary_files_of_dead_processes_are_removed(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_real_kernel_build_killed_then_started_again(tmp_path):
-    """The issue's case end to end: kill -9 while the CPU kernels compile, start again."""
+    """The issue's case end to end: kill -9 while the CPU kernels compile, start again
+    (``-m exhaustive``: the default run covers the lock's paths with the build simulated, in
+    test_build_killed_mid_way_does_not_block_the_next_start and the leftover-compiler tests)."""
     env = dict(os.environ, PYTHONPATH=REPO, MEGATRON_TDS_BUILD_DIR=str(tmp_path / "cache"),
                MEGATRON_TDS_LOCK_WAIT_S="120")
     code = ("from megatron.fused_kernels.build import load_kernels; "
