@@ -1,15 +1,17 @@
 #!/usr/bin/env python
-"""Fused-kernel benchmark: masked softmax and LayerNorm, fused vs eager PyTorch vs torch.compile.
+"""Fused-kernel benchmark: masked softmax, LayerNorm and RMSNorm: fused vs eager vs torch.compile.
 
     python benchmarks/kernels.py [--device auto|cpu|cuda] [--seqs 512,1024,2048,4096]
                                  [--hiddens 1024,2048,4096,8192] [--no-compile] [--json FILE]
 
 One table per shape. Softmax: scores ``b x heads x s x s``, causal (no mask tensor, as the
 GPT model's pure-causal case) and padding (a ``[b, 1, s, s]`` key-padding mask), forward
-and backward timed separately. LayerNorm: ``rows x hidden``, forward and forward+backward.
+and backward timed separately. LayerNorm and RMSNorm: ``rows x hidden``, forward and
+forward+backward (the fused norms whatever the device's default path).
 Baselines, measured in the same run on the same inputs: "eager" is the PyTorch composition
 the kernel replaces (megatron's fallback path: upcast, scale, mask, softmax, cast back;
-``torch.nn.functional.layer_norm`` for LayerNorm) and "compile" is ``torch.compile`` of that
+``torch.nn.functional.layer_norm`` for LayerNorm, the fp32 composition for RMSNorm) and
+"compile" is ``torch.compile`` of that
 same function.
 
 Effective bandwidth counts the bytes the op must move at least: scores in and probabilities
@@ -261,7 +263,7 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default=None,
                    help="comma list (default: bf16,fp16 on GPU; fp32,bf16 on CPU)")
     p.add_argument("--seqs", default="512,1024,2048,4096", help="softmax s ('' for none)")
-    p.add_argument("--hiddens", default="1024,2048,4096,8192", help="LayerNorm hidden ('' for none)")
+    p.add_argument("--hiddens", default="1024,2048,4096,8192", help="norms' hidden ('' for none)")
     p.add_argument("--batch", type=int, default=None, help="softmax b (GPU 4, CPU 1)")
     p.add_argument("--heads", type=int, default=None, help="softmax heads (GPU 16, CPU 2)")
     p.add_argument("--rows", type=int, default=None, help="LayerNorm rows (GPU 16384, CPU 2048)")

@@ -49,7 +49,8 @@ def run_variant(name, data):
     precision = () if "--bf16" in flags else ("--fp16",)
     argv = t5_flags(data, *precision, *flags)
     losses = run_distributed(train_with_sdpa, 1, argv, backends,
-                             env={"MEGATRON_DEVICE": os.environ.get("PROBE_DEVICE", "cuda"), **env}, timeout=400)[0][0]
+                             env={"MEGATRON_DEVICE": os.environ.get("PROBE_DEVICE", "cuda"), **env},
+                             timeout=400)[0][0]
     return losses
 
 

@@ -164,7 +164,8 @@ def load(kernels=None):
 
     Args:
         kernels: the run's kernel settings (``cfg.kernels``: ``masked_softmax_fusion``,
-            ``layernorm_fusion``) or None to keep the defaults (both on).
+            ``layernorm_fusion``) or None to keep the defaults (the softmax on, each norm
+            per device).
 
     Returns:
         A :class:`KernelStatus`; ``str(status)`` is one line for the startup log.
