@@ -11,8 +11,7 @@ forward+backward (the fused norms whatever the device's default path).
 Baselines, measured in the same run on the same inputs: "eager" is the PyTorch composition
 the kernel replaces (megatron's fallback path: upcast, scale, mask, softmax, cast back;
 ``torch.nn.functional.layer_norm`` for LayerNorm, the fp32 composition for RMSNorm) and
-"compile" is ``torch.compile`` of that
-same function.
+"compile" is ``torch.compile`` of that same function.
 
 Effective bandwidth counts the bytes the op must move at least: scores in and probabilities
 out (plus the mask bytes for padding); for causal, only the lower triangle of the input is
