@@ -8,7 +8,7 @@ difference over the 30 steps.
 Tolerances (relative, per step, 30 steps). A tiny model at lr 5e-3 amplifies rounding:
 Adam's normalised update turns a small gradient difference into a full-size step. They were
 set from the same comparison with the half-precision run on the CPU
-(``PYTHONPATH=. python tests/test_gpu_training.py``, 2-core AMD EPYC, torch 2.13.0+cpu):
+(``PYTHONPATH=. python tests/test_gpu_training.py``, 2-core Intel Xeon, torch 2.13.0+cpu):
 bf16 6.8e-3 (GPT-2) / 9.5e-4 (T5), fp16 2.0e-4 / 4.2e-4. The GPU reduces in other orders
 and runs other attention kernels, so the bounds are about 3x (bf16) and 5x (fp16) the worst
 CPU figure:
