@@ -35,6 +35,7 @@ _FLAGS = {"layernorm_fusion": None}
 #: the faster (docs/benchmarks.md). A pair not listed takes the kernel.
 NORM_FUSION_BY_DEFAULT = {("layer_norm", "cuda"): False, ("rms_norm", "cuda"): True,
                           ("layer_norm", "cpu"): True, ("rms_norm", "cpu"): True}
+NORMS = ("layer_norm", "rms_norm")
 _STATUS = None
 #: Why every op was put on the PyTorch path after start-up (:func:`force_fallback`), or None.
 _FORCED_OFF = None
@@ -68,18 +69,17 @@ def disabled_reason():
     return None
 
 
-def fusion_enabled(op):
-    """Whether the run allows fusing ``op`` (``"layernorm_fusion"``) on some device."""
-    return _FLAGS[op] is not False and disabled_reason() is None
+def _norm_fused_by_default(norm, device_type):
+    return NORM_FUSION_BY_DEFAULT.get((norm, device_type), True)
 
 
 def norm_fusion_enabled(norm, device_type):
-    """Whether ``norm`` (``"layer_norm"`` / ``"rms_norm"``) on ``device_type`` takes the fused
-    kernel: the flag when given, else :data:`NORM_FUSION_BY_DEFAULT`."""
+    """Whether ``norm`` (one of :data:`NORMS`) on ``device_type`` takes the fused kernel: the
+    flag when given, else :data:`NORM_FUSION_BY_DEFAULT`."""
     if disabled_reason() is not None:
         return False
     flag = _FLAGS["layernorm_fusion"]
-    return NORM_FUSION_BY_DEFAULT.get((norm, device_type), True) if flag is None else flag
+    return _norm_fused_by_default(norm, device_type) if flag is None else flag
 
 
 def get_module(device_type, collective=False):
@@ -151,9 +151,9 @@ def _norm_path(flag, module, failure, kind):
     if flag is not None:
         return _path(flag, "--no-layernorm-fusion", module, failure, kind)
     paths = {norm: _path(True, "", module, failure, kind)
-             if NORM_FUSION_BY_DEFAULT.get((norm, kind), True) else
+             if _norm_fused_by_default(norm, kind) else
              f"PyTorch (faster on {kind.upper()}; --layernorm-fusion forces the kernel)"
-             for norm in ("layer_norm", "rms_norm")}
+             for norm in NORMS}
     if paths["layer_norm"] == paths["rms_norm"]:
         return paths["layer_norm"]
     return f"{paths['layer_norm']}; RMSNorm: {paths['rms_norm']}"
@@ -180,9 +180,7 @@ def load(kernels=None):
     kind = get_device().type
     failure = disabled_reason()
     module, build_failure = None, ""
-    norms = _FLAGS["layernorm_fusion"]
-    if failure is None and (softmax or norms is True or (norms is None and any(
-            NORM_FUSION_BY_DEFAULT.get((n, kind), True) for n in ("layer_norm", "rms_norm")))):
+    if failure is None and (softmax or any(norm_fusion_enabled(n, kind) for n in NORMS)):
         module = get_module(kind, collective=True)
         if module is None:
             from .build import last_error
