@@ -277,6 +277,9 @@ def test_contract_names_a_shape_change_and_accepts_cpm_declarations():
     with pytest.raises(ValueError, match="the stage produced 1 tensors but the contract "
                                          "describes 2 positions"):
         contract.check_tensors((hidden,), 2, "stage 0 output")
+    with pytest.raises(ValueError, match=r"produced a Tensor, not a tuple; return a tuple of "
+                                         r"the 1 tensor"):  # a user's stage returning x
+        StageContract.build(["float"], [True], [False]).check_tensors(hidden, 2, "stage 0")
 
 
 def test_pipeline_module_without_a_process_group_names_the_call():

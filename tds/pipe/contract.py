@@ -91,10 +91,14 @@ class StageContract:
         Raises:
             ValueError naming the position and ``where`` (e.g. "stage 0 output").
         """
-        if not isinstance(tensors, tuple) or len(tensors) != len(self):
-            count = len(tensors) if isinstance(tensors, tuple) else "a single tensor"
-            raise ValueError(f"{where}: the stage produced {count} tensors but the contract "
-                             f"describes {len(self)} positions (_input_type={list(self.types)})")
+        if not isinstance(tensors, tuple):
+            raise ValueError(f"{where}: the stage produced a {type(tensors).__name__}, not a "
+                             f"tuple; return a tuple of the {len(self)} tensor(s) the contract "
+                             f"describes (_input_type={list(self.types)})")
+        if len(tensors) != len(self):
+            raise ValueError(f"{where}: the stage produced {len(tensors)} tensors but the "
+                             f"contract describes {len(self)} positions "
+                             f"(_input_type={list(self.types)})")
         for pos, (tensor, kind) in enumerate(zip(tensors, self.types)):
             if not torch.is_tensor(tensor):
                 raise ValueError(f"{where}: position {pos} is a {type(tensor).__name__}, "
