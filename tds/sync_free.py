@@ -94,7 +94,7 @@ def mask_nan_or_inf_inplace(input: torch.Tensor, device: Any = None,
                             val: float = -1.0) -> None:
     """DeepSpeed's ``mask_nan_or_inf_with_val_inplace`` without its host-made tensor: inf and
     nan entries of ``input`` become ``val`` (DeepSpeed's callers: -1), on the device."""
-    input.masked_fill_(input.isinf().logical_or_(input.isnan()), val)
+    input.masked_fill_(~input.isfinite(), val)
 
 
 #: DeepSpeed's modules whose norm helpers call the masking by this name.

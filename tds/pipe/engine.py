@@ -93,10 +93,12 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
             return super()._loss_stage_global_rank()
         return self.grid.stage_to_global(self._loss_stage)
 
+    # DeepSpeed builds the receive buffers of its loss broadcasts from host data
+    # (``torch.Tensor([0.] * n).to(device)``): on a GPU a copy from pageable memory, which
+    # waits, every step. Here they are made on the device.
     def _aggregate_total_loss(self) -> torch.Tensor:
-        """DeepSpeed's loss aggregation; a stage without the loss receives it into a buffer
-        made on the device (DeepSpeed's ``torch.Tensor([0.] * n).to(device)`` copies host
-        data: on a GPU a copy from pageable memory, which waits every step)."""
+        """DeepSpeed's loss aggregation; a stage without the loss receives into a device
+        buffer."""
         if self.is_last_stage():
             return super()._aggregate_total_loss()
         additional = self.module.get_additional_losses()
@@ -109,6 +111,17 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
             self.agg_additional_losses = {name: losses[2 + i].clone().detach()
                                           for i, name in enumerate(names)}
         return losses[1].clone().detach()
+
+    def _bcast_pipe_scalar(self, data, src_rank=None, dtype=torch.float32):
+        """DeepSpeed's evaluation-loss broadcast, received into a device buffer."""
+        if src_rank is None:
+            src_rank = self._loss_stage_global_rank()
+        if self.global_rank == src_rank:
+            return super()._bcast_pipe_scalar(data, src_rank, dtype)
+        result = torch.zeros(1, dtype=dtype, device=self.device)
+        torch.distributed.broadcast(result, src=src_rank,
+                                    group=self.mpu.get_pipe_parallel_group())  # as DeepSpeed
+        return result
 
     # ------------------------------------------------------------ CPM-Pretrain setters
     def _set_contract(self, types=None, grads=None, partitioned=None):
