@@ -47,7 +47,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
@@ -85,25 +84,18 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------- data and flags
 def prepare_data(workdir):
     """Sample corpus, GPT-2 BPE (vocab 500) and indexed dataset with the project's tools
-    (cached in ``workdir``); returns the data flags."""
+    (benchmarks/async_save.make_data, cached in ``workdir``); returns the data flags."""
+    from benchmarks.async_save import make_data
+
     root = os.path.abspath(workdir)
-    tok, corpus, prefix = (os.path.join(root, n) for n in ("tok", "corpus.jsonl", "corpus"))
     os.makedirs(root, exist_ok=True)
-
-    def tool(*argv):
-        subprocess.run([sys.executable, *argv], check=True, cwd=REPO, capture_output=True)
-
-    if not os.path.exists(corpus):
-        tool("tools/make_sample_corpus.py", "--output", corpus, "--max-mb", "0.4")
-    if not os.path.isdir(tok):
-        tool("tools/train_tokenizer.py", "--type", "gpt2", "--input", corpus,
-             "--vocab-size", "500", "--output-dir", tok)
-    vocab, merges = os.path.join(tok, "vocab.json"), os.path.join(tok, "merges.txt")
-    if not os.path.exists(prefix + "_text_document.bin"):
-        tool("tools/preprocess_data.py", "--input", corpus, "--tokenizer-type",
-             "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
-             "--append-eod", "--output-prefix", prefix, "--workers", "1")
-    return data_flags(prefix + "_text_document", vocab, merges)
+    tok, prefix = os.path.join(root, "tok"), os.path.join(root, "corpus_text_document")
+    if os.path.exists(prefix + ".bin"):
+        data = {"prefix": prefix, "vocab": os.path.join(tok, "vocab.json"),
+                "merges": os.path.join(tok, "merges.txt")}
+    else:
+        data = make_data(root)
+    return data_flags(data["prefix"], data["vocab"], data["merges"])
 
 
 def data_flags(prefix, vocab, merges):

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from compat_models import cpm1_models
-from test_mpu_cpm import gpt2_batch, t5_batch
+from test_mpu_cpm import _loss, gpt2_batch, t5_batch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))
@@ -61,9 +61,7 @@ class CompatSource:
         return model
 
     def forward_step(self, model, raw):
-        inputs, (labels, loss_mask) = self.batch_fn(raw)
-        losses = model(*inputs, labels)
-        return (losses.view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum()
+        return _loss(model, raw, self.batch_fn)
 
     def ds_kwargs(self, config_path):
         with open(config_path) as f:

@@ -94,19 +94,3 @@ def rank_chunks(pp: int, vpp: int, schedule: str = "") -> List[Tuple[int, ...]]:
     kind = "v" if schedule_name(vpp, schedule) == "zbv" else "loop"
     placement = Placement(pp, vpp, kind)
     return [placement.chunks(rank) for rank in range(pp)]
-
-
-def bubble_fraction(pp: int, num_micro_batches: int, vpp: int = 1, schedule: str = "") -> float:
-    """Idle share of a step with equal forward, input-gradient and weight-gradient costs:
-    ``(p - 1) / (v m + p - 1)`` for 1F1B and interleaved (Narayanan et al. 2021),
-    ``(p - 1) / (3 m + p - 1)`` for ZB-H1 and ``(p - 1) / (6 m + p - 1)`` for ZB-V (Qi et al.
-    2024; tds's generators reach these for m >= p: docs/pipeline_schedules.md).
-
-    Args:
-        pp: pipeline ranks.
-        num_micro_batches: micro-batches per step.
-        vpp: model chunks per rank.
-        schedule: the schedule's name (default: what vpp implies).
-    """
-    units = {"zb-h1": 3, "zbv": 6}.get(schedule_name(vpp, schedule), vpp)
-    return (pp - 1) / (units * num_micro_batches + pp - 1)

@@ -43,12 +43,6 @@ def module_placement(module, pp_size: int) -> Placement:
     return placement if isinstance(placement, Placement) else Placement.loop(pp_size)
 
 
-def local_chunks(module, stage_id: int) -> List[int]:
-    """Global chunks this stage holds, in local order (DeepSpeed's module: its stage)."""
-    chunks = getattr(module, "local_chunks", None)
-    return list(chunks()) if callable(chunks) else [stage_id]
-
-
 def run_chunk(module, j: int, inputs):
     """Local chunk ``j`` of ``module`` on ``inputs`` (DeepSpeed's module: its forward)."""
     forward_chunk = getattr(module, "forward_chunk", None)
@@ -81,7 +75,7 @@ def probe_chunks(engine, first_inputs) -> List[Boundary]:
     num_chunks = placement.num_chunks
     ranks = [engine.grid.stage_to_global(s) for s in range(engine.num_stages)]
     sent, error, handed = {}, None, None
-    for j, chunk in enumerate(local_chunks(module, engine.stage_id)):
+    for j, chunk in enumerate(placement.chunks(engine.stage_id)):
         try:
             if chunk == 0:
                 inputs = first_inputs
@@ -157,7 +151,7 @@ class ScheduleStep(StageCallbacks):
                              f"placement={placement.kind!r}")
         self.store = weight_grad_store if schedule in ZERO_BUBBLE else None
         self.stage_ranks = [engine.grid.stage_to_global(s) for s in range(self.pp_size)]
-        chunks = self.placement.chunks(engine.stage_id)
+        chunks = self.chunks = self.placement.chunks(engine.stage_id)
         self.local_index = {chunk: j for j, chunk in enumerate(chunks)}
         # the rank that loads a micro-batch also computes its loss (a V): keep its labels
         self.keeps_labels = 0 in chunks and self.num_chunks - 1 in chunks
@@ -230,7 +224,7 @@ class ScheduleStep(StageCallbacks):
         with torch.no_grad():
             for mb in range(num_micro_batches):
                 handed = None
-                for chunk in local_chunks(self.module, e.stage_id):
+                for chunk in self.chunks:
                     if chunk == 0:
                         inputs = self.load(mb)
                     elif self.placement.is_local(chunk - 1):
