@@ -72,8 +72,11 @@ def test_agree_raises_the_same_error_on_every_rank_naming_rank_and_cause():
 #: runs after them (atexit is last in, first out) and says whether any process group was
 #: left for interpreter finalization to destroy (the cause of the teardown abort).
 _GROUPS_AT_EXIT = r'''
-import atexit, torch.distributed as dist
-atexit.register(lambda: print("process groups left at exit:", dist.is_initialized(), flush=True))
+import atexit, os, torch.distributed as dist
+# one write of the whole line: two ranks share the pipe, and print's separate writes of its
+# arguments interleaved once ("...at exit:process groups left at exit: False \nFalse")
+atexit.register(lambda: os.write(1, f"process groups left at exit: {dist.is_initialized()}\n"
+                                    .encode()))
 '''
 LEFT_NONE = "process groups left at exit: False"
 
