@@ -57,14 +57,15 @@ def test_compile_layers_compiles_each_block_in_place():
 
 
 def _compile_counts_by_classes():
-    """compile_layers with None (the built-in blocks), () (nothing) and a class; and the
-    run's message for a family whose compile_classes is ()."""
+    """compile_layers with None (the built-in blocks), () (nothing) and a class; and what
+    --compile does with a family whose compile_classes is () (nothing) or a class (the whole
+    model, its loss included, as one region)."""
     import contextlib
     import io
     import types
 
     from megatron import mpu
-    from megatron.model.compile import compile_layers
+    from megatron.model.compile import compile_layers, regions_of
     from megatron.model.gpt2_model import GPT2Model
     from megatron.model.transformer import ParallelTransformerLayer, TransformerConfig
     from megatron.training.backend_factory import _compile
@@ -82,20 +83,21 @@ def _compile_counts_by_classes():
         model = GPT2Model(config, 64, 8)
         counts[name] = (compile_layers(model, classes), compiled(model))
     logs = {}
-    for name, classes in (("empty", ()), ("none", None)):
+    for name, classes in (("empty", ()), ("class", (ParallelTransformerLayer,))):
         model = GPT2Model(config, 64, 8)
-        family = types.SimpleNamespace(name="mine", compile_classes=classes)
+        family = types.SimpleNamespace(name="mine", compile_classes=classes, loss_fn=None)
+        cfg = types.SimpleNamespace(model_family=family, parallel=types.SimpleNamespace())
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            _compile(model, types.SimpleNamespace(model_family=family))
-        logs[name] = (out.getvalue(), compiled(model))
+            _compile(model, cfg, pipeline=False)
+        logs[name] = (out.getvalue(), regions_of(model) is not None)
     return counts, logs
 
 
 def test_compile_classes_none_means_the_built_in_blocks_and_empty_means_nothing():
     counts, logs = run_distributed(_compile_counts_by_classes, 1)[0]
     assert counts == {"none": (3, 3), "empty": (0, 0), "class": (3, 3)}
-    log, n = logs["empty"]
-    assert n == 0 and "--compile compiled no layer" in log and "'mine'" in log, log
-    log, n = logs["none"]
-    assert n == 3 and "3 layers compiled" in log and "no layer" not in log, log
+    log, regions = logs["empty"]
+    assert not regions and "--compile compiled nothing" in log and "'mine'" in log, log
+    log, regions = logs["class"]
+    assert regions and "the model as one region" in log, log

@@ -154,36 +154,43 @@ def test_accumulate_grad_matches_autograd():
     assert param.grad.dtype == torch.float32 and torch.equal(param.grad, ref.grad)
 
 
-def test_compile_is_refused_and_compiling_later_stays_exact():
-    """Refused where it can be seen; a model compiled after deferral was enabled runs its
-    deferring GEMMs eagerly (one graph break each) with the same gradients."""
-    module = _Lin(True, "cpu")
-    layer = nn.Sequential(module)
-    layer.compile(backend="eager")  # what --compile does to a transformer layer
-    with pytest.raises(RuntimeError, match="compiled module.*Python WeightGradStore"):
-        mpu.set_weight_grad_deferral(layer)
-    with pytest.raises(RuntimeError, match="compiled module"):
-        mpu.set_weight_grad_deferral(torch.compile(module, backend="eager"))
-    mpu.set_weight_grad_deferral(module)
-    with pytest.raises(RuntimeError, match="torch.compile with deferred weight gradients"):
-        mpu.check_not_compiled(module, compile_requested=True)
-    mpu.set_weight_grad_deferral(module, enabled=False)
-    mpu.check_not_compiled(module, compile_requested=True)  # nothing defers: fine
+def _compiled_deferral(reuse_buffers):
+    """Three GPT-2 layers compiled (inductor) with deferral on, B then W: their gradients
+    against the same layers' unsplit eager backward (max relative error)."""
+    from megatron.model.transformer import ParallelTransformer, TransformerConfig
 
-    x, dy = torch.randn(S, B, 16), torch.randn(S, B, 24)
-    module(x).mul(2).backward(dy)
-    ref = [p.grad.clone() for p in module.parameters()]
-    module.zero_grad(set_to_none=True)
-    store = mpu.set_weight_grad_deferral(module)
-    compiled = torch.compile(lambda t: module(t).mul(2), backend="eager")
+    mpu.initialize_model_parallel(1, 1)
+    config = TransformerConfig(num_layers=3, hidden_size=H, num_attention_heads=4,
+                               kv_channels=H // 4, ffn_hidden_size=2 * H, hidden_dropout=0.0,
+                               attention_dropout=0.0)
+    model = ParallelTransformer(config)
+    x = torch.randn(S, B, H, requires_grad=True)
+    mask = torch.ones(1, 1, S, S, dtype=torch.bool).triu(1)
+    dy = torch.randn(S, B, H)
+    model(x, mask).backward(dy)
+    ref = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    store = mpu.set_weight_grad_deferral(model)
+    options = {} if reuse_buffers else mpu.WEIGHT_GRAD_COMPILE_OPTIONS
+    compiled = torch.compile(lambda t, m: model(t, m), options=options, dynamic=False)
     with store.record(0):
-        compiled(x).backward(dy)
-    assert module.weight.grad is None
+        compiled(x, mask).backward(dy)
+    left = [p.grad for p in model.parameters() if p.dim() == 2 and p.grad is not None]
     store.flush(0)
-    assert all(torch.equal(a, p.grad) for a, p in zip(ref, module.parameters()))
+    got = [p.grad for p in model.parameters()] + [x.grad]
+    return left, max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(ref, got))
 
 
-# ------------------------------------------------------------------ the mpu layers, on ranks
+def test_compiled_layers_defer_their_weight_gemms_and_match_the_eager_backward():
+    """Compiled, the B pass is one graph that calls the deferring operator; W runs the store's
+    GEMMs. Without mpu.WEIGHT_GRAD_COMPILE_OPTIONS inductor reuses the memory of a tensor the
+    store holds for W (measured here with torch 2.13: 8e-3 relative error); with them the
+    gradients are the eager backward's (float rounding: compiled kernels)."""
+    left, error = run_distributed(_compiled_deferral, 1, False)[0]
+    assert left == []  # no weight gradient before W: all deferred
+    assert error < 1e-5, error
+
 def _layer(kind, col, row):
     """One linear layer; ``col`` / ``row``: the sequence-parallel keyword, if any."""
     if kind == "column-gather":

@@ -50,9 +50,6 @@ def test_schedule_flag_and_what_it_implies(extra, schedule, vpp):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (("--pipeline-schedule", "zbv", "--compile"),
-     r"--compile cannot be combined with --pipeline-schedule zbv: .* weight-gradient GEMM"),
-    (("--pipeline-schedule", "zb-h1", "--compile"), r"--compile cannot be combined"),
     (("--pipeline-schedule", "zbv", "--virtual-pipeline-model-parallel-size", "4"),
      r"zbv places exactly 2 model chunks on each rank"),
     (("--pipeline-schedule", "zb-h1", "--virtual-pipeline-model-parallel-size", "2"),

@@ -147,12 +147,6 @@ def _pipeline_schedule(args, problems):
             problems.append(f"--pipeline-schedule zbv cuts the {layers} layers into 2 x "
                             f"--pipe-parallel-size ({2 * pp}) equal chunks; they do not divide")
         args.virtual_pipeline_model_parallel_size = 2
-    if name in ZB_SCHEDULES and getattr(args, "compile", False):
-        problems.append(f"--compile cannot be combined with --pipeline-schedule {name}: a "
-                        f"zero-bubble schedule runs each weight-gradient GEMM later, outside the "
-                        f"backward that torch.compile would capture (every deferred GEMM would "
-                        f"break the layer's graph); use --pipeline-schedule 1f1b or interleaved "
-                        f"with --compile")
 
 
 def _batch(args, problems):

@@ -88,9 +88,10 @@ class ModelFamily:
     """Flag names (``dest``) a resume must match besides the generic model settings
     (``rope_theta``): a checkpoint saved with another value is refused."""
     compile_classes: Optional[Tuple[type, ...]] = None
-    """The layer classes ``--compile`` compiles (each instance its own region). None: the
-    built-in blocks (GPT-2's and T5's layers, matched by name); ``()``: none at all (the
-    log says "--compile compiled no layer")."""
+    """``()``: ``--compile`` compiles nothing (the log says so); otherwise ``--compile``
+    compiles each pipeline chunk (pp = 1: the whole model with its loss) as one region
+    (megatron/model/compile.py). The classes named here are what
+    :func:`megatron.model.compile.compile_layers` compiles for a per-layer comparison."""
     supports: FrozenSet[str] = frozenset()
     """Optional generic features the model implements (:data:`FEATURES`: ``sequence_parallel``,
     ``checkpoint_activations``, ``virtual_pipeline``, ``pipeline``); others are refused."""
@@ -116,10 +117,13 @@ class ModelFamily:
     def forward_step(self, batch_fn: Callable) -> Callable:
         """Megatron's ``forward_step(data_iterator, model) -> (loss, {"lm loss": ...})`` for
         the serial model, from the family's batch function and loss."""
+        from ..model.compile import model_loss
+
         def forward_step(data_iterator, model):
             raw = next(data_iterator) if data_iterator is not None else None
             inputs, labels = batch_fn(raw)
-            loss = self.loss_fn(model(*inputs), labels)
+            # with --compile, the loss inside the model's compiled region
+            loss = model_loss(model, inputs, labels, self.loss_fn)
             return loss, {"lm loss": loss.detach()}
 
         return forward_step

@@ -3,6 +3,18 @@
 No rank ever holds the full ``[*, vocab]`` logits: each keeps its slice, and the softmax
 normaliser and the target logit are assembled with two small all-reduces over ``[*]``
 (Megatron-LM, Shoeybi et al. 2019, Sec. 3: the fused parallel cross entropy).
+
+Two forms of the same loss:
+
+- eager: :class:`_VocabParallelCrossEntropy`, which turns the fp32 logits into the softmax in
+  place and keeps it for the backward (Megatron-LM's memory trick: no second ``[*, v/tp]``
+  buffer);
+- inside ``torch.compile`` (``--compile``): :func:`_composed_cross_entropy`, plain
+  differentiable operations whose collectives are the mpu ``g`` operator (all-reduce
+  forward, identity backward). Inductor then fuses the forward into one or two passes over
+  the logits and recomputes the softmax in the backward from the logits (bf16 under
+  autocast) and the per-token log-sum-exp, one pointwise expression: no fp32 copy of the
+  logits is kept between forward and backward.
 """
 from typing import Optional
 
@@ -78,4 +90,41 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         ``[*]`` fp32 losses, identical on every rank of the group.
     """
     group = ps.get_tensor_model_parallel_group() if group is None else group
+    if torch.compiler.is_compiling():
+        return _composed_cross_entropy(vocab_parallel_logits, target, group)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group, inplace)
+
+
+def _composed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                            group: dist.ProcessGroup) -> torch.Tensor:
+    """The loss as differentiable operations (what compiled code traces).
+
+    ``loss = log(sum_v exp(x_v - m)) + m - x_target`` with ``m`` the (detached) global
+    maximum: its gradient is ``softmax(x) - one_hot(target)`` through autograd alone. The
+    two sums cross the tensor-parallel ranks with ``g`` (all-reduce forward, identity
+    backward: each rank's slice gets the gradient of its own terms once).
+    """
+    from .mappings import reduce_from_tensor_model_parallel_region as g
+
+    world = dist.get_world_size(group)
+    x = logits.float()  # [*, v/tp]; inductor fuses the cast into its readers
+    logits_max = x.detach().amax(dim=-1)  # [*]
+    if world > 1:
+        logits_max = _all_reduce_max(logits_max, group)
+    part = x.size(-1)
+    start = dist.get_rank(group) * part
+    outside = (target < start) | (target >= start + part)
+    local_target = (target - start).masked_fill(outside, 0)
+    target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    sum_exp = (x - logits_max.unsqueeze(-1)).exp().sum(dim=-1)  # [*]
+    if world > 1:
+        sum_exp, target_logit = g(torch.stack((sum_exp, target_logit)), group).unbind(0)
+    return torch.log(sum_exp) + logits_max - target_logit
+
+
+def _all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Out-of-place all-reduce (max) of a tensor without gradient (a functional collective
+    inside compiled code)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(tensor, "max", group)

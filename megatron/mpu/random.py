@@ -310,4 +310,18 @@ def checkpoint(function, *args, distribute_saved_activations=None):
             distribute_saved_activations, args = args[0], args[1:]
         else:
             distribute_saved_activations = False
+    if torch.compiler.is_compiling() and not distribute_saved_activations:
+        return _traced_checkpoint(function, *args)
     return CheckpointFunction.apply(function, bool(distribute_saved_activations), *args)
+
+
+def _traced_checkpoint(function, *args):
+    """Recompute inside compiled code: torch's non-reentrant checkpoint, which dynamo keeps
+    in the graph (a region whose saved activations are only its inputs; AOTAutograd's
+    partitioner recomputes the rest in the backward). The RNG states need no replay: the
+    partitioner never recomputes a random draw, it keeps the draw's result (a dropout mask)
+    instead. :class:`CheckpointFunction` would break the graph: it reads and sets the
+    generators' states, which dynamo cannot trace."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    return torch_checkpoint(function, *args, use_reentrant=False)

@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from .mappings import _all_gather_single, _resolve
 from .sequence_parallel import _reduce_scatter_first_dim
+from .weight_grad import accumulate_grad
 from .weight_grad import autocast_linear_inputs as _autocast_inputs
-from .weight_grad import deferrable_linear, deferral_target, run_eagerly
+from .weight_grad import SLOT_ATTRIBUTE, _SLOTS, deferrable_linear, deferral_target
 
 
 def _gather_buffer(shard: torch.Tensor, world: int) -> torch.Tensor:
@@ -141,12 +142,19 @@ def linear_with_sequence_parallel_gather(shard: torch.Tensor, weight: torch.Tens
             return deferrable_linear(shard, weight, bias)
         return torch.nn.functional.linear(shard, weight, bias)
     if target is not None:
-        return run_eagerly(_deferred_gather_linear, shard, weight, bias, group, target)
+        if torch.compiler.is_compiling():
+            return _traced_deferred_gather_linear(shard, weight, bias, group,
+                                                  getattr(weight, SLOT_ATTRIBUTE))
+        return _deferred_gather_linear(shard, weight, bias, group, target)
     shard, weight, bias, autocast = _autocast_inputs(shard, weight, bias)
+    # compiled code: the collectives as functional collectives (no asynchronous handles,
+    # which dynamo cannot trace); inductor orders them against the GEMMs itself
+    function = _TracedGatherLinear if torch.compiler.is_compiling() else \
+        _LinearWithSequenceParallelGather
     if not autocast:
-        return _LinearWithSequenceParallelGather.apply(shard, weight, bias, group)
+        return function.apply(shard, weight, bias, group)
     with torch.autocast(shard.device.type, enabled=False):
-        return _LinearWithSequenceParallelGather.apply(shard, weight, bias, group)
+        return function.apply(shard, weight, bias, group)
 
 
 def _deferred_gather_linear(shard, weight, bias, group, target):
@@ -156,3 +164,89 @@ def _deferred_gather_linear(shard, weight, bias, group, target):
         return function.apply(shard, weight, bias, group, target)
     with torch.autocast(shard.device.type, enabled=False):
         return function.apply(shard, weight, bias, group, target)
+
+
+# ------------------------------------------------------------------ the compiled form
+def _register_backward_operator():
+    """``torch.ops.megatron_tds.deferred_gather_linear_backward`` (once, on first use)."""
+    if hasattr(torch.ops.megatron_tds, "deferred_gather_linear_backward"):
+        return
+
+    @torch.library.custom_op("megatron_tds::deferred_gather_linear_backward", mutates_args=())
+    def deferred_gather_linear_backward(grad_output: torch.Tensor, shard: torch.Tensor,
+                                        weight: torch.Tensor, slot: int) -> torch.Tensor:
+        """``dY W`` (``[s, b, in]``, before its reduce-scatter); ``dW`` (all-gather of the
+        shard, ``dY^T X``) deferred to the slot's store while it records, else now."""
+        store, param, group = _SLOTS[slot]
+        grad_total = grad_output.matmul(weight)
+        if store.recording_key is None:
+            with torch.no_grad():
+                accumulate_grad(param, _gathered_weight_grad(shard, grad_output, group))
+        else:
+            store.defer(param, lambda: _gathered_weight_grad(shard, grad_output, group),
+                        saved=(shard, grad_output))
+        return grad_total
+
+    @deferred_gather_linear_backward.register_fake
+    def _(grad_output, shard, weight, slot):
+        return grad_output.new_empty(tuple(grad_output.shape[:-1]) + (weight.size(1),))
+
+
+class _TracedGatherLinear(torch.autograd.Function):
+    """:class:`_LinearWithSequenceParallelGather` for compiled code: the same collectives
+    and GEMMs, as functional collectives."""
+
+    @staticmethod
+    def forward(ctx, shard, weight, bias, group):
+        total = _all_gather_first_dim(shard.contiguous(), group)  # [s, b, in]
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(shard, weight)
+        return torch.nn.functional.linear(total, weight, bias)  # [s, b, out/t]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        shard, weight = ctx.saved_tensors
+        total = _all_gather_first_dim(shard, ctx.group)  # [s, b, in]
+        grad_output = grad_output.contiguous()
+        grad_shard = _reduce_scatter_first_dim(grad_output.matmul(weight), ctx.group)
+        out = grad_output.size(-1)
+        grad_weight = grad_output.reshape(-1, out).t().matmul(total.reshape(-1, total.size(-1)))
+        grad_bias = grad_output.reshape(-1, out).sum(0) if ctx.has_bias else None
+        return grad_shard, grad_weight, grad_bias, None
+
+
+class _TracedGatherLinearDeferred(torch.autograd.Function):
+    """The sequence-parallel column linear for compiled code, its weight GEMM deferrable:
+    all-gather and matmul traced forward; backward ``dY W`` through the opaque operator
+    (which defers ``dW``) and the reduce-scatter traced."""
+
+    @staticmethod
+    def forward(ctx, shard, weight, bias, group, slot):
+        total = _all_gather_first_dim(shard.contiguous(), group)  # [s, b, in]
+        ctx.group, ctx.slot, ctx.has_bias = group, slot, bias is not None
+        ctx.save_for_backward(shard, weight)
+        return torch.nn.functional.linear(total, weight, bias)  # [s, b, out/t]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        shard, weight = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        grad_total = torch.ops.megatron_tds.deferred_gather_linear_backward(
+            grad_output, shard, weight, ctx.slot)  # [s, b, in]
+        grad_shard = _reduce_scatter_first_dim(grad_total, ctx.group)  # [s/t, b, in]
+        out = grad_output.size(-1)
+        grad_bias = grad_output.reshape(-1, out).sum(0) if ctx.has_bias else None
+        return grad_shard, None, grad_bias, None, None
+
+
+def _all_gather_first_dim(shard, group):
+    """``[s/t, ...] -> [s, ...]`` (a functional collective in compiled code)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_gather_tensor(shard, 0, group)
+
+
+def _traced_deferred_gather_linear(shard, weight, bias, group, slot):
+    shard, weight, bias, _ = _autocast_inputs(shard, weight, bias)
+    with torch.autocast(shard.device.type, enabled=False):
+        return _TracedGatherLinearDeferred.apply(shard, weight, bias, group, slot)

@@ -14,6 +14,15 @@ are bit-identical to an unsplit backward (docs/mpu.md, "Deferred weight gradient
 The recording key lives on the store object, not in a context variable or thread-local:
 autograd runs the backward of CUDA tensors on its own device threads, which do not see
 the caller's context variables.
+
+Inside ``torch.compile`` (``--compile`` with a zero-bubble schedule) the GEMM is
+:class:`_TracedDeferredLinear`: its forward is traced into the graph, and its backward calls
+one opaque operator, ``torch.ops.megatron_tds.deferred_linear_backward``, which computes
+``dX`` and, at run time, hands ``dW``'s inputs to the store the same way (or computes ``dW``
+at once outside a record). The compiled backward (the B pass) is then one graph; the W pass
+runs the store's GEMMs as in eager mode, the same GEMM as the eager split. The graph must
+not reuse the memory of a tensor the operator handed to the store: regions holding such
+layers are compiled without inductor's buffer reuse (:data:`COMPILE_OPTIONS`).
 """
 import contextlib
 from typing import Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
@@ -24,6 +33,23 @@ from torch import nn
 
 #: Parameter attribute naming the store its linear layers defer to (absent: no deferral).
 STORE_ATTRIBUTE = "weight_grad_store"
+#: Parameter attribute: the parameter's index in :data:`_SLOTS` (what compiled code passes
+#: to the deferring operator, a constant of the graph).
+SLOT_ATTRIBUTE = "weight_grad_slot"
+#: Inductor options for a compiled region holding deferring layers: the operator keeps
+#: references to ``dY`` and ``X`` for the W pass, so their memory must not be handed to
+#: another buffer of the graph (buffer reuse, in-place buffers) after the operator ran.
+COMPILE_OPTIONS = {"allow_buffer_reuse": False, "inplace_buffers": False}
+
+
+class _Slot(NamedTuple):
+    store: "WeightGradStore"
+    param: torch.Tensor
+    group: Optional[object]  # the layer's tensor-parallel group (a sequence-parallel W's)
+
+
+#: slot -> (store, parameter, group), filled by :func:`set_weight_grad_deferral`.
+_SLOTS: Dict[int, _Slot] = {}
 
 
 class WeightGradStoreError(RuntimeError):
@@ -188,32 +214,6 @@ def weight_grad_store_of(weight: torch.Tensor) -> Optional[WeightGradStore]:
     return getattr(weight, STORE_ATTRIBUTE, None)
 
 
-#: ``torch.compiler.disable(_call)``, built by :func:`set_weight_grad_deferral` (it imports
-#: dynamo, seconds on a busy host, so not at import time); a stateless function wrapper.
-_EAGER_CALL = None
-
-
-def _call(function, *args):
-    return function(*args)
-
-
-def run_eagerly(function: Callable, *args):
-    """``function(*args)``; while dynamo traces, outside the graph (one graph break).
-
-    A deferring GEMM appends to a Python store from its backward, which a compiled graph
-    cannot do: a model compiled after :func:`set_weight_grad_deferral` runs those GEMMs
-    eagerly between its compiled pieces (right gradients, fewer fusions). Setup code should
-    refuse the combination instead (:func:`check_not_compiled`).
-    """
-    if not torch.compiler.is_compiling():
-        return function(*args)
-    if _EAGER_CALL is None:  # deferral was not enabled through set_weight_grad_deferral
-        raise RuntimeError("a deferring mpu linear layer is compiled: enable deferral with "
-                           "mpu.set_weight_grad_deferral, and do not compile such a model "
-                           "(docs/mpu.md)")  # under dynamo: the frame falls back to eager
-    return _EAGER_CALL(_call, function, *args)
-
-
 def autocast_linear_inputs(input_, weight, bias):
     """Cast to the autocast dtype as autocast's ``linear`` would (outside an autograd
     Function, so autograd casts the gradients back); returns the tensors and whether
@@ -321,6 +321,67 @@ def _linear_as_aten(input_, weight, bias, target):
     return out
 
 
+# ------------------------------------------------------------------ the compiled form
+def _register_backward_operator():
+    """``torch.ops.megatron_tds.deferred_linear_backward`` (registered once, on first use:
+    registering a custom operator is not free at import)."""
+    if hasattr(torch.ops.megatron_tds, "deferred_linear_backward"):
+        return
+
+    @torch.library.custom_op("megatron_tds::deferred_linear_backward", mutates_args=())
+    def deferred_linear_backward(grad: torch.Tensor, mat1: torch.Tensor, weight: torch.Tensor,
+                                 slot: int, weight_col_major_t: bool) -> torch.Tensor:
+        """``dX`` of ``mat1 @ weight.t()`` (contiguous ``[n, in]``); ``dW`` deferred to the
+        slot's store while it records, else computed and accumulated now."""
+        store, param, _ = _SLOTS[slot]
+        grad_mat1 = mm_mat1_grad(grad, weight, mat1).contiguous()
+        if store.recording_key is None:
+            with torch.no_grad():
+                accumulate_grad(param, mm_weight_grad(grad, mat1, weight_col_major_t))
+        else:
+            store.defer(param, lambda: mm_weight_grad(grad, mat1, weight_col_major_t),
+                        saved=(grad, mat1))
+        return grad_mat1
+
+    @deferred_linear_backward.register_fake
+    def _(grad, mat1, weight, slot, weight_col_major_t):
+        return mat1.new_empty(mat1.shape)
+
+
+class _TracedDeferredLinear(torch.autograd.Function):
+    """``mat1 @ W^T (+ b)`` for compiled code: the forward is traced (addmm / mm), the
+    backward is ``dX`` and the bias gradient, with the weight GEMM left to the opaque
+    operator (see the module docstring). ``W`` gets no gradient from autograd: the
+    operator accumulates it, now or in the W pass."""
+
+    @staticmethod
+    def forward(ctx, mat1, weight, bias, slot):
+        # mat1: [n, in]; weight: [out, in] (the compute-dtype copy of the slot's parameter)
+        ctx.slot, ctx.has_bias = slot, bias is not None
+        ctx.weight_col_major_t = _is_col_major(weight.t())
+        ctx.save_for_backward(mat1, weight)
+        if bias is None:
+            return mat1.mm(weight.t())  # [n, out]
+        return torch.addmm(bias, mat1, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: [n, out]
+        mat1, weight = ctx.saved_tensors
+        grad_mat1 = torch.ops.megatron_tds.deferred_linear_backward(
+            grad, mat1, weight, ctx.slot, ctx.weight_col_major_t)
+        grad_bias = grad.sum(0) if ctx.has_bias else None
+        return grad_mat1, None, grad_bias, None
+
+
+def _traced_deferred_linear(input_, weight, bias, slot):
+    """``F.linear`` through :class:`_TracedDeferredLinear` (compiled code only)."""
+    input_, weight, bias, _ = autocast_linear_inputs(input_, weight, bias)
+    with torch.autocast(input_.device.type, enabled=False):
+        out = _TracedDeferredLinear.apply(input_.reshape(-1, input_.size(-1)), weight, bias,
+                                          slot)
+    return out.view(*input_.shape[:-1], out.size(-1))
+
+
 def deferrable_linear(input_: torch.Tensor, weight: torch.Tensor,
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(input_, weight, bias)``, deferring the weight gradient if ``weight`` has
@@ -338,7 +399,9 @@ def deferrable_linear(input_: torch.Tensor, weight: torch.Tensor,
     target = deferral_target(weight) if input_.dim() >= 2 else None
     if target is None:
         return F.linear(input_, weight, bias)
-    return run_eagerly(_deferred_linear, input_, weight, bias, target)
+    if torch.compiler.is_compiling():
+        return _traced_deferred_linear(input_, weight, bias, getattr(weight, SLOT_ATTRIBUTE))
+    return _deferred_linear(input_, weight, bias, target)
 
 
 def _deferred_linear(input_, weight, bias, target):
@@ -350,37 +413,8 @@ def _deferred_linear(input_, weight, bias, target):
 
 
 # ------------------------------------------------------------------ opting a model in
-def _compiled(module):
-    return type(module).__name__ == "OptimizedModule" or \
-        getattr(module, "_compiled_call_impl", None) is not None
-
-
 def _deferrable_layers(module):
     return [m for m in module.modules() if getattr(type(m), "weight_grad_deferrable", False)]
-
-
-def check_not_compiled(module: nn.Module, compile_requested: bool = False) -> None:
-    """Refuse weight-gradient deferral together with ``torch.compile``.
-
-    A deferring layer's backward appends work to a Python store; a compiled graph (whose
-    backward AOTAutograd traces ahead of time) cannot. Raises when ``compile_requested``
-    and ``module`` has a deferring layer, or when a compiled submodule (``torch.compile``,
-    ``nn.Module.compile``, ``--compile``) contains a deferrable layer.
-
-    Args:
-        module: the model (or pipeline stage).
-        compile_requested: the run asks for compilation (e.g. ``--compile``).
-    """
-    why = ("a deferring layer's backward appends its weight-gradient GEMM to a Python "
-           "WeightGradStore, which a compiled graph cannot do: use a zero-bubble schedule "
-           "without --compile, or compile only modules without mpu linear layers")
-    if compile_requested and any(weight_grad_store_of(m.weight) is not None
-                                 for m in _deferrable_layers(module)):
-        raise RuntimeError(f"torch.compile with deferred weight gradients: {why}")
-    for name, sub in module.named_modules():
-        if _compiled(sub) and _deferrable_layers(sub):
-            raise RuntimeError(f"weight-gradient deferral on a compiled module "
-                               f"({name or type(sub).__name__}): {why}")
 
 
 def set_weight_grad_deferral(module: nn.Module, enabled: bool = True,
@@ -392,10 +426,12 @@ def set_weight_grad_deferral(module: nn.Module, enabled: bool = True,
     sequence-parallel) and of every VocabParallelEmbedding (whose weight the output layer,
     ``parallel_lm_logits``, multiplies with; the lookup's own gradient is not deferred).
     Deferral only happens inside ``store.record(key)``; elsewhere the layers compute the
-    weight gradient in the backward, bit-identical to the unmarked layers.
+    weight gradient in the backward, bit-identical to the unmarked layers. Compiled code
+    defers too (the module docstring): mark the model before its first compiled call, and
+    compile regions holding marked layers with :data:`COMPILE_OPTIONS`.
 
     Args:
-        module: a model, a pipeline stage or a single layer (not compiled).
+        module: a model, a pipeline stage or a single layer.
         enabled: False removes the marks: the layers run their plain code again.
         store: the store to defer to (default: a new one).
 
@@ -405,14 +441,20 @@ def set_weight_grad_deferral(module: nn.Module, enabled: bool = True,
     layers = _deferrable_layers(module)
     if not enabled:
         for layer in layers:
-            if hasattr(layer.weight, STORE_ATTRIBUTE):
-                delattr(layer.weight, STORE_ATTRIBUTE)
+            for attribute in (STORE_ATTRIBUTE, SLOT_ATTRIBUTE):
+                if hasattr(layer.weight, attribute):
+                    delattr(layer.weight, attribute)
         return None
-    check_not_compiled(module)
-    global _EAGER_CALL
-    if _EAGER_CALL is None:
-        _EAGER_CALL = torch.compiler.disable(_call)
+    _register_backward_operator()
+    from .sequence_parallel_linear import _register_backward_operator as register_gather_op
+
+    register_gather_op()
     store = WeightGradStore() if store is None else store
     for layer in layers:
         setattr(layer.weight, STORE_ATTRIBUTE, store)
+        slot = getattr(layer.weight, SLOT_ATTRIBUTE, None)
+        if slot is None:
+            slot = len(_SLOTS)
+            setattr(layer.weight, SLOT_ATTRIBUTE, slot)
+        _SLOTS[slot] = _Slot(store, layer.weight, getattr(layer, "group", None))
     return store

@@ -30,30 +30,30 @@ def _report_parameters(model):
               f"({state.tp_rank}, {state.pp_rank}): {count}", flush=True)
 
 
-def _compile(model, cfg):
-    """``--compile``: the family's layer classes (or the built-in blocks), one region each;
-    says so when none matched rather than training uncompiled in silence."""
-    from ..model.compile import compile_layers
-    from ..utils import warn_rank_0
+def _compile(model, cfg, pipeline):
+    """``--compile``: each pipeline chunk as one region, its loss included (pp = 1: the whole
+    model and the family's loss); a family whose ``compile_classes`` is ``()`` opts out."""
+    from ..model.compile import compile_model, compile_pipeline, compiler
+    from ..utils import print_rank_0, warn_rank_0
 
     family = getattr(cfg, "model_family", None)
     classes = family.compile_classes if family is not None else None
     if classes is not None and not tuple(classes):
-        warn_rank_0(f"--compile compiled no layer: the {family.name!r} family's "
+        warn_rank_0(f"--compile compiled nothing: the {family.name!r} family's "
                     f"compile_classes is empty (compile nothing); the model runs uncompiled")
         return
-    count = compile_layers(model, classes)
-    if count == 0:
-        what = (f"the {family.name!r} family's compile_classes "
-                f"{[c.__name__ for c in classes]}" if classes else
-                "ParallelTransformerLayer / T5EncoderLayer / T5DecoderLayer (give a model "
-                "family with compile_classes)")
-        warn_rank_0(f"--compile compiled nothing: no module of the model is one of {what}; "
-                    f"the model runs uncompiled")
+    zero_bubble = getattr(cfg.parallel, "pipeline_schedule", "1f1b") in ("zb-h1", "zbv")
+    compile_fn = compiler(defers_weight_grads=pipeline and zero_bubble)
+    if pipeline:
+        regions = compile_pipeline(model, compile_fn)
+        what = f"{len(regions.train)} pipeline chunk(s), one region each"
+        if regions.loss_chunk is not None:
+            what += ", the loss in the last chunk's"
     else:
-        from ..utils import print_rank_0
-
-        print_rank_0(f"> --compile: {count} layers compiled, one region each")
+        loss_fn = family.loss_fn if family is not None else None
+        compile_model(model, loss_fn, compile_fn)
+        what = "the model as one region" + (", its loss included" if loss_fn else "")
+    print_rank_0(f"> --compile: {what} (compiled on the first step)")
 
 
 def build_backend(cfg: Any, model_provider: Callable,
@@ -78,8 +78,8 @@ def build_backend(cfg: Any, model_provider: Callable,
 
         attach_deepspeed_comm(cfg)  # a PipelineModule needs it while it is built
     model = _call_provider(model_provider, pipeline)
-    if cfg.kernels.compile:  # --compile: regional, each transformer layer in place
-        _compile(model, cfg)
+    if cfg.kernels.compile:  # --compile: each pipeline chunk (or the model) one region
+        _compile(model, cfg, pipeline)
     _report_parameters(model)
     if engine:
         batch_fn = batch_fn or getattr(model, "_megatron_batch_fn", None)

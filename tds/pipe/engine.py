@@ -226,12 +226,17 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         else:
             self.pipe_buffers["outputs"][buffer_id] = outputs
 
-    def _record_loss(self, outputs, buffer_id):
-        """Last stage: loss of this micro-batch, and running totals (DeepSpeed's bookkeeping)."""
+    def _record_loss(self, outputs, buffer_id, loss=None):
+        """Last stage: loss of this micro-batch, and running totals (DeepSpeed's bookkeeping).
+
+        ``loss``: already computed (a compiled chunk whose region ends with the loss; then
+        ``outputs`` is None)."""
         if self.eval_return_logits:  # a copy: a loss may overwrite its logits (in place)
             self.outputs = outputs.detach().clone() if torch.is_tensor(outputs) else \
                 type(outputs)(x.detach().clone() for x in outputs)
-        if self._compute_loss and self.module.loss_fn is not None:
+        if loss is not None:
+            self.loss = loss
+        elif self._compute_loss and self.module.loss_fn is not None:
             self.loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
         else:
             self.loss = outputs

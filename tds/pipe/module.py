@@ -17,11 +17,14 @@ connect the right ranks.
 DeepSpeed's own forward (activation checkpointing included); the pipeline engine drives
 the chunks through :mod:`tds.pipe.runner` (:mod:`tds.pipe.interleaved`).
 """
-from typing import Any, List, Tuple
+from typing import TYPE_CHECKING, Any, List, Tuple
 
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
 from .actions import PLACEMENT_KINDS, Placement
+
+if TYPE_CHECKING:
+    from .compiled import ChunkRegions
 
 
 class PipelineModule(_DeepSpeedPipelineModule):
@@ -139,16 +142,63 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if self.num_virtual_stages == 1:
             return self(inputs)
         self._select_chunk(j)
-        funcs, interval = self.chunk_funcs[j], self.activation_checkpoint_interval
+        return self.run_chunk_layers(j, inputs)
+
+    def chunk_blocks(self, j: int) -> List[Tuple[list, bool]]:
+        """Local chunk ``j``'s layers as recompute blocks: ``[(layers, checkpointed)]`` (one
+        block of every layer when the module recomputes nothing)."""
+        if self.num_virtual_stages == 1:
+            funcs = self.forward_funcs
+            self._precompute_checkpointable_values()
+        else:
+            self._select_chunk(j)
+            funcs = self.chunk_funcs[j]
+        interval = self.activation_checkpoint_interval
         if interval == 0:
-            return _run_layers(funcs)(inputs)
+            return [(list(funcs), False)]
+        return [(list(funcs[start:start + interval]), bool(checkpointable))
+                for start, checkpointable in zip(range(0, len(funcs), interval),
+                                                 self.is_checkpointable_results)]
+
+    def run_chunk_layers(self, j: int, inputs, blocks=None):
+        """Local chunk ``j``'s layers on ``inputs``, block by block (recompute blocks through
+        ``activation_checkpoint_func``), without DeepSpeed's per-call bookkeeping (its
+        micro-batch counter and per-layer reseeding): what a compiled chunk traces.
+
+        Args:
+            j: local chunk index.
+            inputs: the chunk's input (tuple of tensors).
+            blocks: :meth:`chunk_blocks` ``(j)``, if the caller has it already.
+        """
         x = inputs
-        for start, checkpointable in zip(range(0, len(funcs), interval),
-                                         self.is_checkpointable_results):
-            block = _run_layers(funcs[start:start + interval])
+        for layers, checkpointed in (self.chunk_blocks(j) if blocks is None else blocks):
+            block = _run_layers(layers)
+            if not checkpointed:
+                x = block(x)
+                continue
             x = x if isinstance(x, tuple) else (x,)
-            x = self.activation_checkpoint_func(block, *x) if checkpointable else block(*x)
+            x = self.activation_checkpoint_func(block, *x)
         return x
+
+    def compile_chunks(self, compile_fn, loss: bool = True) -> "ChunkRegions":
+        """Compile each local chunk as one region (its layers, and the loss on the chunk
+        that computes it): :class:`tds.pipe.compiled.ChunkRegions`, kept as
+        ``self.chunk_regions`` (the pipeline engine runs the chunks through it).
+
+        Args:
+            compile_fn: ``f(function) -> compiled function`` (e.g. ``torch.compile`` with
+                the caller's options).
+            loss: put ``loss_fn`` in the last chunk's region.
+        """
+        from .compiled import ChunkRegions
+
+        if getattr(self, "seed_layers", False):
+            raise ValueError("PipelineModule.compile_chunks: seed_layers reseeds the "
+                             "generators before every layer, which a compiled region cannot "
+                             "do; seed the layers in their constructors")
+        regions = ChunkRegions(self, compile_fn, loss=loss)
+        object.__setattr__(self, "chunk_regions", regions)
+        return regions
 
     def forward(self, forward_input: Any) -> Any:
         if self.num_virtual_stages > 1:

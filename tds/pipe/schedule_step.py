@@ -261,17 +261,29 @@ class ScheduleStep(StageCallbacks):
     def _run_chunk(self, chunk: int, inputs, mb: int):
         e = self.engine
         e.tput_timer.start()
-        outputs = run_chunk(self.module, self.local_index[chunk], inputs)
-        if chunk == self.num_chunks - 1:
-            # labels: kept by load() where this rank loads too, else read in call order,
-            # the order of load()'s inputs (schedule_check proves it before any step)
-            labels = self.labels.pop(mb) if self.keeps_labels else e._next_batch()[1]
-            labels = labels.to(e.device) if torch.is_tensor(labels) else \
-                tuple(t.to(e.device) for t in labels)
-            e.pipe_buffers["labels"][0] = labels
-            e._record_loss(outputs, 0)
-            return e.loss
-        return outputs
+        j = self.local_index[chunk]
+        regions = getattr(self.module, "chunk_regions", None)
+        if chunk < self.num_chunks - 1:
+            if regions is not None:  # one compiled region (tds/pipe/compiled.py)
+                return regions.run(j, inputs, training=self.module.training)
+            return run_chunk(self.module, j, inputs)
+        labels = self._labels(mb)
+        e.pipe_buffers["labels"][0] = labels
+        if regions is not None and regions.has_loss(j) and e._compute_loss and \
+                not e.eval_return_logits:  # the loss inside the chunk's region
+            e._record_loss(None, 0, loss=regions.run(j, inputs, labels, self.module.training))
+        else:
+            e._record_loss(run_chunk(self.module, j, inputs), 0)
+        return e.loss
+
+    def _labels(self, mb: int):
+        """The last chunk's labels of micro-batch ``mb``, on the device: kept by load() where
+        this rank loads too, else read in call order, the order of load()'s inputs
+        (schedule_check proves it before any step)."""
+        e = self.engine
+        labels = self.labels.pop(mb) if self.keeps_labels else e._next_batch()[1]
+        return labels.to(e.device) if torch.is_tensor(labels) else \
+            tuple(t.to(e.device) for t in labels)
 
     def forward(self, chunk: int, mb: int, inputs):
         outputs = self._run_chunk(chunk, inputs, mb)
