@@ -8,7 +8,8 @@ Everything runs on CPU with gloo and on CUDA with NCCL.
 """
 from .cross_entropy import vocab_parallel_cross_entropy
 from .data import broadcast_data
-from .grads import clip_grad_norm, clip_grad_norm_tensor, param_is_shared
+from .grads import (clip_coefficient, clip_grad_norm, clip_grad_norm_tensor, grad_norms,
+                    param_is_shared)
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,

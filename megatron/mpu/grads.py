@@ -12,25 +12,77 @@ def param_is_shared(param):
     return bool(getattr(param, "shared", False) or getattr(param, "ds_pipe_replicated", False))
 
 
+def _is_counted(param, tp_rank):
+    """Whether ``param``'s gradient counts toward the norm on this rank: each distinct
+    parameter exactly once across the model-parallel group."""
+    if param_is_shared(param):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False) or tp_rank == 0)
+
+
 def _counted_grads(parameters, tp_rank):
     """Gradients that count toward the norm: each distinct parameter exactly once."""
-    grads = []
-    for p in parameters:
-        if p.grad is None or param_is_shared(p):
-            continue
-        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-            grads.append(p.grad)  # a leaf's gradient: no graph to detach from
-    return grads
+    return [p.grad for p in parameters if p.grad is not None and _is_counted(p, tp_rank)]
 
 
 def _local_norm_pow(grads, norm_type, device):
-    """Sum of |g|^p over this rank's counted gradients (max |g| for the inf-norm), fp32."""
+    """Sum of |g|^p over this rank's counted gradients (max |g| for the inf-norm), fp32.
+
+    One ``_foreach_norm`` with an fp32 result for every gradient (no cast per gradient,
+    whatever their dtypes)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)])
+    return _pow_sum(torch._foreach_norm(grads, norm_type, dtype=torch.float32), norm_type)
+
+
+def _pow_sum(norms, norm_type):
+    norms = torch.stack(list(norms))
     if math.isinf(norm_type):
         return norms.max()
     return norms.pow(norm_type).sum()
+
+
+def _global(total, norm_type, group):
+    """This rank's sum of |g|^p -> the model replica's norm (collective over ``group``)."""
+    if dist.get_world_size(group) > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=group)
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def clip_coefficient(total_norm, max_norm):
+    """``min(1, max_norm / (norm + 1e-6))`` as a device tensor (what the gradients are
+    multiplied by; no host sync to decide whether to clip)."""
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
+def grad_norms(parameters, norm_type=2, group=None):
+    """The model replica's gradient norm, and every gradient's own norm, from one pass.
+
+    For a caller that applies the clip coefficient itself (a fused optimizer's
+    ``grad_scale``) and reads other facts from the per-gradient norms (a non-finite one).
+
+    Args:
+        parameters: parameters with gradients (as :func:`clip_grad_norm`).
+        norm_type: p of the p-norm.
+        group: group to reduce over (default: mpu's model-parallel group).
+
+    Returns:
+        ``(total, norms)``: the 0-dim fp32 norm (counted as :func:`clip_grad_norm` counts)
+        and the fp32 norm of each parameter's gradient, in order.
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    group = ps.get_model_parallel_group() if group is None else group
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    norms = list(torch._foreach_norm([p.grad for p in parameters], norm_type,
+                                     dtype=torch.float32)) if parameters else []
+    counted = [n for p, n in zip(parameters, norms) if _is_counted(p, tp_rank)]
+    device = parameters[0].grad.device if parameters else torch.device("cpu")
+    local = _pow_sum(counted, norm_type) if counted else \
+        torch.zeros((), dtype=torch.float32, device=device)
+    return _global(local, norm_type, group), norms
 
 
 def clip_grad_norm(parameters, max_norm, norm_type=2, group=None):
@@ -67,14 +119,9 @@ def clip_grad_norm_tensor(parameters, max_norm, norm_type=2, group=None):
     group = ps.get_model_parallel_group() if group is None else group
     grads = _counted_grads(parameters, ps.get_tensor_model_parallel_rank())
     device = parameters[0].grad.device if parameters else torch.device("cpu")
-    total = _local_norm_pow(grads, norm_type, device)
-    if dist.get_world_size(group) > 1:
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op, group=group)
-    if not math.isinf(norm_type):
-        total = total.pow(1.0 / norm_type)
+    total = _global(_local_norm_pow(grads, norm_type, device), norm_type, group)
     # Scale unconditionally by min(1, coef): no host sync to decide whether to clip.
-    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    clip_coef = clip_coefficient(total, max_norm)
     all_grads = [p.grad for p in parameters]
     if all_grads:
         torch._foreach_mul_(all_grads, clip_coef.to(all_grads[0].device))

@@ -92,6 +92,8 @@ class MegatronOptimizer:
         read. Otherwise the flag is read (one sync) to decide.
         """
         params = [p for p in self.params() if p.grad is not None]
+        if self.skips_on_device:
+            return self._fused_step(params)
         found_inf = None
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check([p.grad for p in params])
@@ -114,6 +116,41 @@ class MegatronOptimizer:
         finally:
             del self.optimizer.found_inf
         return found_inf.reshape(()) == 0, grad_norm
+
+    def _fused_step(self, params):
+        """:meth:`step` for an optimizer that takes ``grad_scale`` and ``found_inf`` (torch's
+        fused AdamW): the gradients are read once for their norms and once by the update.
+        fp16's unscale and the clip are the update's ``grad_scale`` (``loss scale / clip
+        coefficient``), an overflow is a non-finite gradient norm: no pass over the
+        gradients to unscale or to multiply them, no host read."""
+        grads = [p.grad for p in params]
+        device = grads[0].device if grads else mpu.get_device()
+        total, norms = mpu.grad_norms(params)
+        found_inf = scale = None
+        if self.grad_scaler is not None:
+            scale = self._scaler_on(device).scale_tensor.clone()  # the backward's scale
+            found_inf = torch.zeros(1, device=device)
+            if norms:
+                found_inf = torch.stack(norms).isfinite().all().logical_not().float().reshape(1)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+            self.grad_scaler.update(found_inf)
+            total = total / scale
+        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
+        if self.skip_nonfinite and not bool(torch.isfinite(total)):
+            self.zero_grad()  # --skip-nonfinite-steps: one host read, only when asked for
+            return False, total
+        coef = mpu.clip_coefficient(total, max_norm)
+        self.optimizer.grad_scale = (scale if scale is not None else 1.0) / coef
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf.reshape(())  # the fused kernel skips on it
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale
+            if found_inf is not None:
+                del self.optimizer.found_inf
+        return (True if found_inf is None else found_inf.reshape(()) == 0), total
 
     def state_dict(self):
         state = {"optimizer": self.optimizer.state_dict()}
