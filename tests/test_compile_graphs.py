@@ -9,11 +9,11 @@ traces the mpu collectives), and at dropout 0.1 the count docs/training.md gives
 a per-rank dropout mask is drawn). Each break is reported
 with its reason, so a new one names the line that caused it.
 
-Then whole models, compiled layer by layer as ``--compile`` does (``aot_eager`` backend:
+Then whole models, compiled as one region as ``--compile`` does (``aot_eager`` backend:
 dynamo and AOTAutograd with eager kernels, so the dropout draws are eager's), must give
 eager's losses and weights over two SGD steps at dropout 0.1, at tp 1 and 2: the forks still
-give each rank its own stream; and the model's layers share their graphs (no recompile per
-layer). And in eager, the RNG tracker is forked exactly where a
+give each rank its own stream; one graph at tp 1, and at tp 2 the declared fork breaks only
+(:data:`REGION_GRAPHS_TP2_DROPOUT`). And in eager, the RNG tracker is forked exactly where a
 per-rank mask is drawn.
 """
 import os
@@ -30,6 +30,10 @@ HIDDEN, HEADS, SEQ, DEC_SEQ, BATCH, VOCAB = 32, 4, 16, 8, 2, 64
 #: the RNG tracker around each per-rank dropout (GPT-2: attention; T5: each attention and
 #: the MLP) breaks the graph once in each frame that encloses it (docs/training.md).
 TP2_DROPOUT_GRAPHS = {"gpt2": 6, "t5_encoder": 9, "t5_decoder": 12}
+#: Graphs of a whole tiny model compiled as one region (``--compile``) at tp = 2 with dropout
+#: 0.1: each fork breaks the region in every frame around it (GPT-2: 2 layers, 2 forks;
+#: T5: 2 + 2 layers, 10 forks). One graph at tp = 1 or dropout 0 (docs/training.md).
+REGION_GRAPHS_TP2_DROPOUT = {"gpt2": 9, "t5": 27}
 
 
 def _gpt2_config(dropout, backend):
@@ -239,16 +243,16 @@ def _t5_model(dropout):
 
 def _train(family, compiled, seed, steps=2, lr=0.5):
     from megatron import mpu
-    from megatron.model.compile import compile_layers
+    from megatron.model.compile import compile_model, compiler
 
     from torch._dynamo.utils import counters
 
     mpu.model_parallel_cuda_manual_seed(seed)
     model, loss_fn = (_gpt2_model if family == "gpt2" else _t5_model)(0.1)
-    if compiled:
+    if compiled:  # the whole model one region, as --compile (dynamo + AOTAutograd, eager kernels)
         torch._dynamo.reset()
         counters.clear()
-        compile_layers(model, backend="aot_eager")
+        compile_model(model, None, compiler(backend="aot_eager"))
     losses = []
     for _ in range(steps):
         loss = loss_fn(model)
@@ -260,7 +264,8 @@ def _train(family, compiled, seed, steps=2, lr=0.5):
         losses.append(loss.item())
     # numpy: a queue shares tensors through the rank's process, which exits after reporting
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
-    return losses, weights, counters["stats"]["unique_graphs"] if compiled else 0
+    breaks = sorted({str(k).splitlines()[0][:100] for k in counters["graph_break"]})
+    return losses, weights, (counters["stats"]["unique_graphs"], breaks) if compiled else 0
 
 
 def _compiled_and_eager(seed):
@@ -273,11 +278,11 @@ def test_compiled_models_train_like_eager_with_dropout(results):
     for tp in (1, 2):
         counts, trained = results(tp)[0][:2]
         for family, ((eager, w_eager, _), (compiled, w_compiled, graphs)) in trained.items():
-            # Every layer of a kind reuses one compiled graph (none is recompiled per layer):
-            # the graphs of the whole model are those of one layer of each kind.
-            kinds = ["gpt2"] if family == "gpt2" else ["t5_encoder", "t5_decoder"]
-            assert graphs == sum(counts[(kind, 0.1, "sdpa")][0] for kind in kinds), \
+            # the model one region: one graph at tp 1; at tp 2 each fork breaks it (declared)
+            count, breaks = graphs
+            assert count == (1 if tp == 1 else REGION_GRAPHS_TP2_DROPOUT[family]), \
                 (family, tp, graphs)
+            assert all("disable()" in b for b in breaks), breaks
             torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager),
                                        rtol=1e-5, atol=0, msg=f"{family} tp={tp}")
             torch.testing.assert_close(torch.from_numpy(w_compiled), torch.from_numpy(w_eager),

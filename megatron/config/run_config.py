@@ -230,9 +230,12 @@ class KernelConfig(Section):
     attention_backend: str
     """``sdpa`` or ``unfused`` (megatron/model/attention.py)."""
     compile: bool
-    """``torch.compile`` each transformer layer."""
+    """``torch.compile`` each pipeline chunk (pp 1: the model with its loss) as one region."""
+    cuda_graphs: bool
+    """CUDA graphs over the compiled regions (``mode="reduce-overhead"``)."""
 
-    DEFAULTS: ClassVar[Dict[str, Any]] = {"attention_backend": "sdpa", "compile": False}
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"attention_backend": "sdpa", "compile": False,
+                                          "cuda_graphs": False}
 
 
 @dataclass(frozen=True)

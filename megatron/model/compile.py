@@ -81,8 +81,11 @@ class ModelRegions:
         compile_fn: from :func:`compiler`.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Optional[Callable], compile_fn: Callable):
+    def __init__(self, model: nn.Module, loss_fn: Optional[Callable], compile_fn: Callable,
+                 cuda_graphs: bool = False):
         from tds.pipe.compiled import fresh_function
+
+        self.cuda_graphs = cuda_graphs
 
         forward = model.forward  # the bound method, before it is replaced
 
@@ -108,7 +111,14 @@ class ModelRegions:
         if labels is not None and not self.has_loss:
             raise ValueError(f"{type(model).__name__} was compiled without a loss function: "
                              f"call it without {LOSS_LABELS}=")
-        return self.regions[(model.training, labels is not None)](args, kwargs, labels)
+        region = self.regions[(model.training, labels is not None)]
+        if not self.cuda_graphs:
+            return region(args, kwargs, labels)
+        # a CUDA graph's outputs live in memory its next replay overwrites: the loop keeps
+        # losses until it logs them, so each call starts a new "step" and returns a copy
+        torch.compiler.cudagraph_mark_step_begin()
+        out = region(args, kwargs, labels)
+        return out.clone() if torch.is_tensor(out) else type(out)(t.clone() for t in out)
 
     def entries(self) -> Dict[str, int]:
         """Region name -> graphs dynamo holds for it."""
@@ -118,7 +128,8 @@ class ModelRegions:
 
 
 def compile_model(model: nn.Module, loss_fn: Optional[Callable] = None,
-                  compile_fn: Optional[Callable] = None) -> ModelRegions:
+                  compile_fn: Optional[Callable] = None,
+                  cuda_graphs: bool = False) -> ModelRegions:
     """Compile a serial model as one region (with its loss when ``loss_fn`` is given).
 
     ``model(*inputs, loss_labels=labels)`` then returns the loss of the region; ``model(*inputs)``
@@ -129,8 +140,10 @@ def compile_model(model: nn.Module, loss_fn: Optional[Callable] = None,
         model: the bare model.
         loss_fn: the family's loss, or None.
         compile_fn: from :func:`compiler` (default: ``compiler()``).
+        cuda_graphs: ``compile_fn`` replays CUDA graphs (``mode="reduce-overhead"``): each
+            call's outputs are copied out of the graph's memory.
     """
-    regions = ModelRegions(model, loss_fn, compile_fn or compiler())
+    regions = ModelRegions(model, loss_fn, compile_fn or compiler(), cuda_graphs)
 
     def forward(*args, **kwargs):
         return regions(model, args, kwargs)
@@ -198,3 +211,10 @@ def compile_layers(model, classes=None, **compile_kwargs):
     for layer in layers:
         layer.compile(**compile_kwargs)
     return len(layers)
+
+
+def compiled_graph_count() -> int:
+    """Graphs dynamo compiled in this process so far (its ``unique_graphs`` counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -43,7 +43,8 @@ def _compile(model, cfg, pipeline):
                     f"compile_classes is empty (compile nothing); the model runs uncompiled")
         return
     zero_bubble = getattr(cfg.parallel, "pipeline_schedule", "1f1b") in ("zb-h1", "zbv")
-    compile_fn = compiler(defers_weight_grads=pipeline and zero_bubble)
+    mode = {"mode": "reduce-overhead"} if cfg.kernels.cuda_graphs else {}
+    compile_fn = compiler(defers_weight_grads=pipeline and zero_bubble, **mode)
     if pipeline:
         regions = compile_pipeline(model, compile_fn)
         what = f"{len(regions.train)} pipeline chunk(s), one region each"
@@ -51,7 +52,7 @@ def _compile(model, cfg, pipeline):
             what += ", the loss in the last chunk's"
     else:
         loss_fn = family.loss_fn if family is not None else None
-        compile_model(model, loss_fn, compile_fn)
+        compile_model(model, loss_fn, compile_fn, cuda_graphs=bool(mode))
         what = "the model as one region" + (", its loss included" if loss_fn else "")
     print_rank_0(f"> --compile: {what} (compiled on the first step)")
 

@@ -14,6 +14,7 @@ Megatron-style providers (for a model of your own) are accepted instead, and win
 How a step runs (DDP or a DeepSpeed / tds engine) is the training backend's business
 (megatron/training/backend_factory.py); this loop only counts, logs, evaluates and saves.
 """
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -129,6 +130,15 @@ def _flush_interval(cfg, state, pending, backend, timers, writer):
     state.steps_in_interval = state.skipped_in_interval = 0
 
 
+def _report_compile(seconds: float) -> None:
+    """The first step of a ``--compile`` run compiles every region: say what it took."""
+    from ..model.compile import compiled_graph_count
+
+    print_rank_0(f"> --compile: the first step took {seconds:.1f} s, compiling "
+                 f"{compiled_graph_count()} graph(s) on rank 0; later steps reuse them "
+                 f"(evaluation compiles its own at the first evaluation)")
+
+
 def _every(iteration, interval):
     """Whether ``iteration`` is a multiple of an optional ``interval`` (None / 0: never)."""
     return bool(interval) and iteration % interval == 0
@@ -145,8 +155,13 @@ def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[It
     backend.train()
     pending = []  # per-step stats since the last log line, still on the device
     timers("interval").start()
+    first_step = cfg.kernels.compile  # report what the first (compiling) step cost
     while state.iteration < iters:
+        started = time.perf_counter()
         stats, updated, grad_norm = train_step(forward_step_func, train_iterator, backend)
+        if first_step:
+            first_step = False
+            _report_compile(time.perf_counter() - started)
         state.iteration += 1
         state.consumed_train_samples += cfg.batch.global_batch_size
         state.steps_in_interval += 1

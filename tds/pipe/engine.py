@@ -172,6 +172,9 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
     def eval_batch(self, data_iter: Optional[Iterator], *args: Any, **kwargs: Any) -> Any:
         if self.interleaved is not None:
             return self._interleaved_eval(data_iter, *args, **kwargs)
+        if getattr(self.module, "chunk_regions", None) is not None and not args and \
+                not kwargs:  # compiled chunks: the mean loss through their eval regions
+            return self._interleaved_eval(data_iter)
         if self.num_stages > 1 and self.recv_meta is None and self.send_meta is None:
             train_iterator = self.data_iterator
             self.set_dataiterator(data_iter)
@@ -190,7 +193,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self.set_dataiterator(data_iter)
         try:
             self._compute_loss = True
-            return self.interleaved.eval_batch(num_micro_batches or self.micro_batches)
+            return self.schedule_step.eval_batch(num_micro_batches or self.micro_batches)
         finally:
             self.set_dataiterator(train_iterator)
 
