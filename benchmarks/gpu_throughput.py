@@ -175,12 +175,14 @@ def project_step(kind, family, flags, vocab, batch_fn, device):
     def step():
         backend.train_step(forward_step, iterator)
 
+    step.backend = backend
     return step, cfg
 
 
 # ------------------------------------------------------------------ baseline steps
 def plain_step(model, loss_fn, opts, device, compiled):
-    """``step()`` of a plain model: autocast forward, backward, fused AdamW step."""
+    """``step()`` of a plain model: autocast forward, backward, gradient clipping at 1.0 (as
+    our run scripts and default flags clip), fused AdamW step."""
     model = model.to(device).train()
     fused = {"fused": True} if device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **fused)
@@ -191,6 +193,7 @@ def plain_step(model, loss_fn, opts, device, compiled):
         with torch.autocast(device.type, dtype=opts.dtype, enabled=opts.dtype != torch.float32):
             loss = loss_fn(run)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
     return step

@@ -179,17 +179,21 @@ def test_attention_backend_spellings():
         resolve_attention_backend("triton")
 
 
-def test_a_masked_cuda_call_leaves_cudnn_out(monkeypatch, seed):
-    # cuDNN's masked SDPA backward stopped T5 fp16 training on an H100 (issue 38): a call with
-    # a mask tensor on CUDA may use every kernel but cuDNN's; other calls keep PyTorch's pick.
+def test_a_masked_fp16_cuda_call_leaves_cudnn_out(monkeypatch, seed):
+    # cuDNN's masked SDPA backward stopped T5 fp16 training on an H100 (issue 38): an fp16
+    # call with a mask tensor on CUDA may use every kernel but cuDNN's; bf16 and fp32 calls,
+    # unmasked calls and CPU calls keep PyTorch's pick among all (issue 43).
     from torch.nn.attention import SDPBackend
 
     from megatron.model import attention
 
-    masked = attention.sdpa_backends_for("cuda", True)
+    masked = attention.sdpa_backends_for("cuda", True, torch.float16)
     assert SDPBackend.CUDNN_ATTENTION not in masked and SDPBackend.MATH in masked
-    assert attention.sdpa_backends_for("cuda", False) is None
-    assert attention.sdpa_backends_for("cpu", True) is None
+    assert SDPBackend.EFFICIENT_ATTENTION in masked
+    for dtype in (torch.bfloat16, torch.float32):
+        assert attention.sdpa_backends_for("cuda", True, dtype) is None
+    assert attention.sdpa_backends_for("cuda", False, torch.float16) is None
+    assert attention.sdpa_backends_for("cpu", True, torch.float16) is None
     # the restricted call computes the same (run here on the CPU's kernels of the list)
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(16, 2, 4, 8, generator=g) for _ in range(3))
@@ -198,7 +202,7 @@ def test_a_masked_cuda_call_leaves_cudnn_out(monkeypatch, seed):
     free = attention.sdpa_attention(q, k, v, scale=1.0, dropout_p=0.0, mask=mask, bias=bias)
     calls = []
     monkeypatch.setattr(attention, "sdpa_backends_for",
-                        lambda device, has_mask: calls.append(has_mask) or
+                        lambda device, has_mask, dtype: calls.append(has_mask) or
                         (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH))
     kept = attention.sdpa_attention(q, k, v, scale=1.0, dropout_p=0.0, mask=mask, bias=bias)
     assert calls == [True]

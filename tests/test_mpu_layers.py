@@ -127,7 +127,15 @@ def _cross_entropy(seed):
     scaled = li * 1.0  # not a leaf: what an output layer hands the loss
     loss_inplace = mpu.vocab_parallel_cross_entropy(scaled, target, inplace=True)
     loss_inplace.backward(dloss)
+    # the form compiled code traces (--compile): plain ops, its gradient through autograd
+    from megatron.mpu.cross_entropy import _composed_cross_entropy
+
+    lc = lp.detach().clone().requires_grad_()
+    loss_composed = _composed_cross_entropy(lc, target, mpu.get_tensor_model_parallel_group())
+    loss_composed.backward(dloss)
     return {"out": _max_err(loss, ref), "dx": _max_err(_gather(lp.grad, -1), lr.grad),
+            "out_composed": _max_err(loss_composed, ref),
+            "dx_composed": _max_err(_gather(lc.grad, -1), lr.grad),
             "input_untouched": _max_err(lp.detach(), before),
             "out_inplace": _max_err(loss_inplace, ref),
             "dx_inplace": _max_err(_gather(li.grad, -1), lr.grad),

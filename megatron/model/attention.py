@@ -20,12 +20,20 @@ become one additive float mask whose masked entries are the dtype's lowest value
 with every entry masked comes out uniform, as Megatron's -10000 fill gives) and whose
 gradient reaches the bias.
 
-With a mask tensor on CUDA (T5's bias and padding, a padded or cached GPT-2) SDPA may not
-pick cuDNN's kernel (:data:`MASKED_SDPA_BACKENDS`): on an H100 (torch 2.11, cuDNN's
+With an fp16 mask tensor on CUDA (T5's bias and padding, a padded or cached GPT-2) SDPA may
+not pick cuDNN's kernel (:data:`MASKED_SDPA_BACKENDS`): on an H100 (torch 2.11, cuDNN's
 default-on-Hopper attention) T5's fp16 run got non-finite gradients at every step from the
 second on, at every loss scale, and trained with cuDNN off and nothing else changed
 (tests/gpu_probe_t5_fp16.py; pytorch/pytorch#196678 describes cuDNN's masked backward
-writing NaN into dQ). The causal GPT-2 path passes no mask and keeps every kernel.
+writing NaN into dQ). bf16 and fp32 calls keep every kernel: bf16 T5 trained with cuDNN
+on the H100 before that change (issue 38). The causal GPT-2 path passes no mask.
+
+Which kernel a masked call can get depends on the mask's layout: the memory-efficient and
+cuDNN kernels need its last dimension contiguous (stride 1) and its dtype the queries'.
+T5's relative position bias is built contiguous ``[1, np, sq, sk]``, and :func:`fold_mask`
+folds it with the padding mask once per stack (not once per layer) into one contiguous
+additive mask every layer passes on as is (tests/test_attention_backends.py checks the
+layout and the kernels asked for, per call and dtype).
 
 At tensor-parallel size > 1 attention dropout runs inside the model-parallel RNG tracker on
 both paths, so the ranks (which hold different heads) draw their own masks; the tracker is
@@ -94,6 +102,8 @@ def additive_mask(mask, bias, dtype, causal=False, shape=None):
         causal: also exclude keys ``j > i + sk - sq``.
         shape: ``(sq, sk)``, needed for ``causal``.
     """
+    if mask is not None and mask.is_floating_point():  # already additive (fold_mask)
+        return mask.to(dtype) if bias is None else mask.to(dtype) + bias.to(dtype)
     excluded = mask
     if causal:
         triangle = causal_exclusion(*shape, device=mask.device if mask is not None
@@ -108,6 +118,33 @@ def additive_mask(mask, bias, dtype, causal=False, shape=None):
     return torch.where(excluded, torch.finfo(dtype).min, base)
 
 
+def fold_mask(mask, bias, dtype):
+    """A bool mask and an additive bias as one contiguous additive mask in ``dtype`` (what
+    SDPA takes): built once and shared by every layer that attends with them.
+
+    Args:
+        mask: bool ``[b or 1, 1, sq, sk]``, True = masked, or None.
+        bias: float ``[1 or b, np, sq, sk]`` (contiguous), or None.
+        dtype: the queries' dtype (the autocast dtype under autocast).
+
+    Returns:
+        ``[b or 1, np or 1, sq, sk]`` float, the dtype's lowest value where masked; None
+        when both are None.
+    """
+    if mask is None and bias is None:
+        return None
+    return additive_mask(mask, bias, dtype).contiguous()
+
+
+def attention_dtype(hidden):
+    """The dtype attention runs in for a hidden state: the autocast dtype when autocast is
+    on for its device, else its own."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
 def sdpa_attention(q, k, v, *, scale, dropout_p, causal=False, mask=None, bias=None,
                    per_rank_dropout=True):
     """Multi-head attention through ``scaled_dot_product_attention``, ``[s, b, np, hn]`` in.
@@ -117,7 +154,8 @@ def sdpa_attention(q, k, v, *, scale, dropout_p, causal=False, mask=None, bias=N
         scale: multiplies ``q k^T`` (GPT-2: 1/sqrt(hn); T5: 1).
         dropout_p: attention dropout (0 in eval).
         causal: GPT-2's triangle, aligned bottom right when ``sq < sk`` (a KV cache).
-        mask: bool ``[b or 1, 1, sq, sk]`` True = masked, on top of ``causal``; or None.
+        mask: bool ``[b or 1, 1, sq, sk]`` True = masked, on top of ``causal``; a float
+            mask is additive already (:func:`fold_mask`); or None.
         bias: float ``[1 or b, np, sq, sk]`` added to the scores (T5), or None.
         per_rank_dropout: draw the dropout from the model-parallel RNG stream (heads split
             across tensor-parallel ranks); False: from the default generator.
@@ -142,14 +180,15 @@ def sdpa_attention(q, k, v, *, scale, dropout_p, causal=False, mask=None, bias=N
     return from_heads_first(context)  # [sq, b, np * hn]
 
 
-def sdpa_backends_for(device_type, has_mask):
+def sdpa_backends_for(device_type, has_mask, dtype):
     """The SDPA kernels a call may use: None (PyTorch's choice among all), or
-    :data:`MASKED_SDPA_BACKENDS` for a mask tensor on CUDA."""
-    return MASKED_SDPA_BACKENDS if has_mask and device_type == "cuda" else None
+    :data:`MASKED_SDPA_BACKENDS` for an fp16 call with a mask tensor on CUDA."""
+    return MASKED_SDPA_BACKENDS if has_mask and device_type == "cuda" and \
+        dtype == torch.float16 else None
 
 
 def _sdpa(q, k, v, **kwargs):
-    backends = sdpa_backends_for(q.device.type, kwargs["attn_mask"] is not None)
+    backends = sdpa_backends_for(q.device.type, kwargs["attn_mask"] is not None, q.dtype)
     if backends is None:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     with sdpa_kernel(list(backends)):

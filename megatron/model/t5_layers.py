@@ -133,7 +133,9 @@ class RelativePositionBias(nn.Module):
         buckets = _bucket_table(sq, sk, offset, self.bidirectional, self.num_buckets,
                                 self.max_distance, self.weight.device)
         bias = F.embedding(buckets, self.weight)  # [sq, sk, np]
-        return bias.permute(2, 0, 1).unsqueeze(0)
+        # contiguous [1, np, sq, sk]: an attention mask whose last dim has stride 1, as
+        # SDPA's memory-efficient kernel requires (a permuted view has stride np: math path)
+        return bias.permute(2, 0, 1).contiguous().unsqueeze(0)
 
 
 # ---------------------------------------------------------------- attention

@@ -13,6 +13,7 @@ import functools
 from torch import nn
 
 from .. import mpu
+from .attention import attention_dtype, fold_mask, resolve_attention_backend
 from .fused_softmax import causal_exclusion
 from .kv_cache import KVCache
 from .language_model import lm_loss
@@ -92,6 +93,9 @@ class T5Stack(nn.Module):
         self.layers = nn.ModuleList(layer(config, i + 1) for i in range(config.num_layers))
         self.final_layernorm = rms_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        # SDPA takes the bias and the padding mask as one additive mask: fold them once
+        # for every layer (Megatron's unfused softmax keeps them apart)
+        self.fold_masks = resolve_attention_backend(config.attention_backend) == "sdpa"
 
     def _run(self, start, end):
         def run(hidden, mask, bias, *cross):
@@ -113,6 +117,10 @@ class T5Stack(nn.Module):
         sq = hidden.shape[0] * sp_factor(self.config)  # full length under SP
         offset = kv_cache.offset if kv_cache is not None else 0
         bias = self.relative_bias(sq, offset + sq, offset)  # [1, np, sq, sk], shared by layers
+        if self.fold_masks and kv_cache is None:  # SDPA: one additive mask per stack
+            dtype = attention_dtype(hidden)
+            mask, bias = None, fold_mask(mask, bias, dtype)  # [b, np, sq, sk]
+            cross_mask = fold_mask(cross_mask, None, dtype)  # [b, 1, sd, se] (decoder)
         cross = (encoder_output, cross_mask) if self.decoder else ()
         if self.config.checkpoint_activations and self.training and kv_cache is None:
             step = self.config.checkpoint_num_layers

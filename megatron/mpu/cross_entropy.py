@@ -112,10 +112,11 @@ def _composed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     if world > 1:
         logits_max = _all_reduce_max(logits_max, group)
     part = x.size(-1)
-    start = dist.get_rank(group) * part
-    outside = (target < start) | (target >= start + part)
-    local_target = (target - start).masked_fill(outside, 0)
-    target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    # the target's logit as a masked sum, not a gather: its gradient is then a pointwise
+    # select inductor fuses into the softmax's (a gather's is a scatter into a zeroed
+    # [*, v/tp] buffer); a target in another rank's slice matches no column here
+    columns = torch.arange(part, device=x.device) + dist.get_rank(group) * part
+    target_logit = torch.where(columns == target.unsqueeze(-1), x, 0.0).sum(dim=-1)
     sum_exp = (x - logits_max.unsqueeze(-1)).exp().sum(dim=-1)  # [*]
     if world > 1:
         sum_exp, target_logit = g(torch.stack((sum_exp, target_logit)), group).unbind(0)

@@ -13,7 +13,9 @@ HF conversions map one to one. The kernels run when ``--layernorm-fusion`` is gi
 neither flag is and the kernel is the faster path on the device
 (``fused_kernels.NORM_FUSION_BY_DEFAULT``: CUDA LayerNorm takes ``F.layer_norm``), the
 compiled module is available for the device, and the shape/dtype fit (CPU: fp32/bf16
-input; CUDA: fp32/fp16/bf16 with hidden % 8 == 0 and hidden <= 8192).
+input; CUDA: fp32/fp16/bf16 with hidden % 8 == 0 and hidden <= 8192). Inside
+``torch.compile`` (``--compile``) both take the PyTorch composition instead: inductor fuses it
+with the neighbouring elementwise work, where the kernel would be an opaque operator.
 
 They are mpu pieces (``mpu.RMSNorm`` is :class:`MixedFusedRMSNorm`): with
 ``sequence_parallel=True`` each tensor-parallel rank normalizes its own sequence shard and the
@@ -127,8 +129,11 @@ class MixedFusedLayerNorm(nn.Module):
         weight, bias = self.weight, self.bias
         if self.sequence_parallel:
             weight, bias = sequence_parallel_param(weight), sequence_parallel_param(bias)
-        if norm_kernel_unavailable_reason(input, weight) is None:
+        if not torch.compiler.is_compiling() and \
+                norm_kernel_unavailable_reason(input, weight) is None:
             return fused_norm(input, weight, bias, self.eps, False)
+        # compiled code: the composition, which inductor fuses with its neighbours (the
+        # kernel is an opaque operator there, and its call costs host time per use)
         return layer_norm_reference(input, weight, bias, self.eps, self.normalized_shape)
 
     def extra_repr(self):
@@ -162,9 +167,10 @@ class MixedFusedRMSNorm(nn.Module):
 
     def forward(self, input):
         weight = sequence_parallel_param(self.weight) if self.sequence_parallel else self.weight
-        if norm_kernel_unavailable_reason(input, weight, rms=True) is None:
+        if not torch.compiler.is_compiling() and \
+                norm_kernel_unavailable_reason(input, weight, rms=True) is None:
             return fused_norm(input, weight, None, self.eps, True)
-        return rms_norm_reference(input, weight, self.eps, self.normalized_shape)
+        return rms_norm_reference(input, weight, self.eps, self.normalized_shape)  # compiled
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}"
