@@ -2,6 +2,7 @@
 """The compiled training step, counted on a CPU: what a GPU step of it launches and moves.
 
     python benchmarks/compiled_step.py                 # GPT-2 345M's structure (24 layers)
+    python benchmarks/compiled_step.py --model t5 --layers 12 --kinds compile,layers,eager,hf
     python benchmarks/compiled_step.py --layers 2 --hidden 64 --heads 4   # a smoke run
 
 On a GPU the gap between this project's ``--compile`` step and a plain GPT-2 compiled whole
@@ -14,13 +15,17 @@ so they are measured here, on the CPU, at tp = pp = dp = 1, for:
 - ``megatron layers``: the same, each transformer layer compiled on its own (what
   ``--compile`` did before issue 42: the configuration the H100 profile was taken of);
 - ``megatron eager``; ``plain compiled``: benchmarks/plain_models.py's GPT-2 under
-  ``torch.compile``, clipping at 1.0 like our run scripts, torch's AdamW.
+  ``torch.compile``, clipping at 1.0 like our run scripts, torch's AdamW;
+- with ``--model t5`` (T5, ``--layers`` per stack, encoder ``--seq``, decoder ``--dec-seq``):
+  ``hf compiled``, transformers' T5ForConditionalGeneration at the same sizes under
+  ``torch.compile`` instead of the plain GPT-2 (issue 43).
 
 Per optimizer step (one micro-batch), from ``torch.profiler`` on the CPU: compiled-graph
 calls (``## Call CompiledFxGraph`` events: forward and backward graphs), kernels launched
 outside compiled graphs (leaf ``aten::`` operators with no compiled graph above them, views
 and other metadata-only operators left out), GEMM and attention calls anywhere, Python
-function calls (``sys.setprofile``), and dynamo's graphs and breaks. Then the loss path
+function calls (``sys.setprofile``), calls of this project's custom operators
+(``megatron_tds::``, inside compiled graphs and outside), and dynamo's graphs and breaks. Then the loss path
 alone: bytes read and written by its compiled kernels (inductor's scheduler, fused nodes)
 for ours and for a compiled ``F.cross_entropy``, and, for reference, ours in eager mode (the
 operators' tensor bytes), per logits byte at the shape given. Ratios against the plain
@@ -54,7 +59,10 @@ COMPILED_GRAPH = "## Call CompiledFxGraph"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--model", choices=("gpt2", "t5"), default="gpt2")
+    p.add_argument("--layers", type=int, default=24, help="T5: per stack")
+    p.add_argument("--dec-seq", type=int, default=16, help="T5's decoder length")
+    p.add_argument("--ff", type=int, default=256, help="T5's d_ff")
     p.add_argument("--hidden", type=int, default=64, help="counts do not depend on it")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
@@ -62,7 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=1024, help="the step's vocabulary")
     p.add_argument("--loss-shape", type=int, nargs=2, default=(2048, 50304),
                    metavar=("TOKENS", "VOCAB"), help="the loss path's logits")
-    p.add_argument("--kinds", default="compile,layers,eager,plain")
+    p.add_argument("--kinds", default="compile,layers,eager,plain",
+                   help="compile, layers, eager; plain (GPT-2) or hf (T5) compiled")
     p.add_argument("--bf16", action="store_true", help="autocast to bf16, as on the GPU")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--adamw", choices=("fused", "default"), default="fused",
@@ -100,6 +109,8 @@ def make_step(kind, args):
     from benchmarks.plain_models import PlainGPT2
 
     opts = _opts(args)
+    if args.model == "t5":
+        return _t5_step(kind, args, opts)
     if kind == "plain":
         batch = gpt2_batch_fn(args.batch, args.seq, args.vocab)(opts.device)["text"]
         model = PlainGPT2(args.vocab, args.seq, args.hidden, args.heads, args.layers)
@@ -115,23 +126,73 @@ def make_step(kind, args):
         from megatron.model.compile import compile_layers
 
         compile_layers(step.backend.module())
+    return _name_optimizer_step(step)
+
+
+def _name_optimizer_step(step):
+    """Run our optimizer's step (clipping included) inside the profiler range the plain
+    steps use, so the counts can tell the optimizer's kernels from the model's."""
+    from benchmarks.gpu_throughput import OPTIMIZER_RANGE
+
+    optimizer = step.backend.optimizer
+    original = optimizer.step
+
+    def named():
+        with torch.profiler.record_function(OPTIMIZER_RANGE):
+            return original()
+
+    optimizer.step = named
     return step
 
 
+def _t5_step(kind, args, opts):
+    from benchmarks.gpu_throughput import _common_flags, plain_step, project_step, t5_batch_fn
+    from benchmarks.plain_models import hf_t5
+
+    heads, d_kv = args.heads, args.hidden // args.heads
+    batch_fn = t5_batch_fn(args.batch, args.seq, args.dec_seq, args.vocab)
+    if kind == "hf":
+        data = batch_fn(opts.device)
+        model = hf_t5(args.vocab, args.layers, args.hidden, args.ff, heads, d_kv)
+
+        def loss(m):
+            return m(input_ids=data["text_enc"], decoder_input_ids=data["text_dec"],
+                     labels=data["labels"]).loss
+
+        return plain_step(model, loss, opts, opts.device, compiled=True)
+    flags = _common_flags(opts, args.layers, args.hidden, heads, args.batch,
+                          ["--enc-seq-length", str(args.seq), "--dec-seq-length",
+                           str(args.dec_seq), "--ff-hidden-size", str(args.ff),
+                           "--kv-hidden-size", str(d_kv)])
+    step, _ = project_step("compile" if kind == "compile" else "eager", "t5", flags,
+                           args.vocab, batch_fn, opts.device)
+    if kind == "layers":
+        from megatron.model.compile import compile_layers
+
+        compile_layers(step.backend.module())
+    return _name_optimizer_step(step)
+
+
 # ------------------------------------------------------------------ counting
-def _under_compiled_graph(event):
+def _under(event, prefix):
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith(COMPILED_GRAPH):
+        if parent.name.startswith(prefix):
             return True
         parent = parent.cpu_parent
     return False
+
+
+def _under_compiled_graph(event):
+    return _under(event, COMPILED_GRAPH)
 
 
 def count_step(step):
     """Counts of one ``step()`` (after warm-up): see the module docstring."""
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_throughput import OPTIMIZER_RANGE
 
     graphs_before = counters["stats"]["unique_graphs"]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -142,6 +203,11 @@ def count_step(step):
     for e in events:
         if e.name.startswith(COMPILED_GRAPH):
             counts["compiled graph calls"] += 1
+        if e.name.startswith("megatron_tds::"):
+            inside = _under_compiled_graph(e)
+            counts[f"custom-op calls {'inside' if inside else 'outside'} compiled graphs"] += 1
+            if "norm" in e.name and inside:
+                counts["norm custom-op calls inside compiled graphs"] += 1
         if not e.name.startswith("aten::"):
             continue
         if e.name in GEMMS and not any(c.name in GEMMS for c in e.cpu_children):
@@ -152,6 +218,8 @@ def count_step(step):
         leaf = not any(c.name.startswith("aten::") for c in e.cpu_children)
         if leaf and e.name not in NO_KERNEL and not _under_compiled_graph(e):
             outside[e.name] += 1
+            if _under(e, OPTIMIZER_RANGE):
+                counts["  of which the optimizer step's"] += 1
     counts["kernels outside compiled graphs"] = sum(outside.values())
     calls = [0]
 
@@ -249,8 +317,9 @@ def loss_path_bytes(tokens, vocab, dtype):
     for name, fn in (("ours compiled", ours), ("F.cross_entropy compiled", plain)):
         torch._dynamo.reset()
         counter = _SchedulerBytes()
-        try:
-            torch.compile(fn, dynamic=False)(make(), labels, mask).backward()
+        try:  # compiled afresh: a cached graph would skip the scheduler that counts
+            with torch._inductor.config.patch(force_disable_caches=True):
+                torch.compile(fn, dynamic=False)(make(), labels, mask).backward()
         finally:
             counter.close()
         out[name] = counter.total / logits_bytes
@@ -269,7 +338,9 @@ def main(argv=None):
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
     print(f"machine: {machine()}")
-    print(f"model: GPT-2, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq "
+    what = (f"T5, {args.layers} + {args.layers} layers, d_ff {args.ff}, decoder seq "
+            f"{args.dec_seq}, " if args.model == "t5" else f"GPT-2, {args.layers} layers, ")
+    print(f"model: {what}hidden {args.hidden}, {args.heads} heads, seq "
           f"{args.seq}, micro-batch {args.batch}, vocab {args.vocab}, "
           f"{'bf16 autocast' if args.bf16 else 'fp32'}, tp = pp = dp = 1, clip 1.0, "
           f"{args.adamw} AdamW")
@@ -286,19 +357,23 @@ def main(argv=None):
             step()
         results[kind], outside[kind] = count_step(step)
         del step
-    names = sorted({k for r in results.values() for k in r})
+    names = sorted({k for r in results.values() for k in r}, key=lambda n: n.strip())
     print(f"\n{'per step':36s}" + "".join(f"{k:>14s}" for k in results))
     for name in names:
         print(f"{name:36s}" + "".join(f"{results[k][name]:>14d}" for k in results))
-    if "plain" in results:
-        for kind in (k for k in results if k != "plain"):
-            for name in ("kernels outside compiled graphs", "GEMM calls", "Python calls"):
-                base = results["plain"][name]
+    baseline = "hf" if args.model == "t5" else "plain"
+    if baseline in results:
+        for kind in (k for k in results if k != baseline):
+            for name in ("compiled graph calls", "kernels outside compiled graphs",
+                         "GEMM calls", "Python calls"):
+                base = results[baseline][name]
                 if base:
-                    print(f"ratio {kind} / plain, {name}: {results[kind][name] / base:.2f}")
-    if "compile" in outside:
-        print("\nkernels outside compiled graphs, megatron compile:",
-              dict(outside["compile"].most_common(12)))
+                    print(f"ratio {kind} / {baseline}, {name}: "
+                          f"{results[kind][name] / base:.2f}")
+    for kind, ops in outside.items():
+        print(f"\nkernels outside compiled graphs, {kind}:", dict(ops.most_common(10)))
+    if args.model == "t5":
+        return results, None
     tokens, vocab = args.loss_shape
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     loss = loss_path_bytes(tokens, vocab, dtype)

@@ -180,6 +180,11 @@ def project_step(kind, family, flags, vocab, batch_fn, device):
 
 
 # ------------------------------------------------------------------ baseline steps
+#: The profiler range around an optimizer step (clipping included) in the steps here.
+OPTIMIZER_RANGE = "optimizer step (clip + AdamW)"
+
+
+
 def plain_step(model, loss_fn, opts, device, compiled):
     """``step()`` of a plain model: autocast forward, backward, gradient clipping at 1.0 (as
     our run scripts and default flags clip), fused AdamW step."""
@@ -193,8 +198,9 @@ def plain_step(model, loss_fn, opts, device, compiled):
         with torch.autocast(device.type, dtype=opts.dtype, enabled=opts.dtype != torch.float32):
             loss = loss_fn(run)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        with torch.profiler.record_function(OPTIMIZER_RANGE):  # named in profiles
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
 
     return step
 

@@ -130,8 +130,10 @@ class RelativePositionBias(nn.Module):
 
     def forward(self, sq, sk, offset=0):
         """Bias ``[1, np, sq, sk]`` for ``sq`` queries at positions ``offset..`` over ``sk`` keys."""
-        buckets = _bucket_table(sq, sk, offset, self.bidirectional, self.num_buckets,
-                                self.max_distance, self.weight.device)
+        # compiled code computes the table in the graph (dynamo traces through a cache)
+        table = _bucket_table.__wrapped__ if torch.compiler.is_compiling() else _bucket_table
+        buckets = table(sq, sk, offset, self.bidirectional, self.num_buckets,
+                        self.max_distance, self.weight.device)
         bias = F.embedding(buckets, self.weight)  # [sq, sk, np]
         # contiguous [1, np, sq, sk]: an attention mask whose last dim has stride 1, as
         # SDPA's memory-efficient kernel requires (a permuted view has stride np: math path)
