@@ -42,7 +42,12 @@ TINY_T5 = {"tiny-t5": (2, 64, 128, 4)}
 #: The project's cases: flags added to the run's own.
 KIND_FLAGS = {"eager": (), "compile": ("--compile",),
               "deepspeed": ("--deepspeed", "--zero-stage", "1"),
-              "unfused": ("--no-layernorm-fusion", "--no-masked-softmax-fusion")}
+              "unfused": ("--no-layernorm-fusion", "--no-masked-softmax-fusion"),
+              # CUDA graphs over the compiled regions (issue 42's flag)
+              "compile-cudagraphs": ("--compile", "--cuda-graphs"),
+              "compile-deepspeed": ("--compile", "--deepspeed", "--zero-stage", "1"),
+              # the cuDNN A/B of issue 43: every masked SDPA call without cuDNN's kernel
+              "compile-nocudnn": ("--compile",), "eager-nocudnn": ()}
 
 
 def peak_tflops(device, override, dtype):
@@ -175,8 +180,32 @@ def project_step(kind, family, flags, vocab, batch_fn, device):
     def step():
         backend.train_step(forward_step, iterator)
 
+    if kind.endswith("-nocudnn"):
+        step = _without_cudnn(step)
     step.backend = backend
     return step, cfg
+
+
+def _without_cudnn(step):
+    """``step`` with cuDNN's kernel left out of every masked SDPA call on CUDA (whatever the
+    dtype), as before issue 43: one side of the cuDNN A/B, in the same process."""
+    from megatron.model import attention
+
+    chosen = attention.sdpa_backends_for
+
+    def masked_without_cudnn(device_type, has_mask, dtype):
+        if has_mask and device_type == "cuda":
+            return attention.MASKED_SDPA_BACKENDS
+        return chosen(device_type, has_mask, dtype)
+
+    def run():
+        attention.sdpa_backends_for = masked_without_cudnn
+        try:
+            step()
+        finally:
+            attention.sdpa_backends_for = chosen
+
+    return run
 
 
 # ------------------------------------------------------------------ baseline steps
@@ -347,7 +376,7 @@ def parse_args(argv=None):
         p.error(f"--baselines: {baselines}; choose from eager, compiled")
     opts.baselines = [b == "compiled" for b in baselines]
     if not opts.compile:
-        opts.kinds = [k for k in opts.kinds if k != "compile"]
+        opts.kinds = [k for k in opts.kinds if not k.startswith("compile")]
         opts.baselines = [b for b in opts.baselines if not b]
     opts.device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
     opts.dtype = torch.bfloat16 if opts.device.type == "cuda" else torch.float32
@@ -362,7 +391,9 @@ def parse_args(argv=None):
         except ImportError:
             opts.deepspeed = False
     if not opts.deepspeed:
-        opts.kinds = [k for k in opts.kinds if k != "deepspeed"]
+        opts.kinds = [k for k in opts.kinds if "deepspeed" not in k]
+    if opts.device.type != "cuda":  # CUDA graphs and the cuDNN A/B need a GPU
+        opts.kinds = [k for k in opts.kinds if not k.endswith(("-cudagraphs", "-nocudnn"))]
     return opts
 
 

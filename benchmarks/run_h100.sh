@@ -7,8 +7,9 @@
 # Phases: env (versions, nvidia-smi), build (the CUDA and CPU kernels, once), tests (pytest -m
 # gpu), checks (the tests and tests/gpu_probe_t5_fp16.py side by side: neither is timed),
 # kernels (benchmarks/kernels.py at the models' shapes), eager (throughput tables, the eager
-# cases), compiled (the --compile cases and compiled baselines), throughput (the tables with
-# $THROUGHPUT_ARGS). Each phase has its own time limit (PHASE_LIMIT_<name> seconds), so one
+# cases), compiled (the --compile cases and compiled baselines), t5ab (T5 compiled and eager,
+# masked SDPA calls with and without cuDNN, one process: issue 43's A/B), graphs (--compile
+# with --cuda-graphs and on the DeepSpeed path), throughput (the tables with $THROUGHPUT_ARGS). Each phase has its own time limit (PHASE_LIMIT_<name> seconds), so one
 # that runs long leaves the rest their time.
 #
 # The GPU machine has no package index: DeepSpeed and what it needs beyond the machine's image
@@ -75,12 +76,24 @@ t = time.time(); m = build.load_kernels('cpu'); print('cpu kernels', m is not No
         > "$OUT/throughput_compiled.txt" 2>&1
       echo "throughput rc=$?" >> "$OUT/throughput_compiled.txt"
       grep -E "^(###|\||--- profile)|rc=|Error" "$OUT/throughput_compiled.txt" | tail -60 ;;
+    t5ab)
+      timeout "$(limit t5ab 300)" python3 benchmarks/gpu_throughput.py --models t5 \
+        --kinds compile,compile-nocudnn,eager,eager-nocudnn --baselines compiled \
+        --profile /tmp/profiles > "$OUT/throughput_t5ab.txt" 2>&1
+      echo "throughput rc=$?" >> "$OUT/throughput_t5ab.txt"
+      grep -E "^(###|\||--- profile)|rc=|Error" "$OUT/throughput_t5ab.txt" | tail -40 ;;
+    graphs)
+      timeout "$(limit graphs 300)" python3 benchmarks/gpu_throughput.py --models gpt2 \
+        --kinds compile,compile-cudagraphs,compile-deepspeed --baselines compiled \
+        --batches "${BATCHES:-16}" > "$OUT/throughput_graphs.txt" 2>&1
+      echo "throughput rc=$?" >> "$OUT/throughput_graphs.txt"
+      grep -E "^(###|\||--- profile)|rc=|Error" "$OUT/throughput_graphs.txt" | tail -40 ;;
     throughput)
       timeout "$(limit throughput 300)" python3 benchmarks/gpu_throughput.py ${THROUGHPUT_ARGS:-} \
         --profile /tmp/profiles > "$OUT/throughput.txt" 2>&1
       echo "throughput rc=$?" >> "$OUT/throughput.txt"
       grep -E "^(###|\||--- profile)|rc=|Error" "$OUT/throughput.txt" | tail -60 ;;
-    *) log "unknown phase $phase (env build tests checks kernels eager compiled throughput)"
+    *) log "unknown phase $phase (env build tests checks kernels eager compiled t5ab graphs throughput)"
        exit 2 ;;
   esac
   log "phase $phase: done"

@@ -111,11 +111,19 @@ def test_cuda_training_follows_the_fp32_cpu_run(request, family, precision, back
 
 
 @pytest.mark.parametrize("family", ["gpt2", "t5"])
-def test_compile_follows_eager_on_cuda(request, family):
+@pytest.mark.parametrize("extra", [(), ("--cuda-graphs",), ("--fp16",)],
+                         ids=["compile", "cuda-graphs", "fp16"])
+def test_compile_follows_eager_on_cuda(request, family, extra):
+    """bf16 (or fp16, T5 through its masked fused attention) ``--compile`` against eager of the
+    same precision; ``--cuda-graphs`` replays the compiled regions as CUDA graphs."""
     data = _data(request, family)
-    eager = losses(family, _flags(family, data, "--bf16"), "cuda")
-    compiled = losses(family, _flags(family, data, "--bf16", "--compile"), "cuda")
-    _check(family, compiled, eager, TOL_BF16, "bf16 --compile against eager")
+    precision = ("--fp16",) if "--fp16" in extra else ("--bf16",)
+    graphs = tuple(f for f in extra if f != "--fp16")
+    eager = losses(family, _flags(family, data, *precision), "cuda")
+    compiled = losses(family, _flags(family, data, *precision, "--compile", *graphs), "cuda")
+    tol = TOL_FP16 if precision == ("--fp16",) else TOL_BF16
+    _check(family, compiled, eager, tol, f"{precision[0]} --compile {' '.join(graphs)} "
+                                         f"against eager")
 
 
 @pytest.mark.parametrize("save", [(), ("--async-save",)], ids=["save", "async-save"])
