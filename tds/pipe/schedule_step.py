@@ -253,7 +253,7 @@ class ScheduleStep(StageCallbacks):
     # ------------------------------------------------------------ runner callbacks
     def load(self, mb: int):
         """Chunk 0's inputs (its batch function reads the next micro-batch)."""
-        inputs, labels = self.engine._next_batch()
+        inputs, labels = self.engine._next_batch(mb)
         if self.keeps_labels:
             self.labels[mb] = labels
         return self.engine._to_device_inputs(inputs)
@@ -265,7 +265,7 @@ class ScheduleStep(StageCallbacks):
         if chunk == self.num_chunks - 1:
             # labels: kept by load() where this rank loads too, else read in call order,
             # the order of load()'s inputs (schedule_check proves it before any step)
-            labels = self.labels.pop(mb) if self.keeps_labels else e._next_batch()[1]
+            labels = self.labels.pop(mb) if self.keeps_labels else e._next_batch(mb)[1]
             labels = labels.to(e.device) if torch.is_tensor(labels) else \
                 tuple(t.to(e.device) for t in labels)
             e.pipe_buffers["labels"][0] = labels
