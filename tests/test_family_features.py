@@ -1,0 +1,69 @@
+"""A family's optional features are what it provides: the pipeline ones through its
+``build_model(cfg, pipeline=True)`` (checked when it is built), sequence parallelism and
+recompute when the model config it builds carries them; a declared ``supports`` narrows
+them. (tests/test_bert_example.py trains a family written before ``supports`` existed at pp 2;
+tests/test_family_outside.py refuses a flag outside a declared ``supports``.)"""
+import dataclasses
+import types
+
+import pytest
+
+from megatron.config import parse_args
+from megatron.errors import ConfigError
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
+        "--seq-length", "32", "--batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
+        "--tokenizer-type", "GPT2BPETokenizer"]
+
+
+def _family(**changes):
+    from megatron.families import get_family
+
+    return dataclasses.replace(get_family("gpt2"), **{"name": "mine", "supports": None,
+                                                      **changes})
+
+
+def _parse(family, *extra, world_size=2):
+    return parse_args(BASE + list(extra), world_size=world_size, rank=0, check_files=False,
+                      family=family)
+
+
+def _bare_config(cfg, dropout=True):
+    """A model config that carries neither switch: the layers never see the flags."""
+    return types.SimpleNamespace(num_layers=cfg.model.num_layers)
+
+
+def test_features_come_from_the_model_config_and_supports_narrows_them():
+    provided = _family()  # GPT-2's config carries sequence_parallel and recompute
+    args = _parse(provided, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                  "--checkpoint-activations")
+    assert args.sequence_parallel and args.checkpoint_activations
+    assert _parse(provided, "--pipeline-model-parallel-size", "2").pipeline_model_parallel_size \
+        == 2  # provided by build_model(pipeline=True): checked when it is built
+    bare = _family(model_config=_bare_config)
+    with pytest.raises(ConfigError) as caught:
+        _parse(bare, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--checkpoint-activations")
+    message = str(caught.value)
+    for flag, name in (("--sequence-parallel", "sequence_parallel"),
+                       ("--checkpoint-activations", "checkpoint_activations")):
+        assert f"{flag} is not supported by the 'mine' model family: its model config " \
+               f"(SimpleNamespace) does not carry {name}=True" in message
+    narrowed = _family(supports=frozenset({"pipeline"}))
+    with pytest.raises(ConfigError, match=r"--checkpoint-activations is not supported by the "
+                                          r"'mine' model family \(its supports declares "
+                                          r"pipeline\)"):
+        _parse(narrowed, "--checkpoint-activations")
+
+
+def test_a_pipeline_run_refuses_a_model_that_is_not_a_pipeline_module():
+    import torch
+
+    from megatron.training.backend_factory import check_pipeline_module
+
+    family = _family()
+    cfg = _parse(family, "--pipeline-model-parallel-size", "2")
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size 2: the 'mine' model "
+                                          r"family's build_model\(cfg, pipeline=True\) returned "
+                                          r"a Linear, not a tds PipelineModule"):
+        check_pipeline_module(torch.nn.Linear(2, 2), cfg)
