@@ -23,7 +23,7 @@ forward step, and as tds's ``batch_context`` around the pipeline's calls).
 """
 import contextlib
 import hashlib
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -34,23 +34,24 @@ def draw_seed(*key: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _device_generator(device: torch.device) -> Optional[torch.Generator]:
-    """The default generator of ``device`` (None for the CPU: torch.default_generator)."""
+def generators_of(device: torch.device) -> List[torch.Generator]:
+    """torch's default generators a call on ``device`` draws from: the CPU's, and the
+    device's own (made, if they are not yet, by asking for its state once)."""
     if device.type == "cpu":
-        return None
+        return [torch.default_generator]
     module = torch.get_device_module(device.type)
     index = device.index if device.index is not None else module.current_device()
-    return module.default_generators[index]
+    module.get_rng_state(index)  # initialises the device's generators (made lazily)
+    return [torch.default_generator, module.default_generators[index]]
 
 
 @contextlib.contextmanager
-def seeded_generators(seed: int, device: torch.device) -> Iterator[None]:
-    """torch's CPU generator and ``device``'s seeded with ``seed`` inside, restored after.
+def seeded_generators(seed: int, generators: List[torch.Generator]) -> Iterator[None]:
+    """``generators`` seeded with ``seed`` inside, their states restored after.
 
-    Both states live on the host (the device generator's seed and offset), so this reads
-    nothing back from the device.
+    The states live on the host (a device generator's is its seed and offset), so this
+    reads nothing back from the device.
     """
-    generators = [g for g in (torch.default_generator, _device_generator(device)) if g is not None]
     states = [g.get_state() for g in generators]
     try:
         for generator in generators:
@@ -76,6 +77,7 @@ class SeededBatchFn:
         self.batch_fn, self.seed = batch_fn, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.device = device if device is not None else torch.device("cpu")
+        self._generators: Optional[List[torch.Generator]] = None
         self._place: Tuple[Any, ...] = ("train", 0, 0)
         self._micro: Optional[int] = None
         self._calls = 0
@@ -103,7 +105,9 @@ class SeededBatchFn:
         micro = self._micro
         if micro is None:  # a caller that does not say: calls in order since at()
             micro, self._calls = self._calls, self._calls + 1
-        with seeded_generators(self.seed_of(micro), self.device):
+        if self._generators is None:
+            self._generators = generators_of(self.device)
+        with seeded_generators(self.seed_of(micro), self._generators):
             return self.batch_fn(raw)
 
 
