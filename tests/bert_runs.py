@@ -138,8 +138,8 @@ BERT_SPEC = os.path.join(REPO, "examples", "bert", "bert_model.py") + ":BERT"
 
 def layouts(data, ck, from_hf, seed):
     """Rank body (2 ranks): the example at pp 2 (1F1B through the older API's family, with
-    recompute; interleaved v 2; ZB-V) for 8 steps and at tp 2 for 4, the 1F1B and tp 2 runs
-    saving at step 4; the warnings they raised; the HF logit errors
+    recompute; interleaved v 2; ZB-V) for 8 steps and at tp 2 with sequence parallelism for 4,
+    the 1F1B and tp 2 runs saving at step 4; the warnings they raised; the HF logit errors
     (:func:`hf_logit_errors`, the export from the tp 2 checkpoint)."""
     import warnings
 
@@ -151,8 +151,9 @@ def layouts(data, ck, from_hf, seed):
                                       old_api_family())
         runs["pp2 v2"] = train_bert(bert_argv(data, 1, 2, vpp=2))
         runs["pp2 zbv"] = train_bert(bert_argv(data, 1, 2, "--pipeline-schedule", "zbv", vpp=2))
-        runs["tp2"] = train_bert(bert_argv(data, 2, 1, "--save", f"{ck}/tp2", "--save-interval",
-                                           "4", "--exit-interval", "4"))
+        runs["tp2 sp"] = train_bert(bert_argv(data, 2, 1, "--sequence-parallel", "--save",
+                                              f"{ck}/tp2", "--save-interval", "4",
+                                              "--exit-interval", "4"))
     warned = sorted({str(w.message)[:200] for w in caught})
     _export(f"{ck}/tp2", f"{ck}/tp2_hf")
     errors = hf_logit_errors(from_hf, (f"{ck}/tp2", f"{ck}/tp2_hf"), seed)

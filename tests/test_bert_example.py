@@ -4,7 +4,7 @@ megatron.model.lm_head, and it declares a Hugging Face name table.
 
 - the random masking draws the same masks on every stage: pp 2 with 1F1B, interleaved (v 2)
   and ZB-V equal the serial run within 1e-5 over 8 steps and in the evaluation after them
-  (tp 2 too);
+  (tp 2 with sequence parallelism too);
 - the 1F1B run trains through a family object built as a family was written before
   ``ModelFamily.supports`` existed (its features are what it provides: pipeline, recompute);
 - the pp 2 runs print no "autograd kernel was not registered" warning;
@@ -12,7 +12,8 @@ megatron.model.lm_head, and it declares a Hugging Face name table.
   run, and tools/convert_checkpoint.py converts the pp 2 one to one stage (same tensors; the
   first step from it is the serial run's);
 - tools/convert_checkpoint.py --family converts transformers' BertForMaskedLM to native and a
-  native checkpoint to it: logits within 1e-5 of transformers' at tp 1 and 2.
+  native checkpoint to it: logits within 1e-5 of transformers' at tp 1 and 2 (HF input is
+  written as one stage; --target-pp 2 is refused with what to do).
 """
 import os
 
@@ -20,6 +21,7 @@ import pytest
 
 from bert_runs import AUTOGRAD_WARNING, BERT_SPEC, VOCAB, layouts, resumes
 from harness import run_distributed
+from megatron.errors import ConfigError
 
 TOL = 1e-5
 EXACT = 1e-6  # a resume: float32 rounding of the logged loss only (measured 8e-8)
@@ -73,6 +75,9 @@ def test_bert_pipelines_equal_serial_resume_and_convert(gpt2_data, tmp_path, see
         from_hf[tp] = f"{ck}/from_hf_tp{tp}"
         _convert("--family", BERT_SPEC, "--input", f"{ck}/hf", "--output", from_hf[tp],
                  "--target-tp", str(tp))
+    with pytest.raises(ConfigError, match=r"changes in a conversion only to 1.*--load"):
+        _convert("--family", BERT_SPEC, "--input", f"{ck}/hf", "--output", f"{ck}/pp2_hf",
+                 "--target-pp", "2")  # one stage: a run at any pp loads it
     ranks = run_distributed(layouts, 2, gpt2_data, ck, from_hf, seed, timeout=400)
     runs, _, errors = ranks[-1]
     warned = [w for _, rank_warned, _ in ranks for w in rank_warned]
@@ -83,7 +88,7 @@ def test_bert_pipelines_equal_serial_resume_and_convert(gpt2_data, tmp_path, see
     reference = serial["serial"]
     for name in ("pp2 1f1b", "pp2 v2", "pp2 zbv"):
         assert _relative(runs[name], reference) < TOL, (name, runs[name], reference)
-    assert _relative(runs["tp2"], reference[:4]) < TOL  # (it stops at step 4)
+    assert _relative(runs["tp2 sp"], reference[:4]) < TOL  # (it stops at step 4)
     assert not [w for w in warned if AUTOGRAD_WARNING in w], warned
     for name in ("from pp2", "from tp2"):  # steps 5-8 and the evaluation
         assert _relative(serial[name], reference[4:]) < EXACT, (name, serial[name], reference)
