@@ -121,6 +121,69 @@ def hf_logit_errors(from_hf, to_hf, seed):
     return out
 
 
+def _whole(module):
+    """``module``'s whole tensors (every tensor-parallel rank's shards, by their record)."""
+    import torch.distributed as dist
+
+    from megatron import mpu
+    from megatron.checkpoint.sharding import merge_recorded, sharding_record
+
+    every = [None] * mpu.get_tensor_model_parallel_world_size()
+    dist.all_gather_object(every, (module.state_dict(), sharding_record(module)),
+                           group=mpu.get_tensor_model_parallel_group())
+    return merge_recorded({(t, 0): sd for t, (sd, _) in enumerate(every)},
+                          {(t, 0): rec for t, (_, rec) in enumerate(every)}, None, "heads")
+
+
+def _masked(logits, true_vocab):
+    logits = logits.clone()
+    logits[..., true_vocab:] = float("-inf")
+    return logits
+
+
+def heads_against_plain_torch(seed):
+    """Rank body (tp 2): megatron.model.lm_head's heads against F.linear / F.embedding on
+    their whole weights, with and without sequence parallelism: ``{case: largest
+    difference}`` (padded vocabulary columns must be -inf in both), and the records."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatron import mpu
+    from megatron.checkpoint.sharding import sharding_record
+    from megatron.model.lm_head import OutputLayer, VocabParallelBias, WordEmbedding, tied_logits
+
+    mpu.initialize_model_parallel(2, 1)
+    torch.manual_seed(seed)  # the same tensors on both ranks
+    s, b, h, vocab, true = 6, 2, 8, 16, 13
+    hidden, tokens = torch.randn(s, b, h), torch.randint(0, true, (b, s))
+    shard = hidden.chunk(2)[mpu.get_tensor_model_parallel_rank()]  # [s/tp, b, h]
+    out, records = {}, {}
+    for sp in (False, True):
+        x = shard if sp else hidden
+        untied = OutputLayer(h, vocab, bias=True, seed=seed, true_vocab_size=true,
+                             sequence_parallel=sp)
+        tied, bias = WordEmbedding(vocab, h, seed=seed, true_vocab_size=true,
+                                   sequence_parallel=sp), VocabParallelBias(vocab)
+        with torch.no_grad():
+            untied.linear.bias.normal_()
+            bias.bias.normal_()
+        w = _whole(untied)
+        e, bb = _whole(tied)["word_embeddings.weight"], _whole(bias)["bias"]
+        cases = {"untied": (untied(x), F.linear(hidden, w["linear.weight"], w["linear.bias"])),
+                 "tied": (bias(tied_logits(tied, x)), F.linear(hidden, e) + bb)}
+        for name, (ours, plain) in cases.items():
+            ours = mpu.gather_from_tensor_model_parallel_region(ours.contiguous())  # [b, s, v]
+            plain = _masked(plain.transpose(0, 1), true)
+            same_inf = torch.equal(torch.isinf(ours), torch.isinf(plain))
+            finite = torch.isfinite(plain)
+            out[(name, sp)] = (ours[finite] - plain[finite]).abs().max().item() \
+                if same_inf else float("inf")
+        out[("lookup", sp)] = (tied.lookup(tokens) - F.embedding(tokens, e)).abs().max().item()
+        records = {**sharding_record(untied), **sharding_record(bias)}
+    mpu.destroy_model_parallel()
+    return out, records
+
+
 def _export(ckpt, out):
     """Rank 0 converts ``ckpt`` to an HF directory (the tool's main, in this process)."""
     import torch.distributed as dist
@@ -140,7 +203,8 @@ def layouts(data, ck, from_hf, seed):
     """Rank body (2 ranks): the example at pp 2 (1F1B through the older API's family, with
     recompute; interleaved v 2; ZB-V) for 8 steps and at tp 2 with sequence parallelism for 4,
     the 1F1B and tp 2 runs saving at step 4; the warnings they raised; the HF logit errors
-    (:func:`hf_logit_errors`, the export from the tp 2 checkpoint)."""
+    (:func:`hf_logit_errors`, the export from the tp 2 checkpoint); the heads against plain
+    torch (:func:`heads_against_plain_torch`)."""
     import warnings
 
     runs = {}
@@ -157,7 +221,7 @@ def layouts(data, ck, from_hf, seed):
     warned = sorted({str(w.message)[:200] for w in caught})
     _export(f"{ck}/tp2", f"{ck}/tp2_hf")
     errors = hf_logit_errors(from_hf, (f"{ck}/tp2", f"{ck}/tp2_hf"), seed)
-    return runs, warned, errors
+    return runs, warned, errors, heads_against_plain_torch(seed)
 
 
 def resumes(data, ck, converted):

@@ -11,6 +11,8 @@ megatron.model.lm_head, and it declares a Hugging Face name table.
 - the tied head's checkpoints resume at pp 1 from pp 2 and from tp 2, continuing the serial
   run, and tools/convert_checkpoint.py converts the pp 2 one to one stage (same tensors; the
   first step from it is the serial run's);
+- megatron.model.lm_head's untied and tied heads at tp 2 (with and without sequence
+  parallelism) equal F.linear / F.embedding on their whole weights, padded rows at -inf;
 - tools/convert_checkpoint.py --family converts transformers' BertForMaskedLM to native and a
   native checkpoint to it: logits within 1e-5 of transformers' at tp 1 and 2 (HF input is
   written as one stage; --target-pp 2 is refused with what to do).
@@ -79,8 +81,8 @@ def test_bert_pipelines_equal_serial_resume_and_convert(gpt2_data, tmp_path, see
         _convert("--family", BERT_SPEC, "--input", f"{ck}/hf", "--output", f"{ck}/pp2_hf",
                  "--target-pp", "2")  # one stage: a run at any pp loads it
     ranks = run_distributed(layouts, 2, gpt2_data, ck, from_hf, seed, timeout=400)
-    runs, _, errors = ranks[-1]
-    warned = [w for _, rank_warned, _ in ranks for w in rank_warned]
+    runs, _, errors, (heads, records) = ranks[-1]
+    warned = [w for _, rank_warned, _, _ in ranks for w in rank_warned]
     with open(os.path.join(ck, "pp2", "latest_checkpointed_iteration.txt"), "w") as handle:
         handle.write("4")  # resume from the step-4 checkpoint
     _convert("--input", f"{ck}/pp2", "--output", f"{ck}/pp2_to_pp1", "--target-pp", "1")
@@ -96,3 +98,6 @@ def test_bert_pipelines_equal_serial_resume_and_convert(gpt2_data, tmp_path, see
     assert serial["converted"][0] == pytest.approx(reference[4], rel=EXACT)
     for key, (error, scale) in errors.items():
         assert error < TOL * max(1.0, scale), (key, error, scale)
+    assert max(heads.values()) < 1e-6, heads  # lm_head's pieces at tp 2, SP or not
+    assert records["linear.weight"][:3] == records["linear.bias"][:3] == \
+        records["bias"][:3] == [0, 1, 1]  # split on the vocabulary, marked as its rows

@@ -154,12 +154,14 @@ class OutputLayer(nn.Module):
             self.linear = mpu.ColumnParallelLinear(
                 hidden_size, vocab_size, bias=bias, gather_output=False,
                 init_method=init_method_normal(init_method_std),
-                sequence_parallel=sequence_parallel)
+                sequence_parallel=sequence_parallel, skip_bias_add=True)
         for param in self.linear.parameters():
             mpu.mark_padded_vocab_rows(param)
 
     def forward(self, hidden: Any) -> torch.Tensor:
         hidden = hidden if torch.is_tensor(hidden) else hidden[0]
-        logits = self.linear(hidden)[0]  # [s, b, v/tp]
+        logits, bias = self.linear(hidden)  # [s, b, v/tp], [v/tp] or None
+        if bias is not None:  # added here: the mask below writes in place into a new tensor
+            logits = logits + bias
         mpu.mask_padded_vocab_logits_(logits, self.true_vocab_size)
         return logits.transpose(0, 1)
