@@ -163,9 +163,9 @@ class EngineBackend(TrainingBackend):
         seeded draws: :mod:`.batch_draws`) and Megatron's gradient clipping (each parameter
         counted once across tp and pp, tied copies too) through tds's API.
         """
-        from .batch_draws import SeededBatchFn
-
         import tds as deepspeed
+
+        from .batch_draws import SeededBatchFn
 
         attach_deepspeed_comm(cfg)
         optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg, for_engine=True)
