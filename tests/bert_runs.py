@@ -199,12 +199,10 @@ def _export(ckpt, out):
 BERT_SPEC = os.path.join(REPO, "examples", "bert", "bert_model.py") + ":BERT"
 
 
-def layouts(data, ck, from_hf, seed):
-    """Rank body (2 ranks): the example at pp 2 (1F1B through the older API's family, with
-    recompute; interleaved v 2; ZB-V) for 8 steps and at tp 2 with sequence parallelism for 4,
-    the 1F1B and tp 2 runs saving at step 4; the warnings they raised; the HF logit errors
-    (:func:`hf_logit_errors`, the export from the tp 2 checkpoint); the heads against plain
-    torch (:func:`heads_against_plain_torch`)."""
+def pipelines(data, ck):
+    """Rank body (2 ranks): the example at pp 2 for 8 steps, 1F1B (through the older API's
+    family, with recompute, saving at step 4), interleaved (v 2) and ZB-V; the warnings the
+    runs raised."""
     import warnings
 
     runs = {}
@@ -215,22 +213,24 @@ def layouts(data, ck, from_hf, seed):
                                       old_api_family())
         runs["pp2 v2"] = train_bert(bert_argv(data, 1, 2, vpp=2))
         runs["pp2 zbv"] = train_bert(bert_argv(data, 1, 2, "--pipeline-schedule", "zbv", vpp=2))
-        runs["tp2 sp"] = train_bert(bert_argv(data, 2, 1, "--sequence-parallel", "--save",
-                                              f"{ck}/tp2", "--save-interval", "4",
-                                              "--exit-interval", "4"))
-    warned = sorted({str(w.message)[:200] for w in caught})
+    return runs, sorted({str(w.message)[:200] for w in caught})
+
+
+def tensor_parallel_and_hf(data, ck, from_hf, seed):
+    """Rank body (2 ranks): the example at tp 2 with sequence parallelism for 4 steps, saving
+    there; the HF logit errors (:func:`hf_logit_errors`: ``from_hf``, and the export of that
+    checkpoint); the heads against plain torch (:func:`heads_against_plain_torch`)."""
+    losses = train_bert(bert_argv(data, 2, 1, "--sequence-parallel", "--save", f"{ck}/tp2",
+                                  "--save-interval", "4", "--exit-interval", "4"))
     _export(f"{ck}/tp2", f"{ck}/tp2_hf")
     errors = hf_logit_errors(from_hf, (f"{ck}/tp2", f"{ck}/tp2_hf"), seed)
-    return runs, warned, errors, heads_against_plain_torch(seed)
+    return losses, errors, heads_against_plain_torch(seed)
 
 
-def resumes(data, ck, converted):
-    """Rank body (1 rank): the serial run (8 steps); steps 5-8 resumed at pp 1 from the pp 2
-    and tp 2 checkpoints of step 4; the first step from ``converted`` (the pp 2 checkpoint
-    converted to one stage: weights only)."""
+def serial_and_resumes(data, loads):
+    """Rank body (1 rank): the serial run (8 steps), and one run per ``{name: flags}`` of
+    ``loads`` (``--load`` of a step-4 checkpoint: steps 5-8)."""
     runs = {"serial": train_bert(bert_argv(data, 1, 1))}
-    runs["from pp2"] = train_bert(bert_argv(data, 1, 1, "--load", f"{ck}/pp2"))
-    runs["from tp2"] = train_bert(bert_argv(data, 1, 1, "--load", f"{ck}/tp2"))
-    runs["converted"] = train_bert(bert_argv(data, 1, 1, "--load", converted, "--no-load-optim",
-                                             "--no-load-rng", steps=5))
+    for name, flags in loads.items():
+        runs[name] = train_bert(bert_argv(data, 1, 1, *flags))
     return runs

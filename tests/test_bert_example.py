@@ -21,7 +21,8 @@ import os
 
 import pytest
 
-from bert_runs import AUTOGRAD_WARNING, BERT_SPEC, VOCAB, layouts, resumes
+from bert_runs import (AUTOGRAD_WARNING, BERT_SPEC, VOCAB, pipelines, serial_and_resumes,
+                       tensor_parallel_and_hf)
 from harness import run_distributed
 from megatron.errors import ConfigError
 
@@ -68,7 +69,31 @@ def _same_tensors(a, b):
 
 
 @pytest.mark.slow
-def test_bert_pipelines_equal_serial_resume_and_convert(gpt2_data, tmp_path, seed):
+def test_bert_pipelines_equal_serial_resume_and_convert_to_one_stage(gpt2_data, tmp_path):
+    ck = str(tmp_path)
+    ranks = run_distributed(pipelines, 2, gpt2_data, ck, timeout=400)
+    runs = ranks[-1][0]
+    warned = [w for _, rank_warned in ranks for w in rank_warned]
+    with open(os.path.join(ck, "pp2", "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write("4")  # resume from the step-4 checkpoint
+    _convert("--input", f"{ck}/pp2", "--output", f"{ck}/pp2_to_pp1", "--target-pp", "1")
+    loads = {"from pp2": ["--load", f"{ck}/pp2"],
+             "converted": ["--load", f"{ck}/pp2_to_pp1", "--no-load-optim", "--no-load-rng",
+                           "--train-iters", "5"]}
+    (serial,) = run_distributed(serial_and_resumes, 1, gpt2_data, loads, timeout=300)
+    reference = serial["serial"]
+    for name in ("pp2 1f1b", "pp2 v2", "pp2 zbv"):
+        assert _relative(runs[name], reference) < TOL, (name, runs[name], reference)
+    assert not [w for w in warned if AUTOGRAD_WARNING in w], warned
+    # steps 5-8 and the evaluation
+    assert _relative(serial["from pp2"], reference[4:]) < EXACT, (serial, reference)
+    assert _same_tensors(f"{ck}/pp2", f"{ck}/pp2_to_pp1")
+    assert serial["converted"][0] == pytest.approx(reference[4], rel=EXACT)
+
+
+@pytest.mark.slow
+def test_bert_tensor_parallel_resumes_and_converts_to_and_from_transformers(
+        gpt2_data, tmp_path, seed):
     pytest.importorskip("transformers")
     ck = str(tmp_path)
     _random_hf(f"{ck}/hf", seed)
@@ -80,22 +105,14 @@ def test_bert_pipelines_equal_serial_resume_and_convert(gpt2_data, tmp_path, see
     with pytest.raises(ConfigError, match=r"changes in a conversion only to 1.*--load"):
         _convert("--family", BERT_SPEC, "--input", f"{ck}/hf", "--output", f"{ck}/pp2_hf",
                  "--target-pp", "2")  # one stage: a run at any pp loads it
-    ranks = run_distributed(layouts, 2, gpt2_data, ck, from_hf, seed, timeout=400)
-    runs, _, errors, (heads, records) = ranks[-1]
-    warned = [w for _, rank_warned, _, _ in ranks for w in rank_warned]
-    with open(os.path.join(ck, "pp2", "latest_checkpointed_iteration.txt"), "w") as handle:
-        handle.write("4")  # resume from the step-4 checkpoint
-    _convert("--input", f"{ck}/pp2", "--output", f"{ck}/pp2_to_pp1", "--target-pp", "1")
-    (serial,) = run_distributed(resumes, 1, gpt2_data, ck, f"{ck}/pp2_to_pp1", timeout=300)
+    ranks = run_distributed(tensor_parallel_and_hf, 2, gpt2_data, ck, from_hf, seed,
+                            timeout=400)
+    losses, errors, (heads, records) = ranks[-1]
+    (serial,) = run_distributed(serial_and_resumes, 1, gpt2_data,
+                                {"from tp2": ["--load", f"{ck}/tp2"]}, timeout=300)
     reference = serial["serial"]
-    for name in ("pp2 1f1b", "pp2 v2", "pp2 zbv"):
-        assert _relative(runs[name], reference) < TOL, (name, runs[name], reference)
-    assert _relative(runs["tp2 sp"], reference[:4]) < TOL  # (it stops at step 4)
-    assert not [w for w in warned if AUTOGRAD_WARNING in w], warned
-    for name in ("from pp2", "from tp2"):  # steps 5-8 and the evaluation
-        assert _relative(serial[name], reference[4:]) < EXACT, (name, serial[name], reference)
-    assert _same_tensors(f"{ck}/pp2", f"{ck}/pp2_to_pp1")
-    assert serial["converted"][0] == pytest.approx(reference[4], rel=EXACT)
+    assert _relative(losses, reference[:4]) < TOL  # (it stops at step 4)
+    assert _relative(serial["from tp2"], reference[4:]) < EXACT, (serial, reference)
     for key, (error, scale) in errors.items():
         assert error < TOL * max(1.0, scale), (key, error, scale)
     assert max(heads.values()) < 1e-6, heads  # lm_head's pieces at tp 2, SP or not
