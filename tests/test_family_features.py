@@ -67,3 +67,31 @@ def test_a_pipeline_run_refuses_a_model_that_is_not_a_pipeline_module():
                                           r"family's build_model\(cfg, pipeline=True\) returned "
                                           r"a Linear, not a tds PipelineModule"):
         check_pipeline_module(torch.nn.Linear(2, 2), cfg)
+
+
+def test_conversion_of_a_family_without_a_name_table_says_so(tmp_path):
+    """tools/convert_checkpoint.py --family (a registered name here) of a family with no HF
+    name table: an HF input is refused by name, and nothing is written."""
+    import importlib.util
+    import json
+    import os
+
+    from megatron import families
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint", os.path.join(root, "tools", "convert_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    families.register("mine", _family)
+    try:
+        with pytest.raises(ConfigError, match=r"the 'mine' model family declares no Hugging "
+                                              r"Face name table \(ModelFamily.hf_names\)"):
+            tool.main.__wrapped__(["--family", "mine", "--input", str(hf), "--output",
+                                   str(tmp_path / "out")])
+    finally:
+        families._FACTORIES.pop("mine")
+    assert not (tmp_path / "out").exists()

@@ -98,11 +98,16 @@ class NameTableAdapter:
     :mod:`.hf_gpt2`) made from its :class:`HFNameTable`."""
 
     def __init__(self, family: Any) -> None:
-        if getattr(family, "hf_names", None) is None:
-            raise ConfigError(f"the {family.name!r} model family declares no Hugging Face "
+        self.family, self.FAMILY = family, family.name
+
+    @property
+    def table(self) -> HFNameTable:
+        """The family's name table (asked for by an HF input or output only)."""
+        if getattr(self.family, "hf_names", None) is None:
+            raise ConfigError(f"the {self.FAMILY!r} model family declares no Hugging Face "
                               f"name table (ModelFamily.hf_names): it converts native -> "
                               f"native only (docs/new_model.md)")
-        self.family, self.table, self.FAMILY = family, family.hf_names, family.name
+        return self.family.hf_names
 
     def write_hf(self, ckpt: FullCheckpoint, path: str, request: Any) -> None:
         """Write ``ckpt`` (whole tensors, real vocabulary rows) as an HF directory."""
