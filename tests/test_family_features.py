@@ -95,3 +95,20 @@ def test_conversion_of_a_family_without_a_name_table_says_so(tmp_path):
     finally:
         families._FACTORIES.pop("mine")
     assert not (tmp_path / "out").exists()
+
+
+def test_load_family_by_import_path_file_or_name(tmp_path):
+    from megatron.families import get_family, load_family
+    from megatron.families.gpt2 import FAMILY
+
+    assert load_family("megatron.families.gpt2:FAMILY") is FAMILY is get_family("gpt2")
+    assert load_family("gpt2") is FAMILY
+    mine = tmp_path / "mine.py"
+    mine.write_text("import dataclasses\nfrom megatron.families.gpt2 import FAMILY\n"
+                    "MINE = dataclasses.replace(FAMILY, name='mine')\nNOT = 3\n")
+    assert load_family(f"{mine}:MINE").name == "mine"
+    for spec, message in ((f"{mine}:NOPE", "has no 'NOPE'"),
+                          (f"{mine}:NOT", "NOT is a int, not a megatron.families.ModelFamily"),
+                          ("no_such_module_here:X", "cannot import 'no_such_module_here'")):
+        with pytest.raises(ConfigError, match=message):
+            load_family(spec)
