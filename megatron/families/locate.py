@@ -50,6 +50,6 @@ def import_family(spec: str) -> Any:
     if callable(found) and not isinstance(found, ModelFamily):
         found = found()  # a factory, as register() takes
     if not isinstance(found, ModelFamily):
-        raise ConfigError(f"--family {spec}: {attribute} is a {type(found).__name__}, not a "
-                          f"megatron.families.ModelFamily")
+        raise ConfigError(f"--family {spec}: {attribute} is not a megatron.families."
+                          f"ModelFamily (its type: {type(found).__name__})")
     return found
