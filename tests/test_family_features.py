@@ -108,7 +108,8 @@ def test_load_family_by_import_path_file_or_name(tmp_path):
                     "MINE = dataclasses.replace(FAMILY, name='mine')\nNOT = 3\n")
     assert load_family(f"{mine}:MINE").name == "mine"
     for spec, message in ((f"{mine}:NOPE", "has no 'NOPE'"),
-                          (f"{mine}:NOT", r"NOT is not a megatron.families.ModelFamily \(its type: int\)"),
+                          (f"{mine}:NOT", r"NOT is not a megatron.families.ModelFamily "
+                                          r"\(its type: int\)"),
                           ("no_such_module_here:X", "cannot import 'no_such_module_here'")):
         with pytest.raises(ConfigError, match=message):
             load_family(spec)
