@@ -76,6 +76,7 @@ def _tds_pipeline_engine(**engine_kwargs):
 
 
 def initialize(*args: Any, batch_fn: Optional[Callable] = None,
+               batch_context: Optional[Callable[[int], Any]] = None,
                clip_grad_norm_fn: Optional[Callable] = None,
                pre_reduce_grads_fn: Optional[Callable[[], Any]] = None,
                sync_free_step: bool = False,
@@ -88,6 +89,10 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
         args, kwargs: DeepSpeed's (``model``, ``optimizer``, ``config``, ...).
         batch_fn: pipeline only: ``raw batch -> (inputs, labels)``, applied on the first
             and last stage to what the data iterator yields (DeepSpeed's ``set_batch_fn``).
+        batch_context: pipeline only: ``f(micro_batch) -> context manager``; every call of
+            ``batch_fn`` for micro-batch ``micro_batch`` (0 .. gas - 1) of a step runs
+            inside it, on each stage that calls it (``engine.set_batch_context``; megatron
+            seeds torch's generators there, so every stage draws the same batch).
         clip_grad_norm_fn: pipeline only: ``f(parameters, max_norm) -> total norm`` that
             clips in place (default: :func:`tds.pipe.clip.clip_grad_norm_over_grid`, the
             model's norm with each parameter counted once across tp and pp).
@@ -118,10 +123,11 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
 
         kwargs["config"], max_norm = sync_free.prepare_config(kwargs.get("config"))
     if not isinstance(model, _deepspeed.pipe.PipelineModule):  # DeepSpeed's or ours
-        if batch_fn is not None or clip_grad_norm_fn is not None or \
+        if batch_fn is not None or batch_context is not None or \
+                clip_grad_norm_fn is not None or \
                 pre_reduce_grads_fn is not None or pipeline_schedule is not None or \
                 weight_grad_store is not None:
-            raise TypeError("batch_fn, clip_grad_norm_fn, pre_reduce_grads_fn, "
+            raise TypeError("batch_fn, batch_context, clip_grad_norm_fn, pre_reduce_grads_fn, "
                             "pipeline_schedule and weight_grad_store apply to a "
                             "PipelineModule only")
         engine, *rest = _deepspeed.initialize(*args, **kwargs)
@@ -133,6 +139,8 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
             engine, *rest = _deepspeed.initialize(*args, **kwargs)
         if batch_fn is not None:
             engine.set_batch_fn(batch_fn)
+        if batch_context is not None:
+            engine.set_batch_context(batch_context)
     engine.sync_free_step = False
     if sync_free_step:
         sync_free.install(engine, max_norm)

@@ -225,21 +225,42 @@ def test_llama_virtual_chunks_kept(gpt2_data, tmp_path):
     assert {spec[4] for spec in _saved(roots["tp2_pp2"])["sharding"].values()} == {0, 2}
 
 
-def test_tied_tensor_keeps_its_stages():
-    """A tensor held by several stages (a tied module, chunk -1) may be named otherwise by a
-    serial model: merging its stages into one is refused; keeping them is not."""
-    from megatron.checkpoint.native_reader import FullCheckpoint
+def test_tied_tensor_merges_to_one_stage_when_its_copies_agree():
+    """A tensor held by several stages (a tied module, chunk -1) keeps its stages, or becomes
+    one stage's when every stage holds the same copy (megatron.model.spec_model.SpecModel
+    names it as the pipeline does); copies that differ (a tied module holding more than its
+    tied weight, stale on one stage) are refused by name, found tp rank by tp rank."""
+    from megatron.checkpoint.native_reader import FullCheckpoint, stage_copies_differ
     from megatron.checkpoint.recorded_reshard import check_recorded_layout
     from megatron.errors import ConfigError
 
-    state = {"tied_modules.embed.weight": torch.randn(8, 4), "1.w": torch.randn(4, 4)}
-    records = {0: {"tied_modules.embed.weight": [0, 1, 1, 0, -1], "1.w": [-1, 1, 0, 0, 0]},
-               1: {"tied_modules.embed.weight": [0, 1, 1, 1, -1]}}
+    weight, stale = torch.randn(8, 4), torch.randn(3, 4)
+    state = {"tied_modules.embed.weight": weight, "tied_modules.embed.pos": stale,
+             "1.w": torch.randn(4, 4)}
+    records = {0: {"tied_modules.embed.weight": [0, 1, 1, 0, -1],
+                   "tied_modules.embed.pos": [-1, 1, 0, 0, -1], "1.w": [-1, 1, 0, 0, 0]},
+               1: {"tied_modules.embed.weight": [0, 1, 1, 1, -1],
+                   "tied_modules.embed.pos": [-1, 1, 0, 1, -1]}}
+    files = {(t, p): {"tied_modules.embed.weight": weight.chunk(2)[t].clone(),
+                      "tied_modules.embed.pos": stale + p} for t in (0, 1) for p in (0, 1)}
+    differ = stage_copies_differ(files)
+    assert differ == ["tied_modules.embed.pos"]
     ckpt = FullCheckpoint(state, {"pipeline_model_parallel_size": 2}, stage_records=records,
-                          family="toy")
+                          family="toy", differing_copies=differ)
     check_recorded_layout(ckpt, 2, 2)
-    with pytest.raises(ConfigError, match="tied_modules.embed.weight is held by several"):
+    with pytest.raises(ConfigError, match=r"tied_modules.embed.pos is held by several "
+                                          r"pipeline stages \(a tied module\) and the copies "
+                                          r"differ.*tied_embedding_specs"):
         check_recorded_layout(ckpt, 2, 1)
+    # the tied weight alone: its copies agree, so one stage takes it
+    weight_only = {k: {"tied_modules.embed.weight": v["tied_modules.embed.weight"]}
+                   for k, v in files.items()}
+    assert stage_copies_differ(weight_only) == []
+    del state["tied_modules.embed.pos"]
+    for record in records.values():
+        del record["tied_modules.embed.pos"]
+    check_recorded_layout(FullCheckpoint(state, {"pipeline_model_parallel_size": 2},
+                                         stage_records=records, family="toy"), 2, 1)
     with pytest.raises(ConfigError, match=r"dimension 0 \(size 8\) is not divisible by "
                                           r"--target-tensor-parallel-size 3"):
         check_recorded_layout(ckpt, 3, 2)

@@ -111,3 +111,20 @@ def test_rotary_is_per_head_and_equals_transformers(seed):
         if hf_gap is None:
             pytest.skip("transformers is not installed")
         assert hf_gap < 1e-5
+
+
+def test_norms_are_built_on_mpu_device_as_the_linears():
+    """mpu's norms put their parameters where the mpu linears put theirs (mpu.get_device()),
+    not on torch's default device: built under another default device, they still land on
+    mpu's."""
+    import torch
+
+    from megatron import mpu
+
+    with torch.device("meta"):  # torch's default device for this block only
+        norms = [mpu.RMSNorm(H), mpu.MixedFusedLayerNorm(H),
+                 mpu.MixedFusedLayerNorm(H, device=torch.device("meta"))]
+    device = mpu.get_device()
+    assert [p.device for p in norms[0].parameters()] == [device]
+    assert [p.device for p in norms[1].parameters()] == [device, device]
+    assert {p.device.type for p in norms[2].parameters()} == {"meta"}  # asked for: kept

@@ -48,6 +48,8 @@ class FullCheckpoint:
             which tensors a stage holds and how to cut them (:mod:`.recorded_reshard`);
             None for GPT-2 and T5 (their key maps say it).
         family: the model family the files name (``"family"``), or None.
+        differing_copies: keys held by several pipeline stages (a tied module) whose copies
+            differ (:func:`stage_copies_differ`; recorded checkpoints only).
     """
 
     state: dict
@@ -56,6 +58,7 @@ class FullCheckpoint:
     extras: dict = field(default_factory=dict)
     stage_records: Optional[Dict[int, Dict[str, list]]] = None
     family: Optional[str] = None
+    differing_copies: List[str] = field(default_factory=list)
 
 
 def replicas_agree(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -230,9 +233,10 @@ def _read_recorded(first, files, folder, args, family, iteration, tp, pp) -> Ful
             "a model that is not GPT-2 or T5 (saved by a provider run)"
         raise CheckpointError(f"{folder} holds {held}, not {family!r}; "
                               f"tools/convert_checkpoint.py reshards it native -> native, "
-                              f"and a model of its own converts to other formats with its "
-                              f"own tool (e.g. examples/llama/convert_llama.py, "
-                              f"docs/new_model.md)")
+                              f"and converts it to Hugging Face with --family "
+                              f"package.module:FAMILY when the family declares its name "
+                              f"table (hf_names), else with the model's own tool (e.g. "
+                              f"examples/llama/convert_llama.py; docs/new_model.md)")
     check_rank_layout(files, tp, pp, folder)
     states = {key: first if key == (0, 0) else load_rank_file(path)
               for key, path in files.items()}
@@ -246,4 +250,26 @@ def _read_recorded(first, files, folder, args, family, iteration, tp, pp) -> Ful
     extras = {k: first[k] for k in CARRIED_KEYS if k in first}
     stage_records = {p: dict(states[(0, p)]["sharding"]) for p in range(pp)}
     return FullCheckpoint(full, args, int(first.get("iteration", iteration)), extras,
-                          stage_records=stage_records, family=first["family"])
+                          stage_records=stage_records, family=first["family"],
+                          differing_copies=stage_copies_differ(
+                              {k: s.get("model", {}) for k, s in states.items()}))
+
+
+def stage_copies_differ(states: Dict[tuple, StateDict]) -> List[str]:
+    """Keys that several pipeline stages hold (a tied module) whose copies differ on some
+    tensor-parallel rank (beyond :data:`REPLICA_TOLERANCE`): a pipeline keeps only the tied
+    weights equal, so anything else in a tied module goes stale on the stage that does not
+    use it.
+
+    Args:
+        states: ``{(tp_rank, pp_rank): {key: tensor}}``.
+    """
+    first: Dict[tuple, torch.Tensor] = {}
+    differ = set()
+    for (t, p), state in sorted(states.items(), key=lambda item: (item[0][1], item[0][0])):
+        for key, tensor in state.items():
+            seen = first.setdefault((t, key), tensor)
+            if seen is not tensor and (seen.shape != tensor.shape or (
+                    seen.float() - tensor.float()).abs().max().item() > REPLICA_TOLERANCE):
+                differ.add(key)
+    return sorted(differ)

@@ -11,8 +11,11 @@ same record, which it carries on.
 
 The pipeline size stays the source's (a tensor stays on its recorded stage and chunk, so each
 target file of stage p holds what the source files of stage p held), or becomes 1 (every
-tensor on stage 0: the names do not depend on the layout), unless a tensor is held by several
-stages (a tied module, which a serial model may name otherwise). Re-cutting into another
+tensor on stage 0: the names do not depend on the layout, a tied module's included, as
+:class:`megatron.model.spec_model.SpecModel` names it), unless the copies of a tensor held by
+several stages differ (a tied module holding more than the tied weights, whose other tensors
+went stale on the stage that does not use them: which copy is the model's is not known).
+Re-cutting into another
 number of stages would need the model's partition (which layer specs count,
 ``partition_method``), which neither the record nor the files hold; a run at the new pipeline
 size reads the record itself (``--load``).
@@ -38,12 +41,15 @@ def _pipeline_problem(ckpt: FullCheckpoint, pp: int) -> Optional[str]:
     if pp == source:
         return None
     if pp == 1:
-        shared = _shared_keys(ckpt.stage_records)
-        if not shared:
+        differ = [k for k in _shared_keys(ckpt.stage_records) if k in ckpt.differing_copies]
+        if not differ:
             return None
-        return (f"the checkpoint's {', '.join(shared[:3])} is held by several pipeline "
-                f"stages (a tied module), which a serial model may name otherwise; resume a "
-                f"run at pp=1 from it instead (--load: it reads the record)")
+        return (f"the checkpoint's {', '.join(differ[:3])} is held by several pipeline "
+                f"stages (a tied module) and the copies differ: the pipeline keeps only the "
+                f"tied weights equal, so this one went stale on a stage that does not use it "
+                f"and which copy is the model's is unknown; tie only the shared weight "
+                f"(megatron.model.lm_head.tied_embedding_specs), or resume a run at pp=1 "
+                f"from it (--load: it reads the record)")
     return (f"the checkpoint holds a {ckpt.family!r} model, which has no key map: its "
             f"pipeline size ({source}) changes in a conversion only to 1 (the record says "
             f"which stage holds each tensor, not how the model partitions its layers "

@@ -130,7 +130,12 @@ def build_run_config(argv: Optional[Sequence[str]] = None, family: Optional[Any]
         if problems or ns.world_size == 1:  # the flags' verdict is every rank's: raise now
             raise ConfigError(message)
         raise RankFileProblems(message, own, ParallelDims.from_values(vars(ns)))
-    return _freeze(vars(ns), family), tokenizer
+    cfg = _freeze(vars(ns), family)
+    # the features the family provides, read from the model config it builds for this run
+    unprovided = family.provided_problems(cfg) if family is not None else []
+    if unprovided:
+        raise ConfigError(f"invalid {label}configuration:\n  - " + "\n  - ".join(unprovided))
+    return cfg, tokenizer
 
 
 def _tokenizer(ns, family, problems):

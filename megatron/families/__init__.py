@@ -18,8 +18,9 @@ model:
 - ``build_datasets(cfg, tokenizer, num_samples)``, ``flops_per_step(cfg)`` (None: the log's
   TFLOP/s and MFU say "n/a");
 - ``checked_settings`` (flags a resume must match), ``compile_classes`` (what ``--compile``
-  compiles), ``supports`` (optional generic features; a flag asking for another is refused
-  at start-up) and ``memory_model`` (the memory check's description, or None);
+  compiles), ``supports`` (optional generic features: by default what the family provides;
+  a declared set narrows it, and a flag asking for another is refused at start-up) and
+  ``memory_model`` (the memory check's description, or None);
 - ``keys``: where each weight lives in a checkpoint (:mod:`megatron.checkpoint.gpt2_keys`);
   ``hf``: the Hugging Face adapter (:mod:`megatron.checkpoint_conversion.hf_gpt2`);
   ``foreign_checkpoints``: other projects' checkpoints ``--load`` reads
@@ -35,11 +36,12 @@ from typing import Callable, Dict, Optional, Union
 
 from ..errors import ConfigError
 from .base import (FEATURES, ModelFamily, pipeline_placement, pipeline_topology,
-                   transformer_kwargs, unsupported_flags)
+                   provided_problems, transformer_kwargs, unsupported_flags)
 
-__all__ = ["FEATURES", "ModelFamily", "get_family", "known_families", "pipeline_placement",
+__all__ = ["FEATURES", "ModelFamily", "get_family", "known_families", "load_family",
+           "pipeline_placement",
            "pipeline_topology",
-           "register", "transformer_kwargs", "unsupported_flags"]
+           "provided_problems", "register", "transformer_kwargs", "unsupported_flags"]
 
 _FACTORIES: Dict[str, Callable[[], ModelFamily]] = {}
 
@@ -82,6 +84,21 @@ def get_family(name) -> Optional[ModelFamily]:
             f"ModelFamily object itself (pretrain(family=MY_FAMILY)), or register it first: "
             f"megatron.families.register({name!r}, lambda: MY_FAMILY) (docs/new_model.md)")
     return _FACTORIES[name]()
+
+
+def load_family(spec) -> Optional[ModelFamily]:
+    """The family a command line names (a tool's ``--family``): a registered name,
+    ``package.module:OBJECT`` or ``path/to/file.py:OBJECT`` (:func:`.locate.import_family`),
+    or a ModelFamily passed through.
+
+    Raises:
+        ConfigError: an unknown name, nothing importable there, or not a ModelFamily.
+    """
+    if isinstance(spec, str) and ":" in spec:
+        from .locate import import_family
+
+        return import_family(spec)
+    return get_family(spec)
 
 
 def _gpt2():

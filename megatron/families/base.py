@@ -10,9 +10,10 @@ def _no_problems(*_):
 
 
 #: Generic features a model must implement for their flag to mean anything: feature -> the
-#: flag that asks for it and whether it is on in a parsed namespace. A family lists the ones
-#: it implements in ``ModelFamily.supports``; a run asking for another is refused at
-#: start-up (:func:`unsupported_flags`), not silently ignored.
+#: flag that asks for it and whether it is on in a parsed namespace (or a RunConfig). A family
+#: gets those it provides (:func:`provided_problems`); a declared ``ModelFamily.supports``
+#: narrows them, and a run asking for another is refused at start-up
+#: (:func:`unsupported_flags`), not silently ignored.
 FEATURES: Dict[str, Tuple[str, Callable]] = {
     "sequence_parallel": ("--sequence-parallel",
                           lambda ns: bool(getattr(ns, "sequence_parallel", False))),
@@ -25,19 +26,51 @@ FEATURES: Dict[str, Tuple[str, Callable]] = {
                  lambda ns: (getattr(ns, "pipeline_model_parallel_size", None) or 1) > 1),
 }
 
+#: Features a family provides when the model config it builds from the run carries them
+#: switched on (the layers read them there): ``model_config(cfg).sequence_parallel`` /
+#: ``.checkpoint_activations``. The pipeline ones are provided by ``build_model(cfg,
+#: pipeline=True)`` itself, checked when it is built
+#: (:func:`megatron.training.backend_factory.check_pipeline_module`).
+FROM_MODEL_CONFIG = ("sequence_parallel", "checkpoint_activations")
+
 
 def unsupported_flags(ns, family) -> list:
-    """One message per flag of ``ns`` that asks for a feature ``family`` does not implement.
+    """One message per flag of ``ns`` that asks for a feature outside ``family``'s declared
+    ``supports`` (none when it declares nothing: then :func:`provided_problems` decides).
 
     Args:
         ns: the parsed flags (a namespace).
         family: a :class:`ModelFamily`.
     """
-    return [f"{flag} is not supported by the {family.name!r} model family (it implements "
-            f"{', '.join(sorted(family.supports)) or 'none of the optional features'}); drop "
-            f"the flag, or implement it and add {feature!r} to the family's supports"
+    if family.supports is None:
+        return []
+    return [f"{flag} is not supported by the {family.name!r} model family (its supports "
+            f"declares {', '.join(sorted(family.supports)) or 'none of the optional features'}"
+            f"); drop the flag, or implement it and add {feature!r} to the family's supports "
+            f"(or leave supports out: the family then gets what it provides)"
             for feature, (flag, asked) in FEATURES.items()
             if asked(ns) and feature not in family.supports]
+
+
+def provided_problems(cfg, family) -> list:
+    """One message per flag of the run ``cfg`` asking for a feature that ``family`` declares
+    (or, declaring nothing, may have) but whose model config does not carry
+    (:data:`FROM_MODEL_CONFIG`): the layers would not see it and train without it.
+
+    Args:
+        cfg: the frozen :class:`~megatron.config.RunConfig`.
+        family: a :class:`ModelFamily`.
+    """
+    asked = [f for f in FROM_MODEL_CONFIG if FEATURES[f][1](cfg)
+             and (family.supports is None or f in family.supports)]
+    if not asked:
+        return []
+    config = family.model_config(cfg)
+    return [f"{FEATURES[f][0]} is not supported by the {family.name!r} model family: its "
+            f"model config ({type(config).__name__}) does not carry {f}=True, so its layers "
+            f"would not see the flag; drop it, or implement it (model_config sets {f} from "
+            f"the run and the layers use it: docs/new_model.md)"
+            for f in asked if not getattr(config, f, False)]
 
 
 @dataclass(frozen=True)
@@ -66,6 +99,11 @@ class ModelFamily:
     built from mpu layers whose names do not depend on the layout needs nothing more)."""
     hf: Optional[ModuleType] = None
     """The Hugging Face adapter (``read_hf`` / ``write_hf``, megatron.checkpoint_conversion)."""
+    hf_names: Optional[Any] = None
+    """The Hugging Face name table (:class:`megatron.checkpoint_conversion.hf_table.
+    HFNameTable`: our name <-> the ``transformers`` model's, and the configs): with it
+    ``tools/convert_checkpoint.py --family ...`` converts the family to and from HF at any
+    layout, the shard dimensions read from the sharding record. None: native -> native only."""
     foreign_checkpoints: Tuple[ModuleType, ...] = ()
     """Other projects' checkpoint formats ``--load`` takes for this model (each with
     ``NAME``, ``DESCRIPTION``, ``detect(root)`` and ``read_full(root, iteration, hints)``:
@@ -92,16 +130,25 @@ class ModelFamily:
     compiles each pipeline chunk (pp = 1: the whole model with its loss) as one region
     (megatron/model/compile.py). The classes named here are what
     :func:`megatron.model.compile.compile_layers` compiles for a per-layer comparison."""
-    supports: FrozenSet[str] = frozenset()
-    """Optional generic features the model implements (:data:`FEATURES`: ``sequence_parallel``,
-    ``checkpoint_activations``, ``virtual_pipeline``, ``pipeline``); others are refused."""
+    supports: Optional[FrozenSet[str]] = None
+    """Optional generic features (:data:`FEATURES`: ``sequence_parallel``,
+    ``checkpoint_activations``, ``virtual_pipeline``, ``pipeline``). None (the default): what
+    the family provides: the pipeline ones through ``build_model(cfg, pipeline=True)`` (a
+    ``PipelineModule`` with ``num_virtual_stages`` chunks, checked when it is built),
+    sequence parallelism and recompute when ``model_config(cfg)`` carries them. A declared
+    set narrows that: a flag asking for a feature outside it is refused at start-up."""
     memory_model: Optional[str] = None
     """The startup memory check's and tools/plan_layout.py's description of the model:
     ``"gpt2"`` (a decoder-only transformer), ``"t5"``, or None (no memory model: said so)."""
 
     def unsupported_flags(self, ns) -> list:
-        """Messages for the flags of ``ns`` asking for features this model lacks."""
+        """Messages for the flags of ``ns`` asking for features outside ``supports``."""
         return unsupported_flags(ns, self)
+
+    def provided_problems(self, cfg) -> list:
+        """Messages for the flags of the run ``cfg`` asking for features its model config
+        does not carry (:func:`provided_problems`)."""
+        return provided_problems(cfg, self)
 
     def config_from_saved(self, saved: dict):
         """The dropout-free fp32 model config of a checkpoint's saved ``args`` dict

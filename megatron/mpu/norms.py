@@ -32,6 +32,7 @@ from torch import nn
 from .. import fused_kernels
 from ..fused_kernels import custom_ops
 from .sequence_parallel import mark_sequence_parallel, sequence_parallel_param
+from .utils import get_device
 
 CUDA_MAX_HIDDEN = 8192
 
@@ -101,7 +102,7 @@ class MixedFusedLayerNorm(nn.Module):
         normalized_shape: size of the last dim (or trailing dims) to normalize.
         eps: added to the variance.
         params_dtype: dtype of ``weight`` / ``bias`` (default fp32; the math is fp32 anyway).
-        device: where the parameters live.
+        device: where the parameters live (default: ``mpu.get_device()``, as the mpu linears).
         sequence_parallel: the input is a sequence shard (``--sequence-parallel``): the
             gradients of weight and bias are summed across the tensor-parallel ranks.
     """
@@ -113,7 +114,8 @@ class MixedFusedLayerNorm(nn.Module):
         self.eps = eps
         self.elementwise_affine = True
         self.sequence_parallel = sequence_parallel
-        kwargs = dict(dtype=params_dtype or torch.float32, device=device)
+        kwargs = dict(dtype=params_dtype or torch.float32,
+                      device=get_device() if device is None else device)
         self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kwargs))
         self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kwargs))
         if sequence_parallel:
@@ -147,7 +149,7 @@ class MixedFusedRMSNorm(nn.Module):
         normalized_shape: size of the last dim (or trailing dims) to normalize.
         eps: added to the mean square.
         params_dtype: dtype of ``weight`` (default fp32).
-        device: where the parameter lives.
+        device: where the parameter lives (default: ``mpu.get_device()``).
         sequence_parallel: as in MixedFusedLayerNorm.
     """
 
@@ -157,8 +159,9 @@ class MixedFusedRMSNorm(nn.Module):
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.sequence_parallel = sequence_parallel
-        self.weight = nn.Parameter(torch.ones(self.normalized_shape,
-                                              dtype=params_dtype or torch.float32, device=device))
+        self.weight = nn.Parameter(torch.ones(
+            self.normalized_shape, dtype=params_dtype or torch.float32,
+            device=get_device() if device is None else device))
         if sequence_parallel:
             mark_sequence_parallel(self.weight)
 

@@ -35,6 +35,9 @@ class TrainingBackend:
     """
 
     name = "abstract"
+    batch_draws = None
+    """The run's :class:`~.batch_draws.SeededBatchFn` (None: a provider run's own batch):
+    the loop says where the run is, the backend which micro-batch a call is for."""
 
     def __init__(self, model, optimizer, lr_scheduler, cfg, state_io_class=OptimizerStateIO):
         self.model, self.optimizer, self.lr_scheduler, self.cfg = \
@@ -56,6 +59,13 @@ class TrainingBackend:
                   data_iterator: Optional[Iterator]) -> List[Dict[str, Any]]:
         """Forward passes of one global batch; returns the per-micro-batch stats."""
         raise NotImplementedError
+
+    def micro_batch(self, index: int) -> Any:
+        """Context of the forward step of micro-batch ``index``: the batch function's draws
+        are seeded for it (:mod:`.batch_draws`)."""
+        from .batch_draws import micro_batch
+
+        return micro_batch(self.batch_draws, index)
 
     def train(self) -> None:
         self.model.train()

@@ -63,7 +63,7 @@ class DDPBackend(TrainingBackend):
             last = i == gas - 1
             sync = self.model.no_sync() if hasattr(self.model, "no_sync") and not last \
                 else contextlib.nullcontext()
-            with sync:
+            with sync, self.micro_batch(i):
                 with autocast(self.cfg.precision):
                     loss, stats = forward_step_func(data_iterator, self.model)
                 self.optimizer.scale_loss(loss / gas).backward()
@@ -84,8 +84,8 @@ class DDPBackend(TrainingBackend):
     def eval_step(self, forward_step_func: Callable,
                   data_iterator: Optional[Iterator]) -> List[Dict[str, Any]]:
         per_micro_batch = []
-        for _ in range(self.cfg.batch.gas):
-            with autocast(self.cfg.precision):
+        for i in range(self.cfg.batch.gas):
+            with self.micro_batch(i), autocast(self.cfg.precision):
                 _, stats = forward_step_func(data_iterator, self.model)
             per_micro_batch.append(stats)
         return per_micro_batch

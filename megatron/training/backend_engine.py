@@ -159,15 +159,20 @@ class EngineBackend(TrainingBackend):
               batch_fn: Optional[Callable] = None) -> "EngineBackend":
         """``tds.initialize`` the module with our optimizer and schedule.
 
-        A pipeline engine gets the batch function and Megatron's gradient clipping (each
-        parameter counted once across tp and pp, tied copies too) through tds's API.
+        A pipeline engine gets the batch function (each call inside its micro-batch's
+        seeded draws: :mod:`.batch_draws`) and Megatron's gradient clipping (each parameter
+        counted once across tp and pp, tied copies too) through tds's API.
         """
         import tds as deepspeed
+
+        from .batch_draws import SeededBatchFn
 
         attach_deepspeed_comm(cfg)
         optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg, for_engine=True)
         # the norm stays a device tensor: the loop reads it at log time only
-        pipe = {"batch_fn": batch_fn, "clip_grad_norm_fn": mpu.clip_grad_norm_tensor,
+        context = batch_fn.micro_batch if isinstance(batch_fn, SeededBatchFn) else None
+        pipe = {"batch_fn": batch_fn, "batch_context": context,
+                "clip_grad_norm_fn": mpu.clip_grad_norm_tensor,
                 "pre_reduce_grads_fn": _coalesced_sequence_parallel_sum(module, cfg),
                 **_schedule_kwargs(module, cfg)} if pipeline else {"mpu": mpu}
         # fp32/bf16: DeepSpeed's ZeRO and bf16 optimizers clip on the device (tds.sync_free)
@@ -175,7 +180,9 @@ class EngineBackend(TrainingBackend):
             model=module, optimizer=optimizer, lr_scheduler=lr_scheduler,
             config=build_deepspeed_config(cfg, pipeline), dist_init_required=False,
             sync_free_step=True, **pipe)
-        return cls(engine, ds_optimizer, lr_scheduler, cfg, pipeline)
+        backend = cls(engine, ds_optimizer, lr_scheduler, cfg, pipeline)
+        backend.batch_draws = batch_fn if isinstance(batch_fn, SeededBatchFn) else None
+        return backend
 
     @property
     def loss_scale(self) -> float:
@@ -190,8 +197,9 @@ class EngineBackend(TrainingBackend):
             per_micro_batch = [{"lm loss": loss.detach().float()}]
         else:
             per_micro_batch = []
-            for _ in range(self.cfg.batch.gas):
-                loss, stats = forward_step_func(data_iterator, engine)
+            for i in range(self.cfg.batch.gas):
+                with self.micro_batch(i):
+                    loss, stats = forward_step_func(data_iterator, engine)
                 engine.backward(loss)  # DeepSpeed divides by gas itself
                 engine.step()
                 per_micro_batch.append(stats)
@@ -203,5 +211,8 @@ class EngineBackend(TrainingBackend):
                   data_iterator: Optional[Iterator]) -> List[Dict[str, Any]]:
         if self.pipeline:
             return [{"lm loss": self.model.eval_batch(data_iterator).detach().float()}]
-        return [forward_step_func(data_iterator, self.model)[1]
-                for _ in range(self.cfg.batch.gas)]
+        per_micro_batch = []
+        for i in range(self.cfg.batch.gas):
+            with self.micro_batch(i):
+                per_micro_batch.append(forward_step_func(data_iterator, self.model)[1])
+        return per_micro_batch

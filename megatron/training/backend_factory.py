@@ -30,6 +30,42 @@ def _report_parameters(model):
               f"({state.tp_rank}, {state.pp_rank}): {count}", flush=True)
 
 
+def check_pipeline_module(model: Any, cfg: Any) -> None:
+    """Raise unless ``model``, built for a pipeline run, is a tds ``PipelineModule`` with the
+    run's chunks per rank and placement: the pipeline features a family provides are what
+    its ``build_model(cfg, pipeline=True)`` builds (every rank builds the same class, so
+    every rank raises alike, before any step).
+
+    Raises:
+        ConfigError: naming the flag and what the model built instead.
+    """
+    from deepspeed.pipe import PipelineModule
+
+    from ..errors import ConfigError
+    from ..families import pipeline_placement
+
+    family = getattr(cfg, "model_family", None)
+    who = f"the {family.name!r} model family's build_model(cfg, pipeline=True)" \
+        if family is not None else "the model provider (pipeline=True)"
+    p = cfg.parallel
+    if not isinstance(model, PipelineModule):
+        raise ConfigError(f"--pipeline-model-parallel-size {p.pp}: {who} returned a "
+                          f"{type(model).__name__}, not a tds PipelineModule; build the "
+                          f"layers as pipeline stages (docs/new_model.md, section 2) or drop "
+                          f"the flag")
+    chunks = getattr(model, "num_virtual_stages", 1)
+    if chunks != p.vpp:
+        raise ConfigError(f"--virtual-pipeline-model-parallel-size {p.vpp}: {who} built "
+                          f"{chunks} chunk(s) per pipeline rank; pass num_virtual_stages="
+                          f"cfg.parallel.vpp to the PipelineModule, or drop the flag")
+    placement = getattr(model, "placement_kind", "loop")
+    if placement != pipeline_placement(cfg):
+        raise ConfigError(f"--pipeline-schedule {p.pipeline_schedule}: {who} placed its "
+                          f"chunks as {placement!r}; pass placement=megatron.families."
+                          f"pipeline_placement(cfg) ({pipeline_placement(cfg)!r}) to the "
+                          f"PipelineModule")
+
+
 def _compile(model, cfg, pipeline):
     """``--compile``: each pipeline chunk as one region, its loss included (pp = 1: the whole
     model and the family's loss); a family whose ``compile_classes`` is ``()`` opts out."""
@@ -65,9 +101,10 @@ def build_backend(cfg: Any, model_provider: Callable,
         cfg: the run configuration.
         model_provider: ``f(pipeline: bool) -> module`` (a tds ``PipelineModule`` when
             ``pipeline``), or Megatron's ``f() -> module``.
-        batch_fn: ``raw batch -> (inputs, labels)`` for the pipeline engine (the family's);
-            a pipeline module built by a Megatron-DeepSpeed style provider may carry it as
-            ``_megatron_batch_fn`` instead.
+        batch_fn: ``raw batch -> (inputs, labels)``, the family's (seeded:
+            :mod:`.batch_draws`), for the serial forward step and the pipeline engine; a
+            pipeline module built by a Megatron-DeepSpeed style provider may carry it as
+            ``_megatron_batch_fn`` instead (seeded here).
 
     Returns:
         A :class:`~.backend.TrainingBackend`.
@@ -79,12 +116,18 @@ def build_backend(cfg: Any, model_provider: Callable,
 
         attach_deepspeed_comm(cfg)  # a PipelineModule needs it while it is built
     model = _call_provider(model_provider, pipeline)
+    if pipeline:
+        check_pipeline_module(model, cfg)
     if cfg.kernels.compile:  # --compile: each pipeline chunk (or the model) one region
         _compile(model, cfg, pipeline)
     _report_parameters(model)
+    from .batch_draws import seeded
+
     if engine:
-        batch_fn = batch_fn or getattr(model, "_megatron_batch_fn", None)
+        batch_fn = seeded(batch_fn or getattr(model, "_megatron_batch_fn", None), cfg)
         return EngineBackend.build(model, cfg, pipeline, batch_fn)
     from .backend_ddp import DDPBackend
 
-    return DDPBackend.build(model, cfg)
+    backend = DDPBackend.build(model, cfg)
+    backend.batch_draws = seeded(batch_fn, cfg)
+    return backend

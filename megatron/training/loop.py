@@ -83,12 +83,16 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
 
 
 def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], backend: Any,
-             cfg: Any) -> float:
-    """Average validation loss over ``--eval-iters`` global batches."""
+             cfg: Any, phase: str = "valid", iteration: int = 0) -> float:
+    """Average validation loss over ``--eval-iters`` global batches (``phase`` and
+    ``iteration`` seed the batch function's draws: :mod:`.batch_draws`)."""
     backend.eval()
     totals = []
+    draws = getattr(backend, "batch_draws", None)
     with torch.no_grad():
-        for _ in range(cfg.logging.eval_iters):
+        for batch in range(cfg.logging.eval_iters):
+            if draws is not None:
+                draws.at(phase, iteration, batch)
             per_micro_batch = backend.eval_step(forward_step_func, data_iterator)
             totals.append(_reduce_stats(per_micro_batch)["lm loss"])
     backend.train()
@@ -156,7 +160,10 @@ def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[It
     pending = []  # per-step stats since the last log line, still on the device
     timers("interval").start()
     first_step = cfg.kernels.compile  # report what the first (compiling) step cost
+    draws = getattr(backend, "batch_draws", None)
     while state.iteration < iters:
+        if draws is not None:
+            draws.at("train", state.iteration)
         started = time.perf_counter()
         stats, updated, grad_norm = train_step(forward_step_func, train_iterator, backend)
         if first_step:
@@ -178,7 +185,8 @@ def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[It
         if state.do_valid and log.eval_iters and _every(state.iteration, log.eval_interval) \
                 and not stop:
             with guard.evaluating(state.iteration):
-                loss = evaluate(forward_step_func, valid_iterator, backend, cfg)
+                loss = evaluate(forward_step_func, valid_iterator, backend, cfg, "valid",
+                                state.iteration)
             state.consumed_valid_samples += log.eval_iters * cfg.batch.global_batch_size
             state.eval_losses.append((state.iteration, loss))
             log_evaluation(cfg, state.iteration, "validation", loss, writer)
@@ -206,8 +214,11 @@ def _providers(family, cfg, dataset_provider, model_provider, forward_step_func)
         if missing:
             raise TypeError(f"pretrain() needs a model family or {', '.join(missing)}")
         return dataset_provider, model_provider, forward_step_func, None
+    from .batch_draws import seeded
+
     tokenizer = get_tokenizer()
-    batch_fn = family.make_batch_fn(cfg, tokenizer)
+    # every call's draws seeded by its place in the run: the same batch on every stage
+    batch_fn = seeded(family.make_batch_fn(cfg, tokenizer), cfg)
     if dataset_provider is None:
         def dataset_provider(num_samples):
             print_rank_0(f"> building {family.label or family.name} datasets")
@@ -284,7 +295,7 @@ def _run(cfg, guard, state, dataset_provider, model_provider, forward_step_func,
         guard.save(state.iteration, backend, cfg, state)
     if state.do_test and cfg.logging.eval_iters and guard.stopped_at is None:
         with guard.evaluating(state.iteration):
-            loss = evaluate(forward_step_func, test_it, backend, cfg)
+            loss = evaluate(forward_step_func, test_it, backend, cfg, "test", state.iteration)
         log_evaluation(cfg, state.iteration, "test", loss, get_tensorboard_writer())
     guard.finish()  # waits for a background save; says so after a signal stop
     close_iterators((train_it, valid_it, test_it))

@@ -71,6 +71,8 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         self.next_rank = self.grid.stage_to_global(self.next_stage) \
             if self.stage_id < self.num_stages - 1 else None
         self._warned_missing_grad = False
+        self.batch_context = None  # set_batch_context
+        self._loaded = 0  # micro-batches loaded by DeepSpeed's instructions (evaluation)
         _keep_gradless_blocks_out_of_checkpoints(self.module)
         # every schedule through tds.pipe.runner (schedule_step.py)
         self.pipeline_schedule = pipeline_schedule or default_schedule(self.module)
@@ -144,6 +146,32 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         """Per position: split across tensor-parallel ranks for the send."""
         self._set_contract(partitioned=partitioned)
 
+    def set_batch_context(self, context: Optional[Any]) -> None:
+        """``context(micro_batch) -> context manager`` around each batch-function call.
+
+        Every stage that calls the batch function (the first for the inputs, the last for
+        the labels, a V's rank 0 once for both) calls it for micro-batch ``micro_batch``
+        (0 .. gas - 1, in the step's order) inside ``context(micro_batch)``, the shape probe
+        included (as micro-batch 0). Megatron seeds torch's generators there from the run's
+        seed, the iteration and the micro-batch, so a batch function that draws (a masking
+        collator) draws the same batch on every stage. None: called as is.
+        """
+        self.batch_context = context
+
+    def _next_batch(self, micro_batch: Optional[int] = None) -> Any:
+        """The next raw batch through the batch function (DeepSpeed's, plus the micro-batch
+        the call is for: :meth:`set_batch_context`)."""
+        raw = next(self.data_iterator) if self.data_iterator is not None else None
+        return self._apply_batch_fn(raw, micro_batch)
+
+    def _apply_batch_fn(self, raw: Any, micro_batch: Optional[int]) -> Any:
+        if not self.batch_fn:
+            return raw
+        if self.batch_context is None or micro_batch is None:
+            return self.batch_fn(raw)
+        with self.batch_context(micro_batch):
+            return self.batch_fn(raw)
+
     def reset_activation_shape(self) -> None:
         super().reset_activation_shape()
         self.recv_meta = self.send_meta = None
@@ -161,7 +189,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         if self.data_iterator is not None:
             raw = next(self.data_iterator)
             self.data_iterator = itertools.chain([raw], self.data_iterator)
-        batch = self.batch_fn(raw) if self.batch_fn else raw
+        batch = self._apply_batch_fn(raw, 0)
         return self._to_device_inputs(batch[0])
 
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
@@ -181,6 +209,7 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
             self._ensure_boundary()
             data_iter = self.data_iterator  # the peeked batch is back in front
             self.set_dataiterator(train_iterator)
+        self._loaded = 0
         return super().eval_batch(data_iter, *args, **kwargs)
 
     def _interleaved_eval(self, data_iter, return_logits=False, compute_loss=True,
@@ -210,7 +239,9 @@ class PipelineEngine(_DeepSpeedPipelineEngine):
         return tuple(move(t) for t in inputs)
 
     def _exec_load_micro_batch(self, buffer_id):
-        batch = self._next_batch()
+        # DeepSpeed's instructions load micro-batches in order on the first and last stage
+        batch = self._next_batch(self._loaded)
+        self._loaded += 1
         if self.is_first_stage():
             self.pipe_buffers["inputs"][buffer_id] = self._to_device_inputs(batch[0])
         if self.is_last_stage():

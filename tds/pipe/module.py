@@ -19,6 +19,7 @@ the chunks through :mod:`tds.pipe.runner` (:mod:`tds.pipe.interleaved`).
 """
 from typing import TYPE_CHECKING, Any, List, Tuple
 
+import torch
 from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
 
 from .actions import PLACEMENT_KINDS, Placement
@@ -56,6 +57,15 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if num_virtual_stages > 1 and self.num_stages < 2:
             raise ValueError(f"PipelineModule: {num_virtual_stages} virtual stages need at "
                              f"least 2 pipeline stages (got {self.num_stages})")
+
+    def _synchronize_tied_weights(self):
+        """DeepSpeed's start-up broadcast of the tied weights from their first stage, outside
+        autograd: DeepSpeed broadcasts the parameters themselves with gradients on, so the
+        in-place ``c10d::broadcast_`` (which has no autograd kernel) entered the weight's
+        autograd history and every backward through it warned "an autograd kernel was not
+        registered ... may lead to silently incorrect behavior"."""
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
 
     @property
     def placement(self) -> Placement:

@@ -253,7 +253,7 @@ class ScheduleStep(StageCallbacks):
     # ------------------------------------------------------------ runner callbacks
     def load(self, mb: int):
         """Chunk 0's inputs (its batch function reads the next micro-batch)."""
-        inputs, labels = self.engine._next_batch()
+        inputs, labels = self.engine._next_batch(mb)
         if self.keeps_labels:
             self.labels[mb] = labels
         return self.engine._to_device_inputs(inputs)
@@ -281,7 +281,7 @@ class ScheduleStep(StageCallbacks):
         this rank loads too, else read in call order, the order of load()'s inputs
         (schedule_check proves it before any step)."""
         e = self.engine
-        labels = self.labels.pop(mb) if self.keeps_labels else e._next_batch()[1]
+        labels = self.labels.pop(mb) if self.keeps_labels else e._next_batch(mb)[1]
         return labels.to(e.device) if torch.is_tensor(labels) else \
             tuple(t.to(e.device) for t in labels)
 
