@@ -207,3 +207,72 @@ def test_a_masked_fp16_cuda_call_leaves_cudnn_out(monkeypatch, seed):
     kept = attention.sdpa_attention(q, k, v, scale=1.0, dropout_p=0.0, mask=mask, bias=bias)
     assert calls == [True]
     torch.testing.assert_close(kept, free)
+
+
+def _t5_sdpa_calls(seed):
+    """Every SDPA call of a T5Model forward and backward (tp 1, SDPA backend), fp32 and under
+    bf16 autocast: per call the query dtype, the mask's dtype, last-dim stride, storage,
+    whether it carries a gradient, and the kernels the call would ask for on CUDA."""
+    from megatron.model import attention
+    from megatron.model.t5_layers import T5TransformerConfig
+    from megatron.model.t5_model import T5Model, t5_attention_masks
+
+    _init_mpu(seed)
+    config = T5TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4,
+                                 kv_channels=8, ffn_hidden_size=64, vocab_size=64,
+                                 hidden_dropout=0.0, attention_dropout=0.0)
+    model = T5Model(config)
+    g = torch.Generator().manual_seed(seed)
+    enc, dec, labels = (torch.randint(64, (2, n), generator=g) for n in (16, 8, 8))
+    enc_real = torch.rand(2, 16, generator=g) > 0.2
+    enc_real[:, 0] = True
+    masks = t5_attention_masks(enc_real, torch.ones(2, 8, dtype=torch.bool))
+    calls, original = [], attention.F.scaled_dot_product_attention
+
+    def record(q, k, v, attn_mask=None, **kwargs):
+        m = attn_mask
+        calls.append((q.dtype, None if m is None else (m.dtype, m.stride(-1), m.shape,
+                                                       m.untyped_storage().data_ptr(),
+                                                       m.requires_grad),
+                      attention.sdpa_backends_for("cuda", m is not None, q.dtype)))
+        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    attention.F.scaled_dot_product_attention = record
+    out = {}
+    try:
+        for name, autocast in (("fp32", False), ("bf16", True)):
+            calls.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                model(enc, dec, *masks, labels=labels).sum().backward()
+            out[name] = list(calls)
+    finally:
+        attention.F.scaled_dot_product_attention = original
+    return out
+
+
+def test_t5_attention_masks_fit_the_fused_kernels(seed):
+    """Issue 43: T5's self-attention took SDPA's math path on the H100 (its bias a permuted
+    view, last-dim stride np). Each call now passes a mask whose last dimension is contiguous
+    and whose dtype is the queries' (what the memory-efficient and cuDNN kernels need); the
+    bias and padding are folded once per stack (every layer of a stack passes the same
+    tensor); the self-attention masks carry the bias's gradient; and on CUDA an fp16 masked
+    call leaves cuDNN out while a bf16 one may use it."""
+    from torch.nn.attention import SDPBackend
+
+    results = run_distributed(_t5_sdpa_calls, 1, seed)[0]
+    for name, calls in results.items():
+        assert len(calls) == 3 * 3, name  # encoder self, decoder self and cross, 3 layers
+        for q_dtype, mask, backends in calls:
+            m_dtype, stride, _, _, _ = mask
+            assert (m_dtype, stride) == (q_dtype, 1), (name, mask)
+            assert backends is None, (name, backends)  # fp32 / bf16: every kernel
+        # per stack (encoder self; decoder self, cross: interleaved), one mask per kind
+        enc, dec = calls[:3], calls[3:]
+        assert len({c[1][3] for c in enc}) == 1, name
+        assert len({c[1][3] for c in dec[0::2]}) == 1 and len({c[1][3] for c in dec[1::2]}) == 1
+        assert all(c[1][4] for c in enc) and all(c[1][4] for c in dec[0::2])  # bias's grad
+        assert not any(c[1][4] for c in dec[1::2])  # the cross mask has no bias
+    assert {c[0] for c in results["bf16"]} == {torch.bfloat16}
+    from megatron.model.attention import sdpa_backends_for
+
+    assert SDPBackend.CUDNN_ATTENTION not in sdpa_backends_for("cuda", True, torch.float16)
