@@ -14,6 +14,7 @@ Megatron-style providers (for a model of your own) are accepted instead, and win
 How a step runs (DDP or a DeepSpeed / tds engine) is the training backend's business
 (megatron/training/backend_factory.py); this loop only counts, logs, evaluates and saves.
 """
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -21,15 +22,19 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
-from ..global_vars import get_tensorboard_writer, get_timers, get_tokenizer
+from ..config import build_run_config, settings_check_only
+from ..global_vars import (get_startup_times, get_tensorboard_writer, get_timers,
+                           get_tokenizer)
 from ..initialize import initialize_megatron
 from ..memory.check import startup_memory_check
+from ..startup_times import StartupTimes
 from ..utils import print_rank_0
 from .backend_factory import build_backend
 from .checkpointing import load_checkpoint
 from .data_iterators import build_train_valid_test_data_iterators, close_iterators
 from .divergence import check_pending, check_weights
 from .fault_tolerance import RunGuard
+from .run_summary import event_file, print_closing_line
 from .training_log import log_evaluation, log_training_step
 
 
@@ -129,6 +134,17 @@ def _flush_interval(cfg, state, pending, backend, timers, writer):
     state.steps_in_interval = state.skipped_in_interval = 0
 
 
+def _first_step_done(cfg, seconds):
+    """Record the first step's time (host wall time: no device sync is added to it) and print
+    the start-up line (megatron/startup_times.py)."""
+    startup = get_startup_times()
+    if startup is None:  # train() called outside pretrain()
+        return
+    label = "first step (includes torch.compile)" if cfg.kernels.compile else "first step"
+    startup.phases.append((label, seconds))
+    print_rank_0(startup.summary())
+
+
 def _every(iteration, interval):
     """Whether ``iteration`` is a multiple of an optional ``interval`` (None / 0: never)."""
     return bool(interval) and iteration % interval == 0
@@ -145,8 +161,12 @@ def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[It
     backend.train()
     pending = []  # per-step stats since the last log line, still on the device
     timers("interval").start()
+    first_step = time.monotonic()  # None once the first step has ended
     while state.iteration < iters:
         stats, updated, grad_norm = train_step(forward_step_func, train_iterator, backend)
+        if first_step is not None:
+            _first_step_done(cfg, time.monotonic() - first_step)
+            first_step = None
         state.iteration += 1
         state.consumed_train_samples += cfg.batch.global_batch_size
         state.steps_in_interval += 1
@@ -232,11 +252,16 @@ def pretrain(train_valid_test_dataset_provider: Optional[Callable] = None,
             (default: the family's; with neither, the log says "n/a").
 
     Returns:
-        The final :class:`TrainState` (per-step losses, evaluation losses, iteration).
+        The final :class:`TrainState` (per-step losses, evaluation losses, iteration); None
+        in the launchers' settings check (``MEGATRON_TDS_CHECK_ONLY=1``,
+        :mod:`megatron.launch.check`), which only builds the run configuration.
     """
     from ..families import get_family
 
     family = get_family(family)
+    if settings_check_only():  # raises on a problem; no process group, no model
+        build_run_config(argv, family, extra_args_provider, args_defaults or {})
+        return None
     cfg = initialize_megatron(extra_args_provider, args_defaults or {}, argv, family=family)
     dataset_provider, model_provider, forward_step_func, batch_fn = _providers(
         family, cfg, train_valid_test_dataset_provider, model_provider, forward_step_func)
@@ -255,10 +280,14 @@ def pretrain(train_valid_test_dataset_provider: Optional[Callable] = None,
 
 def _run(cfg, guard, state, dataset_provider, model_provider, forward_step_func, batch_fn):
     """Build, resume, train, save, test (the body of :func:`pretrain`)."""
-    backend = build_backend(cfg, model_provider, batch_fn)
-    state.iteration = load_checkpoint(backend, cfg, state)
-    train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        dataset_provider, cfg, state)
+    startup = get_startup_times() or StartupTimes()
+    with startup.phase("model, optimizer, engine"):
+        backend = build_backend(cfg, model_provider, batch_fn)
+    with startup.phase("checkpoint"):
+        state.iteration = load_checkpoint(backend, cfg, state)
+    with startup.phase("datasets"):
+        train_it, valid_it, test_it = build_train_valid_test_data_iterators(
+            dataset_provider, cfg, state)
     print_rank_0(f"> training from iteration {state.iteration} to {cfg.batch.train_iters}")
     start = state.iteration
     train(forward_step_func, backend, train_it, valid_it, cfg, state, guard)
@@ -273,5 +302,8 @@ def _run(cfg, guard, state, dataset_provider, model_provider, forward_step_func,
         log_evaluation(cfg, state.iteration, "test", loss, get_tensorboard_writer())
     guard.finish()  # waits for a background save; says so after a signal stop
     close_iterators((train_it, valid_it, test_it))
-    if get_tensorboard_writer() is not None:
-        get_tensorboard_writer().close()  # complete event / W&B run files before returning
+    writer = get_tensorboard_writer()
+    events = event_file(writer)
+    if writer is not None:
+        writer.close()  # complete event / W&B run files before returning
+    print_closing_line(cfg, state.iteration, events)
