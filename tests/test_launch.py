@@ -114,6 +114,9 @@ def test_the_demo_prints_each_line_once_and_names_its_log_and_events(gpt2_data, 
     repeated = sorted({line for line in lines if lines.count(line) > 1 and
                        not line.startswith("----")})  # the rules around an evaluation line
     assert not repeated, repeated
+    assert re.search(r"> start-up: [0-9.]+ s from process start to the end of the first step: "
+                     r"fused kernels [0-9.]+ s, model, optimizer, engine [0-9.]+ s, checkpoint "
+                     r"[0-9.]+ s, datasets [0-9.]+ s, first step [0-9.]+ s, the rest", training)
     closing = re.search(r"> run ended at iteration 8: checkpoint (\S+) \| log (\S+) \(this "
                         r"node's\) \| TensorBoard events (\S+)", text)
     assert closing, text[-4000:]

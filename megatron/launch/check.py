@@ -127,8 +127,8 @@ def main(argv=None):
                         help="processes of the whole run (GPUS_PER_NODE x NNODES)")
     parser.add_argument("entry", help="the entry script (pretrain_gpt2.py, ...)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="its flags")
-    args = parser.parse_args(argv)
-    return check(args.entry, args.flags, args.world_size, args.script)
+    opts = parser.parse_args(argv)
+    return check(opts.entry, opts.flags, opts.world_size, opts.script)
 
 
 if __name__ == "__main__":

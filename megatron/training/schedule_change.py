@@ -17,20 +17,25 @@ from ..utils import print_rank_0
 #: The schedule's settings in a scheduler's state dict.
 SCHEDULE_KEYS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
 
-#: Flags that set the schedule: (saved args key, flag).
-SCHEDULE_FLAGS = (("train_iters", "--train-iters"), ("lr_decay_iters", "--lr-decay-iters"),
-                  ("lr", "--lr"), ("min_lr", "--min-lr"), ("warmup", "--warmup"),
-                  ("lr_decay_style", "--lr-decay-style"))
+#: What sets the schedule: (saved args key, flag as printed, the run configuration's value).
+SCHEDULE_SETTINGS = (
+    ("train_iters", "--train-iters", lambda cfg: cfg.batch.train_iters),
+    ("lr_decay_iters", "--lr-decay-iters", lambda cfg: cfg.optim.lr_decay_iters),
+    ("lr", "--lr", lambda cfg: cfg.optim.lr),
+    ("min_lr", "--min-lr", lambda cfg: cfg.optim.min_lr),
+    ("lr_warmup_iters", "warmup iterations (--warmup)", lambda cfg: cfg.optim.lr_warmup_iters),
+    ("lr_decay_style", "--lr-decay-style", lambda cfg: cfg.optim.lr_decay_style),
+)
 
 
 def flag_changes(saved_args: Dict[str, Any], cfg: Any) -> List[str]:
-    """``["--train-iters 300 -> 200", ...]``: the schedule flags whose value differs from the
-    checkpoint's saved arguments (``--lr-decay-iters`` as derived from ``--train-iters``
-    when not given)."""
+    """``["--train-iters 300 -> 200", ...]``: the schedule settings whose value differs from
+    the checkpoint's saved arguments (``--lr-decay-iters`` and the warmup as derived from
+    ``--train-iters`` when not given)."""
     changes = []
-    for key, flag in SCHEDULE_FLAGS:
-        if key in saved_args and saved_args[key] != getattr(cfg, key):
-            changes.append(f"{flag} {saved_args[key]} -> {getattr(cfg, key)}")
+    for key, flag, value in SCHEDULE_SETTINGS:
+        if key in saved_args and saved_args[key] != value(cfg):
+            changes.append(f"{flag} {saved_args[key]} -> {value(cfg)}")
     return changes
 
 
