@@ -27,6 +27,10 @@ import os, sys, time
 import torch.distributed as dist
 from megatron.training.preemption import PreemptionHandler
 dist.init_process_group("gloo")
+print(f"STARTED {dist.get_rank()}", flush=True)
+if sys.argv[1] == "error" and dist.get_rank() == 1:
+    print("error: a bad setting", file=sys.stderr, flush=True)
+    sys.exit(2)
 handler = PreemptionHandler().install()
 handler.should_stop(0)  # arms it (the first step has ended)
 print(f"READY {dist.get_rank()}", flush=True)
@@ -99,6 +103,17 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     assert "restart" not in text  # a stopped run is not restarted
 
 
+def test_a_user_error_is_not_restarted(tmp_path):
+    """A worker exiting 2 after start-up (an input error found late): one attempt, not
+    --max-restarts more, and the agent exits 2."""
+    proc = _agent(tmp_path, "error")
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count("STARTED 1") == 1 and out.count("error: a bad setting") == 1, out[-3000:]
+    assert "the run is not restarted" in out and "rank 1 failed (exit code 2)" in out
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+
+
 def test_failure_status_tells_user_errors_from_crashes():
     from megatron.launch.torchrun import failure_status
 
@@ -106,6 +121,8 @@ def test_failure_status_tells_user_errors_from_crashes():
     assert failure_status({0: 2, 1: 3})[0] == 2  # rank 1 stopped because rank 0 did
     assert failure_status({0: 1, 1: 2})[0] == 1
     assert failure_status({0: -9})[0] == 1
+    assert failure_status({0: -int(signal.SIGTERM), 1: 2})[0] == 2  # the agent ended rank 0
+    assert failure_status({0: -int(signal.SIGTERM)})[0] == 1
     status, lines = failure_status({1: -int(signal.SIGINT)}, signal.SIGINT)
     assert status == 130 and lines == ["rank 1 failed (killed by SIGINT)"]
 

@@ -12,14 +12,19 @@ torchrun's own elastic agent, with the changes a user who launches by hand needs
 - **Rendezvous.** Each node prints whom it waits for (``> waiting for 2 nodes at host:port``)
   and, once they joined, how many did; a start with fewer than ``--nnodes MIN:MAX``'s MAX
   says so.
+- **No restart on a user error.** A worker that exits 2 (a setting or input error its own
+  line names, found after start-up: a corrupt index, a checkpoint of another model) ends the
+  run: ``--max-restarts`` would only print the same error again.
 - **Failure.** One line per failed rank (exit code or signal; the rank's own lines above say
-  why) instead of ``ChildFailedError``'s traceback; exit status 2 when the ranks that failed
-  on their own all stopped on a user error (status 2; ranks that stopped because a peer did
-  exit 3), the stop signal's 128 + n after a stop whose workers did not save, else 1.
+  why) instead of ``ChildFailedError``'s traceback; exit status 2 when a rank stopped on a
+  user error (status 2) and the others only because of it (a peer lost: 3; ended by the
+  agent: SIGTERM / SIGKILL), the stop signal's 128 + n after a stop whose workers did not
+  save, else 1.
 
-The hooks reach four private names of ``torch.distributed.elastic`` (the module function
-torchrun installs as its signal handler; the agent's ``_invoke_run``, ``_rendezvous`` and
-``_pcontext``); tests/test_launch_stop.py runs them against the installed torch.
+The hooks reach private names of ``torch.distributed.elastic`` (the module function torchrun
+installs as its signal handler; the agent's ``_invoke_run``, ``_rendezvous``,
+``_monitor_workers``, ``_remaining_restarts`` and ``_pcontext``); tests/test_launch_stop.py
+runs them against the installed torch.
 """
 import os
 import signal
@@ -28,6 +33,7 @@ import sys
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.agent.server import api as agent_api
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import api as mp_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -111,6 +117,18 @@ def _rendezvous(original):
     return rendezvous
 
 
+def _monitor_workers(original):
+    def monitor_workers(self, worker_group):
+        result = original(self, worker_group)
+        codes = [f.exitcode for f in (result.failures or {}).values()]
+        if USER_ERROR_EXIT in codes and self._remaining_restarts:
+            _say("a worker stopped on a setting or input error (exit 2, above): the run is "
+                 "not restarted")
+            self._remaining_restarts = 0  # the same error would come back every time
+        return result
+    return monitor_workers
+
+
 def install_hooks():
     """Put the hooks in place (idempotent); torchrun then runs as usual."""
     if getattr(agent_api.SimpleElasticAgent, "_megatron_hooks", False):
@@ -119,6 +137,8 @@ def install_hooks():
     cls = agent_api.SimpleElasticAgent
     cls._invoke_run = _invoke_run(cls._invoke_run)
     cls._rendezvous = _rendezvous(cls._rendezvous)
+    local = LocalElasticAgent
+    local._monitor_workers = _monitor_workers(local._monitor_workers)
     cls._megatron_hooks = True
 
 
@@ -134,10 +154,12 @@ def failure_status(failures, stop_signal=None):
         how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in
                signal.valid_signals() else f"exit code {code}")
         lines.append(f"rank {rank} failed ({how})")
-    own = [code for code in failures.values() if code != PEER_LOST_EXIT]
     if stop_signal is not None:
         return 128 + int(stop_signal), lines
-    if own and all(code == USER_ERROR_EXIT for code in own):
+    # ranks ended because another failed: a peer lost (3), or stopped by the agent
+    ended = {PEER_LOST_EXIT, -int(signal.SIGTERM), -int(signal.SIGKILL)}
+    codes = set(failures.values())
+    if USER_ERROR_EXIT in codes and codes <= ended | {USER_ERROR_EXIT}:
         return USER_ERROR_EXIT, lines
     return 1, lines
 
