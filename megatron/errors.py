@@ -80,7 +80,7 @@ def run_main(main, *args, **kwargs):
     _line_buffered_output()
     _skip_the_final_collection()
     try:
-        r = main(*args, **kwargs); print('TT main-returned', os.environ.get('RANK'), time.time(), flush=True); atexit.register(lambda: print('TT atexit-first', os.environ.get('RANK'), time.time(), flush=True)); return r
+        return main(*args, **kwargs)
     except _USER_ERRORS as exc:
         rank = _rank_prefix()
         print(f"{rank}error: {exc}", file=sys.stderr, flush=True)
@@ -100,7 +100,6 @@ def run_main(main, *args, **kwargs):
 
 
 def _freeze_at_exit():
-    print('TT freeze', os.environ.get('RANK'), time.time(), flush=True)
     gc.freeze()
 
 
