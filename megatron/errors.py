@@ -116,11 +116,11 @@ def _skip_the_final_collection():
 def _line_buffered_output():
     """Each printed line reaches a pipe (the run scripts' log tee, a job's output file) as it
     is printed, in one write: lines neither wait in a block buffer nor interleave with
-    another rank's (Python writes a print's text and its newline separately when
-    unbuffered)."""
+    another rank's. Unbuffered (``PYTHONUNBUFFERED``, ``-u``) Python writes a print's pieces
+    and its newline separately; ``write_through=False`` gathers a line before writing."""
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.reconfigure(line_buffering=True)
+            stream.reconfigure(line_buffering=True, write_through=False)
         except (AttributeError, ValueError):  # not a TextIOWrapper (captured by a caller)
             pass
 
