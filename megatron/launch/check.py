@@ -13,6 +13,7 @@ agent restarts a run that cannot work (torchrun's ``--max-restarts`` would print
 error block once per rank per attempt).
 """
 import argparse
+import gc
 import os
 import re
 import runpy
@@ -132,4 +133,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    gc.freeze()  # the interpreter's final collections would only delay the launch
+    sys.exit(status)

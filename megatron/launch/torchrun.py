@@ -26,6 +26,7 @@ installs as its signal handler; the agent's ``_invoke_run``, ``_rendezvous``,
 ``_monitor_workers``, ``_remaining_restarts`` and ``_pcontext``); tests/test_launch_stop.py
 runs them against the installed torch.
 """
+import gc
 import os
 import signal
 import socket
@@ -192,4 +193,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    gc.freeze()  # the interpreter's final collections would only delay the exit (errors.py)
+    sys.exit(status)
