@@ -23,7 +23,7 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 LAUNCHER=${LAUNCHER:-torchrun}        # torchrun | deepspeed
 # ---- surviving failures (docs/fault_tolerance.md) ---------------------------------------
-MIN_NODES=${MIN_NODES:-$NNODES}       # fewest nodes a run starts or restarts with (< NNODES: opt-in)
+MIN_NODES=${MIN_NODES:-$NNODES}       # fewest nodes a run starts or restarts on (< NNODES: opt-in)
 MAX_RESTARTS=${MAX_RESTARTS:-3}       # restarts of the job after a failed worker or node
 STEP_TIMEOUT=${STEP_TIMEOUT:-}        # seconds: a rank with no finished step is ended
 ASYNC_SAVE=${ASYNC_SAVE:-0}           # 1: checkpoints written on a background thread
