@@ -26,10 +26,12 @@ _WORKER = r'''
 import os, sys, time
 import torch.distributed as dist
 from megatron.training.preemption import PreemptionHandler
+sys.stdout.reconfigure(line_buffering=True, write_through=False)  # a line is one write
 dist.init_process_group("gloo")
 print(f"STARTED {dist.get_rank()}", flush=True)
 if sys.argv[1] == "error" and dist.get_rank() == 1:
     print("error: a bad setting", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
     sys.exit(2)
 handler = PreemptionHandler().install()
 handler.should_stop(0)  # arms it (the first step has ended)
@@ -40,6 +42,7 @@ while True:
     time.sleep(0.2)
     if sys.argv[1] == "check" and handler.should_stop(step):
         print(f"STOPPED {dist.get_rank()} {handler.stopped_by[0]}", flush=True)
+        dist.destroy_process_group()  # as a run does at exit (docs/fault_tolerance.md)
         sys.exit(0)
 '''
 
