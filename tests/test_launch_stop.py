@@ -101,7 +101,9 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
             proc.kill()
     text += out
     assert proc.returncode == 128 + signal.SIGINT, text[-3000:]
-    assert took < 20, took  # torchrun's own shutdown would wait 30 s before SIGKILL
+    # the workers died of the second SIGINT: torchrun did not have to SIGKILL them after its
+    # 30 s shutdown wait
+    assert "forcefully exiting" not in text and took < 60, (took, text[-3000:])
     assert "aborted by SIGINT" in text and "Traceback" not in text, text[-3000:]
     assert "restart" not in text  # a stopped run is not restarted
 
