@@ -4,8 +4,9 @@
 #
 #   bash examples/demo_gpt2.sh
 #
-# Everything lands in ./demo/ (corpus, tokenizer, dataset, checkpoints). Environment
-# variables of examples/run_gpt2.sh (TRAIN_ITERS, GPUS_PER_NODE, ...) can be overridden.
+# Everything lands in ./demo/ (corpus, tokenizer, dataset, checkpoints, the training log in
+# demo/logs/ and TensorBoard events in demo/logs/tensorboard/). Environment variables of
+# examples/run_gpt2.sh (TRAIN_ITERS, GPUS_PER_NODE, LOG_DIR, ...) can be overridden.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -39,6 +40,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8} mp_size=${mp_size:-2} pp_size=${pp_size:-2} \
   PRECISION=${PRECISION:-fp32} MASTER_PORT=${MASTER_PORT:-29517} \
   DATA_PATH="$out/corpus_text_document" VOCAB_FILE="$out/tokenizer/vocab.json" \
   MERGE_FILE="$out/tokenizer/merges.txt" CHECKPOINT_PATH="$out/checkpoints" \
+  LOG_DIR="${LOG_DIR:-$out/logs}" \
   EXTRA_ARGS="--log-interval 25 --eval-interval 100 --eval-iters 2 --save-interval 1000 \
     --hidden-dropout 0.0 --attention-dropout 0.0 --make-vocab-size-divisible-by 64 \
     --warmup 0.05 --min-lr 2e-4 ${EXTRA_ARGS:-}" \

@@ -1,13 +1,31 @@
 # Shared by run_gpt2.sh and run_t5.sh (sourced after their variables are set): the flags
-# that follow from PRECISION / pp_size, and the launcher command. Edit the run scripts.
+# that follow from PRECISION / pp_size, the log, the settings check and the launcher
+# command. Edit the run scripts.
 
-# Sets precision_args (--fp16 / --bf16) and ds_args: the DeepSpeed config is always passed
+# True when this node computes on GPUs (CUDA_VISIBLE_DEVICES="" / -1 or MEGATRON_DEVICE=cpu
+# say it does not).
+megatron_has_gpu() {
+  [ "${MEGATRON_DEVICE:-}" = cpu ] && return 1
+  case "${CUDA_VISIBLE_DEVICES-unset}" in ""|-1) return 1 ;; esac
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q "^GPU"
+}
+
+# megatron_precision_and_deepspeed_args GPU_DEFAULT: sets precision_args (--fp16 / --bf16)
+# from PRECISION (auto: GPU_DEFAULT on GPUs, fp32 on a CPU, where DeepSpeed runs no fp16 and
+# bf16 has no fast kernels on most CPUs) and ds_args: the DeepSpeed config is always passed
 # (pretrain() uses it when it trains through an engine: pipeline stages, or --deepspeed),
 # and USE_DEEPSPEED=1 asks for DeepSpeed's data parallelism without pipeline stages.
 megatron_precision_and_deepspeed_args() {
-  precision_args=""
-  [ "$PRECISION" = fp16 ] && precision_args="--fp16"
-  [ "$PRECISION" = bf16 ] && precision_args="--bf16"
+  if [ "$PRECISION" = auto ]; then
+    if megatron_has_gpu; then PRECISION=$1; else PRECISION=fp32; fi
+    echo "> PRECISION=auto: $PRECISION"
+  fi
+  case "$PRECISION" in
+    fp32) precision_args="" ;;
+    fp16) precision_args="--fp16" ;;
+    bf16) precision_args="--bf16" ;;
+    *) echo "error: PRECISION=$PRECISION: use fp32, fp16, bf16 or auto" >&2; exit 2 ;;
+  esac
   ds_args="--deepspeed_config $config_json"
   if [ "${USE_DEEPSPEED:-0}" = 1 ]; then
     ds_args="--deepspeed $ds_args"
@@ -17,7 +35,7 @@ megatron_precision_and_deepspeed_args() {
 # Sets speed_args from RECOMPUTE (1: recompute each layer's activations in backward, for
 # models that do not fit otherwise; 0, the default: no recompute, the faster step),
 # ATTENTION_BACKEND (auto = scaled_dot_product_attention; unfused/local = Megatron's bmm +
-# fused softmax) and COMPILE (1: torch.compile each transformer layer).
+# fused softmax) and COMPILE (1: torch.compile each pipeline chunk, its loss included).
 megatron_speed_args() {
   speed_args="--attention-backend ${ATTENTION_BACKEND:-auto}"
   [ "${RECOMPUTE:-0}" = 1 ] && speed_args="$speed_args --checkpoint-activations"
@@ -34,8 +52,8 @@ megatron_batch_args() {
   batch_args="--batch-size $BATCHSIZE --global-batch-size $GLOBAL_BATCH"
 }
 
-# Sets fault_args: save and exit 0 on SIGTERM / SIGUSR1 (Slurm's --signal=USR1@120), a hang
-# watchdog when STEP_TIMEOUT is set, background saves when ASYNC_SAVE=1
+# Sets fault_args: save and exit 0 on Ctrl-C / SIGTERM / SIGUSR1 (Slurm's --signal=USR1@120),
+# a hang watchdog when STEP_TIMEOUT is set, background saves when ASYNC_SAVE=1
 # (docs/fault_tolerance.md).
 megatron_fault_args() {
   fault_args="--exit-signal-handler"
@@ -44,16 +62,60 @@ megatron_fault_args() {
   return 0
 }
 
-# megatron_launch ENTRY_SCRIPT "FLAGS": start ENTRY_SCRIPT on this node with torchrun or the
-# DeepSpeed launcher (LAUNCHER), with the cluster variables.
+# Sets log_args from TENSORBOARD_DIR (TensorBoard event files; empty: none). The node's
+# output goes to a log file in LOG_DIR (megatron_launch).
+megatron_log_args() {
+  log_args=""
+  [ -n "${TENSORBOARD_DIR:-}" ] && log_args="--tensorboard-dir $TENSORBOARD_DIR"
+  return 0
+}
+
+# Everything this node prints also goes to LOG_DIR/<date>-<time>-node<NODE_RANK>.log (none
+# when LOG_DIR is empty). tee ignores Ctrl-C and the stop signals, so it outlives a stopping
+# run and writes its last lines.
+megatron_log_to_file() {
+  [ -n "${LOG_DIR:-}" ] || return 0
+  mkdir -p "$LOG_DIR"
+  LOG_FILE="$LOG_DIR/$(date +%Y%m%d-%H%M%S)-node$NODE_RANK.log"
+  export MEGATRON_TDS_LOG_FILE=$LOG_FILE
+  exec > >(trap '' INT TERM USR1 HUP; exec tee -a "$LOG_FILE") 2>&1
+  echo "> log: $LOG_FILE"
+}
+
+# On a CPU, OMP_NUM_THREADS = the cores / the processes per node, for every launcher
+# (torchrun alone sets 1, with a warning; the DeepSpeed launcher sets none, and 8 processes
+# each using every core step 5-7x slower). On GPUs torchrun's 1. A value set is kept.
+megatron_cpu_threads() {
+  [ -n "${OMP_NUM_THREADS:-}" ] && return 0
+  if megatron_has_gpu; then
+    export OMP_NUM_THREADS=1
+  else
+    local threads=$(( $(nproc) / GPUS_PER_NODE ))
+    export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
+  fi
+}
+
+# megatron_launch ENTRY_SCRIPT "FLAGS": check the settings once, then start ENTRY_SCRIPT on
+# this node with torchrun or the DeepSpeed launcher (LAUNCHER), with the cluster variables.
 #
-# torchrun runs as an elastic agent: a failed worker (or a node that stops answering)
-# restarts the job up to MAX_RESTARTS times, each time from the latest checkpoint
-# (--load = --save), with as many nodes as rendezvous within the time (MIN_NODES..NNODES:
-# fewer nodes = smaller data-parallel size, same global batch); a node that comes back
-# joins at the next restart. The rendezvous store is the agent's on MASTER_ADDR.
+# The check (megatron/launch/check.py) runs the entry script's validation in one process for
+# the whole world (GPUS_PER_NODE x NNODES): a bad setting is one message naming the flag and
+# the variable here that sets it, and exit 2, before any launcher starts.
+#
+# torchrun (through megatron/launch/torchrun.py: Ctrl-C or SIGTERM saves and exits 0, a
+# second Ctrl-C aborts) waits until NNODES nodes have joined at MASTER_ADDR:MASTER_PORT;
+# MIN_NODES < NNODES (opt-in) starts or restarts with as few as MIN_NODES. A failed worker
+# (or a node that stops answering) restarts the job up to MAX_RESTARTS times, each time from
+# the latest checkpoint (--load = --save); fewer nodes = smaller data-parallel size, same
+# global batch. The rendezvous store is the agent's on MASTER_ADDR.
 megatron_launch() {
-  local entry=$1 flags=$2 cmd
+  local entry=$1 flags=$2 cmd script
+  script=${BASH_SOURCE[1]:-run script}
+  cd "$repo"
+  megatron_log_to_file
+  megatron_cpu_threads
+  ${PYTHON:-python} -m megatron.launch.check --script "$script" \
+    --world-size $(( GPUS_PER_NODE * NNODES )) "$entry" $flags || exit $?
   if [ "$LAUNCHER" = deepspeed ]; then
     # The DeepSpeed launcher reaches the hosts of a hostfile over passwordless ssh (pdsh);
     # on one node it starts the processes itself.
@@ -62,13 +124,12 @@ megatron_launch() {
     cmd="deepspeed $hosts --num_nodes $NNODES --num_gpus $GPUS_PER_NODE \
       --master_addr $MASTER_ADDR --master_port $MASTER_PORT $entry $flags"
   else
-    cmd="torchrun --nproc_per_node $GPUS_PER_NODE --nnodes ${MIN_NODES:-$NNODES}:$NNODES \
-      --max-restarts ${MAX_RESTARTS:-3} --rdzv-backend c10d \
-      --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --rdzv-id ${RDZV_ID:-megatron-tds} \
-      ${RDZV_CONF:+--rdzv-conf $RDZV_CONF} $entry $flags"
+    cmd="${PYTHON:-python} -m megatron.launch.torchrun --nproc_per_node $GPUS_PER_NODE \
+      --nnodes ${MIN_NODES:-$NNODES}:$NNODES --max-restarts ${MAX_RESTARTS:-3} \
+      --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT \
+      --rdzv-id ${RDZV_ID:-megatron-tds} ${RDZV_CONF:+--rdzv-conf $RDZV_CONF} $entry $flags"
   fi
   echo "$cmd"
-  cd "$repo"
   # Slurm's warning signal reaches every process of the job step: the agent ignores it (its
   # default action would end the agent), the workers catch it (--exit-signal-handler).
   trap '' USR1

@@ -6,6 +6,9 @@
 # Multi-node: same script on each node with NNODES, NODE_RANK and MASTER_ADDR set, e.g.
 #   node 0:  NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash examples/run_gpt2.sh
 #   node 1:  NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash examples/run_gpt2.sh
+# Each node waits (up to 10 min) until all NNODES have joined, so they may start apart.
+# The settings are checked once before the launcher starts (a bad one: one message, exit 2).
+# Ctrl-C (or SIGTERM) saves at the next step boundary and exits 0; a second Ctrl-C aborts.
 # Without GPUs, GPUS_PER_NODE CPU processes start and talk over gloo.
 # LAUNCHER=deepspeed uses the DeepSpeed launcher with examples/hostfile instead of torchrun.
 set -euo pipefail
@@ -20,7 +23,7 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 LAUNCHER=${LAUNCHER:-torchrun}        # torchrun | deepspeed
 # ---- surviving failures (docs/fault_tolerance.md) ---------------------------------------
-MIN_NODES=${MIN_NODES:-1}             # fewest nodes a restarted job goes on with
+MIN_NODES=${MIN_NODES:-$NNODES}       # fewest nodes a run starts or restarts on (< NNODES: opt-in)
 MAX_RESTARTS=${MAX_RESTARTS:-3}       # restarts of the job after a failed worker or node
 STEP_TIMEOUT=${STEP_TIMEOUT:-}        # seconds: a rank with no finished step is ended
 ASYNC_SAVE=${ASYNC_SAVE:-0}           # 1: checkpoints written on a background thread
@@ -43,7 +46,7 @@ BATCHSIZE=${BATCHSIZE:-4}             # micro-batch per process
 GAS=${GAS:-8}                         # gradient accumulation (= micro-batches per pipeline step)
 TRAIN_ITERS=${TRAIN_ITERS:-100000}
 LR=${LR:-1.5e-4}
-PRECISION=${PRECISION:-fp16}          # fp32 | fp16 | bf16
+PRECISION=${PRECISION:-auto}          # fp32 | fp16 | bf16 | auto (fp16 on GPUs, fp32 on a CPU)
 
 # ---- data and checkpoints ---------------------------------------------------------------
 DATA_PATH=${DATA_PATH:-$repo/data/corpus_text_document}
@@ -51,18 +54,21 @@ VOCAB_FILE=${VOCAB_FILE:-$repo/data/gpt2-vocab.json}
 MERGE_FILE=${MERGE_FILE:-$repo/data/gpt2-merges.txt}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-$repo/checkpoints/gpt2}
 config_json=${config_json:-$script_dir/ds_config_gpt2.json}
+LOG_DIR=${LOG_DIR-$repo/logs/gpt2}    # each node's output, also in a file here (empty: none)
+TENSORBOARD_DIR=${TENSORBOARD_DIR-${LOG_DIR:+$LOG_DIR/tensorboard}}  # event files (empty: none)
 EXTRA_ARGS=${EXTRA_ARGS:-}
 
 # ---- speed ------------------------------------------------------------------------------
 RECOMPUTE=${RECOMPUTE:-0}             # 1: activation recompute (--checkpoint-activations)
 ATTENTION_BACKEND=${ATTENTION_BACKEND:-auto}  # auto|flash|fused: SDPA; unfused|local: bmm
-COMPILE=${COMPILE:-0}                 # 1: torch.compile each transformer layer
+COMPILE=${COMPILE:-0}                 # 1: torch.compile each pipeline chunk (pp 1: the model)
 
 source "$script_dir/launch_common.sh"
-megatron_precision_and_deepspeed_args
+megatron_precision_and_deepspeed_args fp16
 megatron_speed_args
 megatron_batch_args
 megatron_fault_args
+megatron_log_args
 
 gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --virtual-pipeline-model-parallel-size $vpp_size ${PIPELINE_SCHEDULE:+--pipeline-schedule $PIPELINE_SCHEDULE} \
@@ -75,6 +81,6 @@ gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --tokenizer-type GPT2BPETokenizer --vocab-file $VOCAB_FILE --merge-file $MERGE_FILE \
   --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --save-interval 1000 \
   --log-interval 10 --eval-interval 1000 --eval-iters 10 \
-  $precision_args $ds_args $fault_args $EXTRA_ARGS"
+  $precision_args $ds_args $fault_args $log_args $EXTRA_ARGS"
 
 megatron_launch "$repo/pretrain_gpt2.py" "$gpt_args"

@@ -21,7 +21,7 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 LAUNCHER=${LAUNCHER:-torchrun}        # torchrun | deepspeed
 # ---- surviving failures (docs/fault_tolerance.md) ---------------------------------------
-MIN_NODES=${MIN_NODES:-1}             # fewest nodes a restarted job goes on with
+MIN_NODES=${MIN_NODES:-$NNODES}       # fewest nodes a run starts or restarts on (< NNODES: opt-in)
 MAX_RESTARTS=${MAX_RESTARTS:-3}       # restarts of the job after a failed worker or node
 STEP_TIMEOUT=${STEP_TIMEOUT:-}        # seconds: a rank with no finished step is ended
 ASYNC_SAVE=${ASYNC_SAVE:-0}           # 1: checkpoints written on a background thread
@@ -47,25 +47,29 @@ BATCHSIZE=${BATCHSIZE:-8}             # micro-batch per process
 GAS=${GAS:-8}                         # gradient accumulation (= micro-batches per pipeline step)
 TRAIN_ITERS=${TRAIN_ITERS:-100000}
 LR=${LR:-1.0e-4}
-PRECISION=${PRECISION:-bf16}          # fp32 | fp16 | bf16 (T5 overflows easily in fp16)
+PRECISION=${PRECISION:-auto}          # fp32 | fp16 | bf16 | auto (bf16 on GPUs, fp32 on a CPU;
+                                      # T5 overflows easily in fp16)
 
 # ---- data and checkpoints ---------------------------------------------------------------
 DATA_PATH=${DATA_PATH:-$repo/data/corpus_text_document}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-$repo/data/spm.model}  # tools/train_tokenizer.py
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-$repo/checkpoints/t5}
 config_json=${config_json:-$script_dir/ds_config_t5.json}
+LOG_DIR=${LOG_DIR-$repo/logs/t5}      # each node's output, also in a file here (empty: none)
+TENSORBOARD_DIR=${TENSORBOARD_DIR-${LOG_DIR:+$LOG_DIR/tensorboard}}  # event files (empty: none)
 EXTRA_ARGS=${EXTRA_ARGS:-}
 
 # ---- speed ------------------------------------------------------------------------------
 RECOMPUTE=${RECOMPUTE:-0}             # 1: activation recompute (--checkpoint-activations)
 ATTENTION_BACKEND=${ATTENTION_BACKEND:-auto}  # auto|flash|fused: SDPA; unfused|local: bmm
-COMPILE=${COMPILE:-0}                 # 1: torch.compile each transformer layer
+COMPILE=${COMPILE:-0}                 # 1: torch.compile each pipeline chunk (pp 1: the model)
 
 source "$script_dir/launch_common.sh"
-megatron_precision_and_deepspeed_args
+megatron_precision_and_deepspeed_args bf16
 megatron_speed_args
 megatron_batch_args
 megatron_fault_args
+megatron_log_args
 
 t5_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --virtual-pipeline-model-parallel-size $vpp_size ${PIPELINE_SCHEDULE:+--pipeline-schedule $PIPELINE_SCHEDULE} \
@@ -80,6 +84,6 @@ t5_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --vocab-extra-ids 100 \
   --save $CHECKPOINT_PATH --load $CHECKPOINT_PATH --save-interval 1000 \
   --log-interval 10 --eval-interval 1000 --eval-iters 10 \
-  $precision_args $ds_args $fault_args $EXTRA_ARGS"
+  $precision_args $ds_args $fault_args $log_args $EXTRA_ARGS"
 
 megatron_launch "$repo/pretrain_t5.py" "$t5_args"

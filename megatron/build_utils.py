@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,15 +57,25 @@ def build_dir(name, sources, extra_key=()):
     return build_root() / f"{name}_{digest.hexdigest()[:16]}"
 
 
-def _try_build(name, sources, builder, extra_key):
+def _try_build(name, sources, builder, extra_key, what=None, announce=False):
+    """Build or load; ``announce``: say so before a build (no binary in the cache yet), which
+    can take minutes on a busy CPU, and how long it took."""
     try:
         directory = build_dir(name, sources, extra_key)
+        fresh = announce and not any(directory.glob("*.so"))
+        if fresh:
+            print(f"> building {what or name} (once per machine and source change; cached in "
+                  f"{directory})", flush=True)
+        start = time.monotonic()
         with owned_lock(directory.with_suffix(".lock"), what=f"the build of {name}"):
             directory.mkdir(parents=True, exist_ok=True)
             # a killed build's baton (torch would wait for it forever), once the ninja and
             # compiler that build left running in the folder have finished
             remove_stale_baton(directory)
-            return builder(directory), None
+            module = builder(directory)
+        if fresh:
+            print(f"> built {what or name} in {time.monotonic() - start:.1f} s", flush=True)
+        return module, None
     except Exception as exc:  # any failure means: use the PyTorch/NumPy path
         lines = str(exc).strip().splitlines()
         return None, f"{type(exc).__name__}: {lines[-1] if lines else ''}"
@@ -105,8 +116,9 @@ def load_native(name, sources, builder, extra_key=(), what=None, collective=True
     distributed = collective and dist.is_available() and dist.is_initialized() and \
         dist.get_world_size() > 1
     module, error = None, None
+    first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     if not distributed or dist.get_rank() == 0:
-        module, error = _try_build(name, sources, builder, extra_key)
+        module, error = _try_build(name, sources, builder, extra_key, what, announce=first)
     if distributed:
         if _rank0_status(module is not None) and dist.get_rank() != 0:
             module, error = _try_build(name, sources, builder, extra_key)

@@ -18,6 +18,8 @@ class RunGlobals:
     """``megatron.timers.Timers``."""
     tensorboard_writer: Optional[Any] = None
     """SummaryWriter on the rank that logs (the last), else None."""
+    startup_times: Optional[Any] = None
+    """:class:`~megatron.startup_times.StartupTimes` of the run's start-up phases."""
 
 
 _GLOBALS = RunGlobals()
@@ -53,6 +55,11 @@ def get_tokenizer():
 
 def get_timers():
     return _get("timers")
+
+
+def get_startup_times():
+    """The run's :class:`~megatron.startup_times.StartupTimes`, or None outside a run."""
+    return _GLOBALS.startup_times
 
 
 def get_tensorboard_writer():

@@ -17,6 +17,7 @@ from .config.parser import RankFileProblems
 from .errors import ConfigError
 from .global_vars import reset_globals, set_globals
 from .metrics_writers import build_metrics_writer
+from .startup_times import StartupTimes
 from .timers import Timers
 from .utils import print_rank_0
 
@@ -147,6 +148,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
         The frozen run configuration (also available as ``megatron.get_args()``).
     """
     reset_globals()
+    startup = StartupTimes()
     own = None
     try:
         cfg, tokenizer = build_run_config(argv, family, extra_args_provider, args_defaults)
@@ -158,8 +160,9 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
     set_random_seed(cfg.model.seed)
-    _load_kernels(cfg)
-    set_globals(args=cfg, tokenizer=tokenizer, timers=Timers(),
+    with startup.phase("fused kernels"):
+        _load_kernels(cfg)
+    set_globals(args=cfg, tokenizer=tokenizer, timers=Timers(), startup_times=startup,
                 tensorboard_writer=build_metrics_writer(cfg, _tensorboard_writer(cfg)))
     print_rank_0(f"> initialized: world {cfg.parallel.world} = tp {cfg.parallel.tp}"
                  f" x pp {cfg.parallel.pp} x dp {cfg.parallel.dp}, "

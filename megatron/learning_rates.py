@@ -28,16 +28,7 @@ class AnnealingLR:
         self.step(0)
 
     def get_lr(self):
-        n = self.num_steps
-        if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return self.max_lr * n / self.warmup_steps
-        if self.decay_style == "constant":
-            return self.max_lr
-        if n > self.decay_steps:
-            return self.min_lr
-        ratio = (n - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
-        coeff = 1.0 - ratio if self.decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return schedule_lr(self.state_dict())
 
     def step(self, increment=1):
         self.num_steps += increment
@@ -51,7 +42,32 @@ class AnnealingLR:
                 "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
                 "decay_style": self.decay_style}
 
-    def load_state_dict(self, state):
-        """Resume the step count; the schedule itself comes from the current flags."""
+    def load_state_dict(self, state, use_saved_schedule=False):
+        """Resume the step count. The schedule itself comes from the current flags, or with
+        ``use_saved_schedule`` from ``state`` (Megatron's ``--use-checkpoint-lr-scheduler``).
+        """
+        if use_saved_schedule:
+            self.max_lr, self.min_lr = float(state["max_lr"]), float(state["min_lr"])
+            self.warmup_steps = int(state["warmup_steps"])
+            self.decay_steps = max(int(state["decay_steps"]), 1)
+            self.decay_style = state["decay_style"]
         self.num_steps = 0
         self.step(int(state["num_steps"]))
+
+
+def schedule_lr(schedule, num_steps=None):
+    """The learning rate of a schedule (an :meth:`AnnealingLR.state_dict`) after
+    ``num_steps`` steps (default: the schedule's own ``num_steps``)."""
+    n = schedule["num_steps"] if num_steps is None else num_steps
+    max_lr, min_lr = float(schedule["max_lr"]), float(schedule["min_lr"])
+    warmup, decay = int(schedule["warmup_steps"]), max(int(schedule["decay_steps"]), 1)
+    if warmup > 0 and n <= warmup:
+        return max_lr * n / warmup
+    if schedule["decay_style"] == "constant":
+        return max_lr
+    if n > decay:
+        return min_lr
+    ratio = (n - warmup) / max(decay - warmup, 1)
+    coeff = 1.0 - ratio if schedule["decay_style"] == "linear" else \
+        0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)

@@ -12,9 +12,11 @@ import re
 
 from .errors import ConfigError, DataError
 
-#: series name -> TensorBoard tag (megatron/training_log.py).
-TAGS = {"loss": "train/lm loss", "validation loss": "validation/lm-loss",
+#: series name -> TensorBoard tag (megatron/training/training_log.py's scalar_tag).
+TAGS = {"loss": "train/lm-loss", "validation loss": "validation/lm-loss",
         "tokens/s": "train/tokens-per-second", "MFU": "train/mfu"}
+#: The same series under the tags that runs before the one naming scheme wrote.
+_OLD_TAGS = {"loss": "train/lm loss"}
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|(.*)$")
 _VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss: ([-+0-9.eE]+|nan|inf)")
 _FIELDS = {"lm loss": "loss", "tokens/s": "tokens/s", "MFU": "MFU"}
@@ -42,6 +44,7 @@ def read_tensorboard(path):
         events.Reload()
         tags = set(events.Tags()["scalars"])
         for name, tag in TAGS.items():
+            tag = tag if tag in tags else _OLD_TAGS.get(name, tag)
             if tag in tags:
                 series.setdefault(name, []).extend((e.step, e.value) for e in events.Scalars(tag))
     return {name: sorted(points) for name, points in series.items()}

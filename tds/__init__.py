@@ -12,7 +12,22 @@ import functools
 import os
 from typing import Any, Callable, Optional, Tuple
 
-import deepspeed as _deepspeed
+
+
+def _name_the_cpu_accelerator():
+    """``DS_ACCELERATOR=cpu`` where there is no CUDA device (tds runs on CUDA or the CPU):
+    DeepSpeed's detection otherwise warns, once per process, that it "was unable to
+    detect" a GPU. A value already set is kept."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+_name_the_cpu_accelerator()
+
+import deepspeed as _deepspeed  # noqa: E402 (after the accelerator is named)
 
 SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
 """tds subclasses DeepSpeed's pipeline engine internals: [0.19, 0.20) is what it is built on."""
@@ -45,6 +60,24 @@ def _skip_inference_shm_build():
 
 
 _skip_inference_shm_build()
+
+
+def _gather_under_the_current_name():
+    """DeepSpeed's torch backend gathers with ``torch.distributed.all_gather_into_tensor``,
+    which torch deprecates for ``all_gather_single`` (the same collective, same arguments):
+    the old name warns once per process, 8 lines in an 8-rank run. The new name where torch
+    has it; DeepSpeed picks the function when its backend starts, after this import."""
+    import torch.distributed
+
+    single = getattr(torch.distributed, "all_gather_single", None)
+    if single is None:
+        return
+    from deepspeed.comm.torch import TorchBackend
+
+    TorchBackend.get_all_gather_function = classmethod(lambda cls: single)
+
+
+_gather_under_the_current_name()
 
 from deepspeed import (  # noqa: E402  (re-exported API)
     DeepSpeedConfig,

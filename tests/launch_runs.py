@@ -19,13 +19,14 @@ def free_port():
 
 def launch_env(data, tmp_path, **overrides):
     """Environment of a tiny fp32 run_gpt2.sh run (4 processes, tp 2 x pp 2, 6 steps) on the
-    gpt2_data fixture; ``overrides`` replace any variable."""
+    gpt2_data fixture, its checkpoints, log file and TensorBoard events under ``tmp_path``;
+    ``overrides`` replace any variable."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GPUS_PER_NODE="4", NNODES="1", NODE_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), mp_size="2",
                pp_size="2", NLAYERS="2", NHIDDEN="32", NHEADS="4", SEQLEN="32",
                BATCHSIZE="2", GAS="2", TRAIN_ITERS="6", LR="5e-3", PRECISION="fp32",
                DATA_PATH=data["prefix"], VOCAB_FILE=data["vocab"], MERGE_FILE=data["merges"],
-               CHECKPOINT_PATH=str(tmp_path / "ckpt"),
+               CHECKPOINT_PATH=str(tmp_path / "ckpt"), LOG_DIR=str(tmp_path / "logs"),
                EXTRA_ARGS="--log-interval 1 --hidden-dropout 0 --attention-dropout 0 "
                           "--make-vocab-size-divisible-by 64 --split 98,2,0 --eval-iters 0")
     env.update(overrides)

@@ -72,11 +72,14 @@ def test_yaml_config_with_parallel_block_and_cli_override(tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("hiden_size: 3\n", "unknown key 'hiden_size'"),
+    ("hiden_size: 3\n", r"unknown key 'hiden_size' \(did you mean 'hidden_size'\?\)"),
+    ("train-itres: 3\n", r"unknown key 'train-itres' \(did you mean 'train_iters'\?\)"),
+    ("zzzzz: 3\n", r"unknown key 'zzzzz'; keys are flag names"),
     ("hidden_size: big\n", "'hidden_size' must be of type int"),
     ("fp16: 1\n", "'fp16' must be true or false"),
     ("- a\n- b\n", "must be a mapping"),
     ("parallel_config:\n  stages: 2\n", "unknown parallel_config key 'stages'"),
+    ("parallel_config:\n  model_paralel: 2\n", "did you mean 'model_parallel'"),
     ("parallel_config:\n  data_parallel: 3\n", "parallel_config.data_parallel is 3"),
     ("lr_decay_style: zigzag\n", "'lr_decay_style' must be one of"),
 ])

@@ -6,6 +6,7 @@
 - The safetensors wrapper round-trips through the library and reports a bad file clearly.
 """
 import json
+import os
 
 import pytest
 import torch
@@ -86,6 +87,10 @@ def test_safetensors_io_round_trip_and_bad_file(tmp_path, seed):
                "bool": torch.rand(9, generator=g) > 0.5, "scalar": torch.tensor(2.5)}
     out = tmp_path / "ours.safetensors"
     safetensors_io.save_file(tensors, str(out), metadata={"format": "pt"})
+    # the mode of any file this process creates (the library alone makes it 0600)
+    beside = tmp_path / "beside.json"
+    beside.write_text("{}")
+    assert os.stat(out).st_mode & 0o777 == os.stat(beside).st_mode & 0o777
     for loaded in (load_file(str(out)), safetensors_io.load_file(str(out))):
         assert sorted(loaded) == sorted(tensors)
         for key, tensor in tensors.items():

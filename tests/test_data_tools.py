@@ -171,3 +171,30 @@ def test_sample_corpus_is_deterministic_prose(tmp_path):
     assert len({r["text"] for r in records}) == len(records)  # no repeats
     assert all(len(r["text"].split()) >= 20 for r in records)
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+
+
+def test_char_tokenizer_reports_its_unknown_token_rate(tmp_path, seed):
+    """The report counts the characters the vocabulary lacks (whitespace has stand-ins), and
+    warns above 1%; a vocabulary that has them all reports 0."""
+    import re
+
+    rng = np.random.default_rng(seed)
+    known = "abcdefghijklmnopqrstuvwxyz"
+    docs = ["".join(rng.choice(list(known + " \n" + "XYZ0123"), int(rng.integers(5, 60))))
+            for _ in range(50)]
+    write_jsonl(tmp_path / "in.jsonl", docs)
+    want = sum(1 for d in docs for c in d if not c.isspace() and c not in known)
+    total = sum(len(d) for d in docs) + len(docs)  # one [CLS] per document
+    for name, letters in (("part", known), ("all", known + "XYZ0123")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "vocab.txt").write_text(
+            "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[SPACE]", *letters]) + "\n")
+        proc = run_tool("preprocess_data", "--input", tmp_path / "in.jsonl", "--output-prefix",
+                        tmp_path / name / "out", "--tokenizer-type", "CharTokenizer",
+                        "--vocab-file", tmp_path / name / "vocab.txt", "--append-eod")
+        found = re.search(r"unknown tokens: (\d+) of (\d+) \(([0-9.]+)%\)", proc.stderr)
+        assert found, proc.stderr
+        unknown, tokens = int(found.group(1)), int(found.group(2))
+        assert tokens == total
+        assert unknown == (want if name == "part" else 0)
+        assert ("WARNING" in proc.stderr) == (name == "part" and want > 0.01 * total)

@@ -89,6 +89,10 @@ def test_lost_node_restarts_at_half_the_data_parallel_size(gpt2_data, tmp_path):
     # the one on disk at the kill, to the last step
     inits = re.findall(r"> initialized: world (\d+) = tp 1 x pp 1 x dp (\d+)", out)
     assert inits[0] == ("2", "2") and inits[-1] == ("1", "1"), inits
+    # the restart says it goes on with fewer nodes than asked (megatron/launch/torchrun.py)
+    assert re.search(r"> restart 1 of 2: \S+ waiting for 1 to 2 nodes", out), out[-3000:]
+    assert "> 1 of 2 nodes joined; this is node 0: ranks 0-0 of 1 -- fewer nodes than asked " \
+           "(MIN_NODES 1)" in out, out[-3000:]
     loaded = [int(x) for x in re.findall(r"> loaded checkpoint from \S+ at iteration (\d+)", out)]
     assert loaded and loaded[-1] >= saved, (loaded, saved)
     assert _tracker(ckpt) == ITERS

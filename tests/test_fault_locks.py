@@ -51,7 +51,10 @@ def _start(code, *args, env=None):
     proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONPATH=REPO, **(env or {})))
-    assert proc.stdout.readline().strip() == "compiling"
+    line = proc.stdout.readline()
+    if line.startswith("> building fault_probe"):  # load_native announces a fresh build
+        line = proc.stdout.readline()
+    assert line.strip() == "compiling"
     return proc
 
 
@@ -180,3 +183,27 @@ def test_real_kernel_build_killed_then_started_again(tmp_path):
                            capture_output=True, text=True)
     assert again.returncode == 0 and again.stdout.strip() == "module", again.stderr[-3000:]
     assert "left by a kernel build that was killed" in again.stderr
+
+
+def test_a_fresh_build_is_announced_with_its_time_and_a_cached_one_is_not(build_root, capsys,
+                                                                          monkeypatch):
+    """A build can take minutes on a busy CPU: the start-up says so before it, and how long
+    it took after; loading the cached binary says nothing."""
+    root, source = build_root
+
+    def builder(directory):
+        time.sleep(0.3)
+        (directory / "fault_probe.so").write_bytes(b"")  # what a real build leaves
+        return "module"
+
+    assert build_utils.load_native("fault_probe", [source], builder, what="the probe") == \
+        "module"
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("> building the probe (once per machine and source change; "
+                             "cached in "), out
+    took = float(out[1].split(" in ")[1].split(" s")[0])
+    assert out[1].startswith("> built the probe in ") and 0.3 <= took < 10, out
+    monkeypatch.setattr(build_utils, "_LOADED", {})
+    assert build_utils.load_native("fault_probe", [source], builder, what="the probe") == \
+        "module"
+    assert capsys.readouterr().out == ""

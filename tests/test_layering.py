@@ -16,7 +16,8 @@ LAYERS = [
     ("base", ["megatron", "megatron.errors", "megatron.locks", "megatron.progress",
               "megatron.agreement", "megatron.durable", "megatron.device",
               "megatron.timers", "megatron.utils", "megatron.build_utils",
-              "megatron.global_vars", "megatron.metrics_writers", "megatron.run_plots"]),
+              "megatron.global_vars", "megatron.metrics_writers", "megatron.run_plots",
+              "megatron.startup_times"]),
     ("tds", ["tds"]),
     ("kernels", ["megatron.fused_kernels"]),  # below mpu: mpu's fused norms call them
     ("mpu", ["megatron.mpu"]),
@@ -30,6 +31,7 @@ LAYERS = [
              "megatron.t5_generation", "megatron.planning",
              "megatron.memory"]),
     ("training", ["megatron.training"]),
+    ("launch", ["megatron.launch"]),  # around the training processes: nothing imports it
 ]
 
 

@@ -30,7 +30,7 @@ def test_json_is_pure_and_the_reserve_holds_and_the_config_row_is_a_ranked_row()
     reserve = random.choice([2, 4, 8])
     out = _plan_json("--gpus", "8", "--gpu-memory", "24GiB", "--reserve", f"{reserve}GiB",
                      "--global-batch", "512")
-    assert out["usable_bytes"] == (24 - reserve) * GIB
+    assert out["usable_bytes"] == (24 - reserve) * GIB and out["gpu"] == "h100"
     layouts = out["layouts"]
     assert layouts
     for x in layouts:
@@ -43,6 +43,22 @@ def test_json_is_pure_and_the_reserve_holds_and_the_config_row_is_a_ranked_row()
     same = [x for x in layouts if all(x[k] == mine[k] for k in (
         "tp", "pp", "dp", "micro_batch", "recompute", "zero_stage", "sequence_parallel"))]
     assert same == [mine]
+
+
+def test_text_header_names_the_gpu_preset(capsys):
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("plan_layout", os.path.join(
+        REPO, "tools", "plan_layout.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    gpu = random.choice(sorted(tool.PRESETS))
+    args = SimpleNamespace(config="x.yaml", gpus=8, gpu=gpu, top=1)
+    hw = Hardware(gpus=8, gpu_memory=80 * GIB)
+    tool._print(args, hw, SimpleNamespace(dtype="bf16"), 64, [], None, "none")
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"layouts fit on 8 {gpu.upper()} GPUs x 80 GiB" in header, header
 
 
 def _spec(**changes):

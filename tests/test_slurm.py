@@ -74,6 +74,7 @@ def _t5_env(data, tmp_path, **overrides):
                FF_HIDDEN="64", ENC_SEQLEN="32", DEC_SEQLEN="8", BATCHSIZE="2", GAS="2",
                TRAIN_ITERS="3", LR="5e-3", PRECISION="fp32", DATA_PATH=data["prefix"],
                TOKENIZER_MODEL=data["spm"], CHECKPOINT_PATH=str(tmp_path / "ckpt"),
+               LOG_DIR=str(tmp_path / "logs"),
                EXTRA_ARGS="--log-interval 1 --make-vocab-size-divisible-by 64 "
                           "--split 98,2,0 --eval-iters 0 --hidden-dropout 0 "
                           "--attention-dropout 0")

@@ -29,6 +29,7 @@ def test_run_t5_sh_trains_at_pp(t5_data, tmp_path, pp, vpp):
                KV_HIDDEN="8", FF_HIDDEN="64", ENC_SEQLEN="32", DEC_SEQLEN="8", BATCHSIZE="2", GAS="2",
                TRAIN_ITERS="3", LR="5e-3", PRECISION="fp32", DATA_PATH=t5_data["prefix"],
                TOKENIZER_MODEL=t5_data["spm"], CHECKPOINT_PATH=str(tmp_path / "ckpt"),
+               LOG_DIR=str(tmp_path / "logs"),
                EXTRA_ARGS="--log-interval 1 --make-vocab-size-divisible-by 64 "
                           "--split 98,2,0 --eval-iters 0")
     result = subprocess.run(["bash", "examples/run_t5.sh"], cwd=REPO, env=env, timeout=300,

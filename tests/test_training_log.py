@@ -60,7 +60,7 @@ def test_log_line_and_tensorboard_scalars(gpt2_data, tmp_path):
     assert "lm loss PPL" in out
     events = EventAccumulator(str(tb))
     events.Reload()
-    logged = [e.value for e in events.Scalars("train/lm loss")]
+    logged = [e.value for e in events.Scalars("train/lm-loss")]
     expected = [sum(losses[:3]) / 3, sum(losses[3:]) / 3]
     assert logged == pytest.approx(expected, rel=1e-6)
     assert [e.value for e in events.Scalars("validation/lm-loss")] == \

@@ -41,13 +41,13 @@ def test_wandb_offline_run_has_the_tensorboard_scalars(gpt2_data, tmp_path):
     history = read_history(run_dir)
     tb = _tensorboard_scalars(tmp_path / "tb")
     assert sorted(history) == sorted(tb)
-    assert {"train/lm loss", "train/tokens-per-second", "validation/lm-loss"} <= set(tb)
+    assert {"train/lm-loss", "train/tokens-per-second", "validation/lm-loss"} <= set(tb)
     for tag, points in tb.items():
         # TensorBoard stores float32; W&B keeps the Python float.
         assert [s for s, _ in history[tag]] == [s for s, _ in points], tag
         assert [v for _, v in history[tag]] == pytest.approx([v for _, v in points], rel=1e-6)
     # independent of TensorBoard: the logged loss is the mean of the interval's step losses
-    assert [v for _, v in history["train/lm loss"]] == \
+    assert [v for _, v in history["train/lm-loss"]] == \
         pytest.approx([sum(losses[:2]) / 2, sum(losses[2:]) / 2], rel=1e-12)
     assert [v for _, v in history["validation/lm-loss"]] == \
         pytest.approx([loss for _, loss in evals], rel=1e-12)

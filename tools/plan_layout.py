@@ -171,7 +171,7 @@ def _plan(args):
 def _print(args, hw, base, batch, plans, mine, why):
     from megatron.memory.report import GIB
 
-    print(f"{args.config}: {len(plans)} layouts fit on {args.gpus} GPUs x "
+    print(f"{args.config}: {len(plans)} layouts fit on {args.gpus} {args.gpu.upper()} GPUs x "
           f"{hw.gpu_memory / GIB:.0f} GiB less {hw.reserve / GIB:.1f} GiB reserve "
           f"({hw.nodes} nodes), global batch {batch}, {base.dtype}, {hw.peak_tflops:g} TFLOP/s "
           f"peak, GEMMs at up to {hw.efficiency:.0%}")
@@ -215,7 +215,7 @@ def main(argv=None):
     if not args.json:
         _print(args, hw, base, batch, plans, mine, why)
         return 0
-    json.dump({"config": args.config, "gpus": args.gpus, "nodes": hw.nodes,
+    json.dump({"config": args.config, "gpu": args.gpu, "gpus": args.gpus, "nodes": hw.nodes,
                "gpu_memory_bytes": hw.gpu_memory, "reserve_bytes": hw.reserve,
                "usable_bytes": hw.usable, "global_batch": batch, "dtype": base.dtype,
                "efficiency": hw.efficiency, "peak_tflops": hw.peak_tflops,

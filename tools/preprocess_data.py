@@ -94,6 +94,10 @@ _TOKENIZER = None
 _TOKENIZE = None
 
 
+#: The share of unknown tokens above which the report warns (the vocabulary misses text).
+UNKNOWN_WARN_RATE = 0.01
+
+
 def _init_worker(args):
     global _TOKENIZER, _TOKENIZE
     _TOKENIZER = build_tokenizer(args)
@@ -161,6 +165,7 @@ class _Progress:
         self.bar = make_progress(desc="tokenizing", unit="docs", every=interval)
         self.start = time.time()
         self.docs = self.bytes = self.skipped = self.empty = 0
+        self.tokens = self.unknown = 0  # tokens written, and those that are the unknown id
 
     def add(self, nbytes):
         self.docs += 1
@@ -179,7 +184,7 @@ class _Progress:
               f"{self.bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
 
 
-def _consume(results, path, builders, progress, skip_bad, index_empty=False):
+def _consume(results, path, builders, progress, skip_bad, index_empty=False, unk=None):
     for lineno, error, arrays, nbytes in results:
         if error is not None:
             if not skip_bad:
@@ -196,6 +201,9 @@ def _consume(results, path, builders, progress, skip_bad, index_empty=False):
                 continue
             builders[key].add_item(ids)
             builders[key].end_document()
+            progress.tokens += ids.size
+            if unk is not None:
+                progress.unknown += int(np.count_nonzero(ids == unk))
         progress.add(nbytes)
 
 
@@ -210,6 +218,7 @@ def run(args):
     builders = {k: indexed_dataset.MMapIndexedDatasetBuilder(
         indexed_dataset.data_file_path(p), dtype=dtype) for k, p in prefixes.items()}
     progress = _Progress(args.log_interval)
+    unk = getattr(tokenizer, "unk", None)  # byte-level BPE has none: every byte is a token
     pool = None
     try:
         if args.workers > 1:
@@ -221,7 +230,7 @@ def run(args):
         for path, fmt in zip(args.input, formats):
             for results in mapper(encode_chunk, _tasks(path, fmt, args, dtype)):
                 _consume(results, path, builders, progress, args.skip_bad_lines,
-                         index_empty=args.match == MATCH_CORE)
+                         index_empty=args.match == MATCH_CORE, unk=unk)
         if progress.docs == 0:
             raise DataError(f"no documents with text in {', '.join(args.input)}; check "
                             f"--json-keys {' '.join(args.json_keys)}")
@@ -240,7 +249,21 @@ def run(args):
     print(f"wrote {', '.join(p + '.{bin,idx}' for p in prefixes.values())} (bytes of "
           f"{args.match}); skipped {progress.skipped} bad documents, {empty} "
           f"{progress.empty} empty ones", file=sys.stderr)
+    if unk is not None:
+        print(_unknown_line(progress, args), file=sys.stderr)
     return prefixes
+
+
+def _unknown_line(progress, args):
+    """How many tokens are the tokenizer's unknown token (characters its vocabulary lacks)."""
+    rate = progress.unknown / max(progress.tokens, 1)
+    line = (f"unknown tokens: {progress.unknown} of {progress.tokens} ({rate:.2%}) are the "
+            f"tokenizer's unknown token")
+    if rate > UNKNOWN_WARN_RATE:
+        source = args.vocab_file or args.tokenizer_model
+        line += (f"; WARNING: above {UNKNOWN_WARN_RATE:.0%}, the text has characters "
+                 f"{source} lacks: add them to it (or train a tokenizer on this text)")
+    return line
 
 
 @entry_point

@@ -35,7 +35,9 @@ slurm_launch() {
   export CHECKPOINT_PATH=${CHECKPOINT_PATH:-$RUN_DIR/checkpoints}
   local log_dir=${LOG_DIR:-$RUN_DIR/logs}
   mkdir -p "$CHECKPOINT_PATH" "$log_dir" "$RUN_DIR/tensorboard"
-  export EXTRA_ARGS="--tensorboard-dir $RUN_DIR/tensorboard/$SLURM_JOB_ID ${EXTRA_ARGS:-}"
+  export TENSORBOARD_DIR=${TENSORBOARD_DIR:-$RUN_DIR/tensorboard/$SLURM_JOB_ID}
+  # srun writes each node's output to $log_dir (--output): the run script tees no copy
+  export LOG_DIR=""
 
   echo "slurm job $SLURM_JOB_ID: $NNODES nodes x $GPUS_PER_NODE processes, master" \
        "$MASTER_ADDR:$MASTER_PORT, checkpoints $CHECKPOINT_PATH, logs $log_dir"
@@ -43,11 +45,12 @@ slurm_launch() {
   # ends the job instead of leaving the others waiting in a collective until the timeout.
   # With MIN_NODES < NNODES the torchrun agents of the remaining nodes go on without it.
   local kill_on_bad_exit=1
-  [ "${MIN_NODES:-1}" -lt "$NNODES" ] && kill_on_bad_exit=0
+  [ "${MIN_NODES:-$NNODES}" -lt "$NNODES" ] && kill_on_bad_exit=0
   rm -f "$CHECKPOINT_PATH/preempted.txt"
   srun --ntasks="$NNODES" --kill-on-bad-exit=$kill_on_bad_exit \
     --output="$log_dir/%j-node%t.log" \
-    bash -c 'NODE_RANK=$SLURM_PROCID exec bash "$0"' "$run_script"
+    bash -c 'export NODE_RANK=$SLURM_PROCID MEGATRON_TDS_LOG_FILE="$1/$SLURM_JOB_ID-node$SLURM_PROCID.log"
+             exec bash "$0"' "$run_script" "$log_dir"
   # A run stopped by SIGUSR1/SIGTERM saved, left this marker and exited 0: requeue the job
   # (same job id and name), which resumes from the checkpoint (--load = --save).
   if [ -f "$CHECKPOINT_PATH/preempted.txt" ]; then

@@ -3,6 +3,8 @@
 A thin wrapper: it turns the library's errors into ``CheckpointError`` (a clear message
 naming the file) and accepts tensors the library would refuse (on a GPU, non-contiguous).
 """
+import os
+
 from safetensors import SafetensorError
 from safetensors.torch import load_file as _load_file
 from safetensors.torch import save_file as _save_file
@@ -38,3 +40,12 @@ def save_file(tensors, path, metadata=None):
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     meta = {str(k): str(v) for k, v in metadata.items()} if metadata else None
     _save_file(cpu, path, metadata=meta)
+    # the library creates the file 0600 (through a temporary file); give it the mode of the
+    # config and tokenizer files beside it, 0666 less the umask, so others can read it too
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask():
+    mask = os.umask(0)  # the only way to read it: set, then restore at once
+    os.umask(mask)
+    return mask

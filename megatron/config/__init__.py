@@ -6,15 +6,15 @@
 
 Nothing outside this package changes a configuration: a :class:`RunConfig` is frozen.
 """
-from .parser import (args_to_dict, build_parser, build_run_config, parse_args,
-                     saved_run_config)
+from .parser import (CHECK_ONLY_ENV, args_to_dict, build_parser, build_run_config, parse_args,
+                     saved_run_config, settings_check_only)
 from .run_config import (SECTIONS, BatchConfig, CheckpointConfig, DataConfig, FrozenConfigError,
                          KernelConfig, LoggingConfig, ModelDims, OptimizerConfig, ParallelDims,
                          PrecisionConfig, RunConfig, Section, uses_pipeline_engine)
 from .validation import parse_data_path
 
-__all__ = ["SECTIONS", "BatchConfig", "CheckpointConfig", "DataConfig", "FrozenConfigError",
-           "KernelConfig", "LoggingConfig", "ModelDims", "OptimizerConfig", "ParallelDims",
+__all__ = ["CHECK_ONLY_ENV", "SECTIONS", "BatchConfig", "CheckpointConfig", "DataConfig",
+           "FrozenConfigError", "KernelConfig", "LoggingConfig", "ModelDims", "OptimizerConfig", "ParallelDims",
            "PrecisionConfig", "RunConfig", "Section", "args_to_dict", "build_parser",
            "build_run_config", "parse_args", "parse_data_path", "saved_run_config",
-           "uses_pipeline_engine"]
+           "settings_check_only", "uses_pipeline_engine"]

@@ -87,6 +87,11 @@ def add_training_args(parser):
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: train-iters")
+    g.add_argument("--use-checkpoint-lr-scheduler", "--use-checkpoint-opt_param-scheduler",
+                   dest="use_checkpoint_lr_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's learning-rate schedule (peak, min, "
+                        "warmup, decay length and style) instead of the flags' (by default "
+                        "the flags' wins, and a change is printed with the new rate)")
     g.add_argument("--warmup", "--lr-warmup", dest="warmup", type=float, default=0.01,
                    help="warmup: a fraction of lr-decay-iters if < 1, else iterations")
     g.add_argument("--weight-decay", type=float, default=0.01)

@@ -27,6 +27,15 @@ from .yaml_file import apply_config_file
 #: ``f(parser) -> parser``: adds the flags of a user's own model (Megatron's hook).
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
+#: Set by the launchers' settings check (:mod:`megatron.launch.check`): ``pretrain()`` builds
+#: the run configuration (every check) and returns before torch.distributed starts.
+CHECK_ONLY_ENV = "MEGATRON_TDS_CHECK_ONLY"
+
+
+def settings_check_only() -> bool:
+    """Whether this process only checks the settings (:data:`CHECK_ONLY_ENV`)."""
+    return os.environ.get(CHECK_ONLY_ENV, "") not in ("", "0")
+
 
 def build_parser(extra_args_provider: Optional[ArgsProvider] = None,
                  family: Optional[Any] = None) -> argparse.ArgumentParser:

@@ -95,9 +95,7 @@ def deepspeed_precision_support(accelerator: Optional[Any] = None) -> Dict[str, 
     """
     this_device = accelerator is None
     if this_device:
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator = get_accelerator()
+        accelerator = _this_accelerator()
     support = {"fp16": bool(accelerator.is_fp16_supported()),
                "bf16": bool(accelerator.is_bf16_supported())}
     if not this_device:
@@ -134,14 +132,22 @@ def check_precision(args: Any, problems: List[str], accelerator: Optional[Any] =
     if support[wanted]:
         return
     if accelerator is None:
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator = get_accelerator()
+        accelerator = _this_accelerator()
     device = describe_device(accelerator)
     other = "--bf16" if wanted == "fp16" and support["bf16"] else None
     fix = f"use {other} or fp32 (no precision flag)" if other else "use fp32 (no precision flag)"
     problems.append(f"--{wanted} is not supported by DeepSpeed on this device ({device}); {fix}, "
                     f"or run on a device with {wanted} support")
+
+
+def _this_accelerator():
+    """DeepSpeed's accelerator of this machine (through tds, which names the CPU one before
+    DeepSpeed's detection would warn on every rank that it found no GPU)."""
+    import tds  # noqa: F401
+
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator()
 
 
 def uses_deepspeed(args: Any) -> bool:

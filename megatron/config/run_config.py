@@ -148,6 +148,10 @@ class OptimizerConfig(Section):
     """Max global grad norm; 0 disables clipping (the norm is still measured)."""
     skip_nonfinite_steps: bool
     """Skip (not stop at) a step whose gradient norm is inf/nan (DDP path)."""
+    use_checkpoint_lr_scheduler: bool
+    """On resume, the checkpoint's LR schedule rather than the flags'."""
+
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"use_checkpoint_lr_scheduler": False}
 
     @classmethod
     def derived(cls, values):

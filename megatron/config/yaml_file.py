@@ -36,6 +36,15 @@ def _option_index(parser):
     return index
 
 
+def _did_you_mean(key, known):
+    """`` (did you mean 'hidden_size'?)`` for the closest known key, or ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(key, [k for k in known if not k.startswith("no_")],
+                                      n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _convert(action, key, value, path):
     """Type-check a YAML value for ``action``; returns the value to use as a default."""
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
@@ -115,7 +124,8 @@ def config_defaults(parser: argparse.ArgumentParser, path: str) -> Dict[str, Any
         raise ConfigError(f"{path}: parallel_config must be a mapping")
     for key, value in block.items():
         if key not in PARALLEL_CONFIG_KEYS:
-            raise ConfigError(f"{path}: unknown parallel_config key {key!r}; "
+            raise ConfigError(f"{path}: unknown parallel_config key {key!r}"
+                              f"{_did_you_mean(str(key), PARALLEL_CONFIG_KEYS)}; "
                               f"known: {sorted(PARALLEL_CONFIG_KEYS)}")
         dest = PARALLEL_CONFIG_KEYS[key]
         if dest == "expected_data_parallel_size":
@@ -127,8 +137,9 @@ def config_defaults(parser: argparse.ArgumentParser, path: str) -> Dict[str, Any
         if norm == "config":
             raise ConfigError(f"{path}: a config file cannot name another config file")
         if norm not in index:
-            raise ConfigError(f"{path}: unknown key {key!r}; keys are flag names such as "
-                              f"num_layers or model-parallel-size (see --help)")
+            raise ConfigError(f"{path}: unknown key {key!r}{_did_you_mean(norm, index)}; keys "
+                              f"are flag names such as num_layers or model-parallel-size "
+                              f"(see --help)")
         action = index[norm]
         defaults[action.dest] = _convert(action, key, value, path)
     return defaults

@@ -23,11 +23,18 @@ def _call_provider(model_provider, pipeline):
 
 
 def _report_parameters(model):
+    """One line on rank 0: the parameters each (tensor, pipeline) rank holds (collective)."""
+    import torch.distributed as dist
+
     count = sum(p.numel() for p in model.parameters())
     state = mpu.get_parallel_state()
-    if state.dp_rank == 0:
-        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
-              f"({state.tp_rank}, {state.pp_rank}): {count}", flush=True)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, (state.tp_rank, state.pp_rank, count))
+    if dist.get_rank() == 0:
+        ranks = ", ".join(f"({tp}, {pp}): {n}" for tp, pp, n in sorted(set(counts),
+                                                                        key=lambda c: c[1::-1]))
+        print(f" > number of parameters on (tensor, pipeline) model parallel ranks {ranks}",
+              flush=True)
 
 
 def check_pipeline_module(model: Any, cfg: Any) -> None:

@@ -28,6 +28,7 @@ from ..config import args_to_dict
 from ..errors import CheckpointError, MegatronError
 from ..utils import print_rank_0, warn_rank_0
 from .async_save import SAVE_FAILED_HINT, AsyncCheckpointWriter
+from .schedule_change import resume_schedule
 
 
 # ---------------------------------------------------------------- RNG state
@@ -245,8 +246,8 @@ def _load_at_new_layout(backend, cfg, iteration, load_optim):
             backend.state_io.load_counters(_engine_counters(rank.first, cfg))
     warn_rank_0(
         f"resuming {rank.description} at tp={cfg.parallel.tp}, pp={cfg.parallel.pp}: "
-        f"weights{', Adam state' if load_optim else ''}, LR schedule and data position "
-        f"carried over; random streams restart from --seed")
+        f"weights{', Adam state' if load_optim else ''}, the learning-rate schedule's step "
+        f"and the data position carried over; random streams restart from --seed")
     return dict(rank.first, layout_change=True)
 
 
@@ -390,7 +391,7 @@ def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
         print_rank_0(f"> loaded weights from {ckpt.load} (iteration {iteration}) to fine-tune")
         return 0
     if "lr_scheduler" in state:
-        backend.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        resume_schedule(backend.lr_scheduler, state, cfg)
     _restore_rng(cfg, state)
     train_state.consumed_train_samples = state.get("consumed_train_samples", 0)
     train_state.consumed_valid_samples = state.get("consumed_valid_samples", 0)

@@ -22,15 +22,19 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
-from ..global_vars import get_tensorboard_writer, get_timers, get_tokenizer
+from ..config import build_run_config, settings_check_only
+from ..global_vars import (get_startup_times, get_tensorboard_writer, get_timers,
+                           get_tokenizer)
 from ..initialize import initialize_megatron
 from ..memory.check import startup_memory_check
+from ..startup_times import StartupTimes
 from ..utils import print_rank_0
 from .backend_factory import build_backend
 from .checkpointing import load_checkpoint
 from .data_iterators import build_train_valid_test_data_iterators, close_iterators
 from .divergence import check_pending, check_weights
 from .fault_tolerance import RunGuard
+from .run_summary import event_file, print_closing_line
 from .training_log import log_evaluation, log_training_step
 
 
@@ -134,13 +138,21 @@ def _flush_interval(cfg, state, pending, backend, timers, writer):
     state.steps_in_interval = state.skipped_in_interval = 0
 
 
-def _report_compile(seconds: float) -> None:
-    """The first step of a ``--compile`` run compiles every region: say what it took."""
-    from ..model.compile import compiled_graph_count
+def _first_step_done(cfg, seconds):
+    """Record the first step's time (host wall time: no device sync is added to it) and print
+    the start-up line (megatron/startup_times.py); with ``--compile`` it names the graphs the
+    step compiled (later steps reuse them; evaluation compiles its own at its first call)."""
+    label = "first step"
+    if cfg.kernels.compile:
+        from ..model.compile import compiled_graph_count
 
-    print_rank_0(f"> --compile: the first step took {seconds:.1f} s, compiling "
-                 f"{compiled_graph_count()} graph(s) on rank 0; later steps reuse them "
-                 f"(evaluation compiles its own at the first evaluation)")
+        label = f"first step (includes torch.compile of {compiled_graph_count()} graph(s))"
+    startup = get_startup_times()
+    if startup is None:  # train() called outside pretrain()
+        print_rank_0(f"> {label}: {seconds:.1f} s")
+        return
+    startup.phases.append((label, seconds))
+    print_rank_0(startup.summary())
 
 
 def _every(iteration, interval):
@@ -159,16 +171,15 @@ def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[It
     backend.train()
     pending = []  # per-step stats since the last log line, still on the device
     timers("interval").start()
-    first_step = cfg.kernels.compile  # report what the first (compiling) step cost
+    first_step = time.monotonic()  # None once the first step has ended
     draws = getattr(backend, "batch_draws", None)
     while state.iteration < iters:
         if draws is not None:
             draws.at("train", state.iteration)
-        started = time.perf_counter()
         stats, updated, grad_norm = train_step(forward_step_func, train_iterator, backend)
-        if first_step:
-            first_step = False
-            _report_compile(time.perf_counter() - started)
+        if first_step is not None:
+            _first_step_done(cfg, time.monotonic() - first_step)
+            first_step = None
         state.iteration += 1
         state.consumed_train_samples += cfg.batch.global_batch_size
         state.steps_in_interval += 1
@@ -258,11 +269,16 @@ def pretrain(train_valid_test_dataset_provider: Optional[Callable] = None,
             (default: the family's; with neither, the log says "n/a").
 
     Returns:
-        The final :class:`TrainState` (per-step losses, evaluation losses, iteration).
+        The final :class:`TrainState` (per-step losses, evaluation losses, iteration); None
+        in the launchers' settings check (``MEGATRON_TDS_CHECK_ONLY=1``,
+        :mod:`megatron.launch.check`), which only builds the run configuration.
     """
     from ..families import get_family
 
     family = get_family(family)
+    if settings_check_only():  # raises on a problem; no process group, no model
+        build_run_config(argv, family, extra_args_provider, args_defaults or {})
+        return None
     cfg = initialize_megatron(extra_args_provider, args_defaults or {}, argv, family=family)
     dataset_provider, model_provider, forward_step_func, batch_fn = _providers(
         family, cfg, train_valid_test_dataset_provider, model_provider, forward_step_func)
@@ -281,10 +297,14 @@ def pretrain(train_valid_test_dataset_provider: Optional[Callable] = None,
 
 def _run(cfg, guard, state, dataset_provider, model_provider, forward_step_func, batch_fn):
     """Build, resume, train, save, test (the body of :func:`pretrain`)."""
-    backend = build_backend(cfg, model_provider, batch_fn)
-    state.iteration = load_checkpoint(backend, cfg, state)
-    train_it, valid_it, test_it = build_train_valid_test_data_iterators(
-        dataset_provider, cfg, state)
+    startup = get_startup_times() or StartupTimes()
+    with startup.phase("model, optimizer, engine"):
+        backend = build_backend(cfg, model_provider, batch_fn)
+    with startup.phase("checkpoint"):
+        state.iteration = load_checkpoint(backend, cfg, state)
+    with startup.phase("datasets"):
+        train_it, valid_it, test_it = build_train_valid_test_data_iterators(
+            dataset_provider, cfg, state)
     print_rank_0(f"> training from iteration {state.iteration} to {cfg.batch.train_iters}")
     start = state.iteration
     train(forward_step_func, backend, train_it, valid_it, cfg, state, guard)
@@ -299,5 +319,8 @@ def _run(cfg, guard, state, dataset_provider, model_provider, forward_step_func,
         log_evaluation(cfg, state.iteration, "test", loss, get_tensorboard_writer())
     guard.finish()  # waits for a background save; says so after a signal stop
     close_iterators((train_it, valid_it, test_it))
-    if get_tensorboard_writer() is not None:
-        get_tensorboard_writer().close()  # complete event / W&B run files before returning
+    writer = get_tensorboard_writer()
+    events = event_file(writer)
+    if writer is not None:
+        writer.close()  # complete event / W&B run files before returning
+    print_closing_line(cfg, state.iteration, events)

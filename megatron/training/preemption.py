@@ -1,7 +1,10 @@
-"""Stop cleanly when the cluster asks: SIGTERM or SIGUSR1 -> save at a step boundary, exit 0.
+"""Stop cleanly when the cluster or the user asks: SIGTERM, SIGUSR1 or Ctrl-C (SIGINT) -> save
+at a step boundary, exit 0.
 
 Slurm sends SIGUSR1 ahead of a preemption or the time limit (``--signal=USR1@120``) and
-SIGTERM when it cancels; torchrun forwards SIGTERM to its workers. A signal reaches any subset
+SIGTERM when it cancels; the run scripts' torchrun (:mod:`megatron.launch.torchrun`) passes
+the Ctrl-C or SIGTERM it receives to its workers. A second SIGINT after the first ends the
+process at once (the user means it), without a save. A signal reaches any subset
 of the ranks at any moment, so the handler only records it; at a step boundary every rank
 contributes its record to one all-reduce on a host (gloo) group, and all of them agree to
 stop at the same iteration, save and return from ``pretrain()`` (the entry script exits 0).
@@ -25,11 +28,12 @@ import torch.distributed as dist
 
 from .host_group import new_host_group
 
-#: The signals a run stops on (Slurm's warning signal, and the cancel / torchrun signal).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: The signals a run stops on (Slurm's warning signal, the cancel / torchrun signal, Ctrl-C).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-#: Written to the ``--save`` folder by a run that stopped on a signal (examples/slurm requeue
-#: the job when they find it): ``iteration <n> signal <name> rank <r>``.
+#: Written to the ``--save`` folder by a run that stopped on a signal from the cluster
+#: (examples/slurm requeue the job when they find it): ``iteration <n> signal <name> rank
+#: <r>``. Not after Ctrl-C: a user who stopped the run does not want it requeued.
 PREEMPTED_FILENAME = "preempted.txt"
 
 
@@ -62,8 +66,12 @@ class PreemptionHandler:
         self._previous = {}
 
     def _on_signal(self, signum, frame):
-        if not self.armed:  # start-up: the signal's own action (see the module docstring)
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        again = signum == signal.SIGINT and self.received != 0  # Ctrl-C after a stop signal
+        if not self.armed or again:  # start-up, or a second Ctrl-C: the signal's own action
+            previous = self._previous.get(signum, signal.SIG_DFL)
+            if again:  # at once: no KeyboardInterrupt unwinding through a collective
+                previous = signal.SIG_DFL
+            signal.signal(signum, previous)
             os.kill(os.getpid(), signum)
             return
         # Only a record: the save happens at the next step boundary, on every rank at once.
@@ -105,6 +113,8 @@ class PreemptionHandler:
         if not save or (dist.is_initialized() and dist.get_rank() != 0):
             return
         name, rank = self.stopped_by
+        if name == "SIGINT":
+            return
         with open(os.path.join(save, PREEMPTED_FILENAME), "w") as handle:
             handle.write(f"iteration {iteration} signal {name} rank {rank}\n")
 

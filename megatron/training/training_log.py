@@ -20,6 +20,13 @@ PEAKS = {
 H100_NVL_MIN_BYTES = 90 * 2**30
 
 
+def scalar_tag(split: str, name: str) -> str:
+    """The TensorBoard / W&B tag of a scalar: ``<split>/<name>``, words joined by dashes
+    (``train/lm-loss``, ``train/grad-norm``, ``validation/lm-loss``): one scheme for every
+    scalar, whatever the log line calls it."""
+    return f"{split}/{name.strip().lower().replace(' ', '-')}"
+
+
 def model_flops_per_step(cfg: Any) -> float:
     """GPT's count for one step (:func:`megatron.families.gpt2.flops_per_step`)."""
     from ..families.gpt2 import flops_per_step
@@ -125,7 +132,7 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
     if writer is not None:
         it = state.iteration
         for name, value in stats.items():
-            writer.add_scalar(f"train/{name}", value, it)
+            writer.add_scalar(scalar_tag("train", name), value, it)
         writer.add_scalar("train/learning-rate", state.lr, it)
         writer.add_scalar("train/tokens-per-second", tokens_s, it)
         if tflops is not None:
@@ -144,5 +151,5 @@ def log_evaluation(cfg: Any, iteration: int, prefix: str, loss: float,
     line = f"{prefix} loss at iteration {iteration} | lm loss: {loss:.6E} | lm loss PPL: {ppl:.6E}"
     print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
     if writer is not None:
-        writer.add_scalar(f"{prefix}/lm-loss", loss, iteration)
-        writer.add_scalar(f"{prefix}/lm-loss-ppl", ppl, iteration)
+        writer.add_scalar(scalar_tag(prefix, "lm loss"), loss, iteration)
+        writer.add_scalar(scalar_tag(prefix, "lm loss ppl"), ppl, iteration)

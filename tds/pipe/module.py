@@ -17,6 +17,9 @@ connect the right ranks.
 DeepSpeed's own forward (activation checkpointing included); the pipeline engine drives
 the chunks through :mod:`tds.pipe.runner` (:mod:`tds.pipe.interleaved`).
 """
+import contextlib
+import io
+import sys
 from typing import TYPE_CHECKING, Any, List, Tuple
 
 import torch
@@ -26,6 +29,25 @@ from .actions import PLACEMENT_KINDS, Placement
 
 if TYPE_CHECKING:
     from .compiled import ChunkRegions
+
+
+#: What DeepSpeed's constructor prints on rank 0 that says nothing to a user (the seed
+#: settings tds does not use, the raw topology dump); the stage partition stays.
+_DEEPSPEED_NOISE = ("SEED_LAYERS=", "Using topology:")
+
+
+@contextlib.contextmanager
+def _without_lines(prefixes):
+    """Print what the block prints, less the lines that start with ``prefixes``."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        kept = [line for line in captured.getvalue().splitlines(keepends=True)
+                if not line.startswith(prefixes)]
+        sys.stdout.write("".join(kept))
+        sys.stdout.flush()
 
 
 class PipelineModule(_DeepSpeedPipelineModule):
@@ -53,7 +75,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
                              "stages; seed the layers in their constructors")
         object.__setattr__(self, "num_virtual_stages", num_virtual_stages)
         object.__setattr__(self, "chunk_bounds", [])
-        super().__init__(layers, *args, **kwargs)
+        with _without_lines(_DEEPSPEED_NOISE):
+            super().__init__(layers, *args, **kwargs)
         if num_virtual_stages > 1 and self.num_stages < 2:
             raise ValueError(f"PipelineModule: {num_virtual_stages} virtual stages need at "
                              f"least 2 pipeline stages (got {self.num_stages})")
