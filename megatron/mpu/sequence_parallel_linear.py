@@ -167,29 +167,26 @@ def _deferred_gather_linear(shard, weight, bias, group, target):
 
 
 # ------------------------------------------------------------------ the compiled form
-def _register_backward_operator():
-    """``torch.ops.megatron_tds.deferred_gather_linear_backward`` (once, on first use)."""
-    if hasattr(torch.ops.megatron_tds, "deferred_gather_linear_backward"):
-        return
+@torch.library.custom_op("megatron_tds::deferred_gather_linear_backward", mutates_args=())
+def deferred_gather_linear_backward(grad_output: torch.Tensor, shard: torch.Tensor,
+                                    weight: torch.Tensor, slot: int) -> torch.Tensor:
+    """``dY W`` (``[s, b, in]``, before its reduce-scatter); ``dW`` (all-gather of the shard,
+    ``dY^T X``) deferred to the slot's store while it records, else now (the backward of
+    :class:`_TracedGatherLinearDeferred`, opaque to the compiler)."""
+    store, param, group = _SLOTS[slot]
+    grad_total = grad_output.matmul(weight)
+    if store.recording_key is None:
+        with torch.no_grad():
+            accumulate_grad(param, _gathered_weight_grad(shard, grad_output, group))
+    else:
+        store.defer(param, lambda: _gathered_weight_grad(shard, grad_output, group),
+                    saved=(shard, grad_output))
+    return grad_total
 
-    @torch.library.custom_op("megatron_tds::deferred_gather_linear_backward", mutates_args=())
-    def deferred_gather_linear_backward(grad_output: torch.Tensor, shard: torch.Tensor,
-                                        weight: torch.Tensor, slot: int) -> torch.Tensor:
-        """``dY W`` (``[s, b, in]``, before its reduce-scatter); ``dW`` (all-gather of the
-        shard, ``dY^T X``) deferred to the slot's store while it records, else now."""
-        store, param, group = _SLOTS[slot]
-        grad_total = grad_output.matmul(weight)
-        if store.recording_key is None:
-            with torch.no_grad():
-                accumulate_grad(param, _gathered_weight_grad(shard, grad_output, group))
-        else:
-            store.defer(param, lambda: _gathered_weight_grad(shard, grad_output, group),
-                        saved=(shard, grad_output))
-        return grad_total
 
-    @deferred_gather_linear_backward.register_fake
-    def _(grad_output, shard, weight, slot):
-        return grad_output.new_empty(tuple(grad_output.shape[:-1]) + (weight.size(1),))
+@deferred_gather_linear_backward.register_fake
+def _(grad_output, shard, weight, slot):
+    return grad_output.new_empty(tuple(grad_output.shape[:-1]) + (weight.size(1),))
 
 
 class _TracedGatherLinear(torch.autograd.Function):

@@ -322,30 +322,26 @@ def _linear_as_aten(input_, weight, bias, target):
 
 
 # ------------------------------------------------------------------ the compiled form
-def _register_backward_operator():
-    """``torch.ops.megatron_tds.deferred_linear_backward`` (registered once, on first use:
-    registering a custom operator is not free at import)."""
-    if hasattr(torch.ops.megatron_tds, "deferred_linear_backward"):
-        return
+@torch.library.custom_op("megatron_tds::deferred_linear_backward", mutates_args=())
+def deferred_linear_backward(grad: torch.Tensor, mat1: torch.Tensor, weight: torch.Tensor,
+                             slot: int, weight_col_major_t: bool) -> torch.Tensor:
+    """``dX`` of ``mat1 @ weight.t()`` (contiguous ``[n, in]``); ``dW`` deferred to the slot's
+    store while it records, else computed and accumulated now (the backward of
+    :class:`_TracedDeferredLinear`, opaque to the compiler)."""
+    store, param, _ = _SLOTS[slot]
+    grad_mat1 = mm_mat1_grad(grad, weight, mat1).contiguous()
+    if store.recording_key is None:
+        with torch.no_grad():
+            accumulate_grad(param, mm_weight_grad(grad, mat1, weight_col_major_t))
+    else:
+        store.defer(param, lambda: mm_weight_grad(grad, mat1, weight_col_major_t),
+                    saved=(grad, mat1))
+    return grad_mat1
 
-    @torch.library.custom_op("megatron_tds::deferred_linear_backward", mutates_args=())
-    def deferred_linear_backward(grad: torch.Tensor, mat1: torch.Tensor, weight: torch.Tensor,
-                                 slot: int, weight_col_major_t: bool) -> torch.Tensor:
-        """``dX`` of ``mat1 @ weight.t()`` (contiguous ``[n, in]``); ``dW`` deferred to the
-        slot's store while it records, else computed and accumulated now."""
-        store, param, _ = _SLOTS[slot]
-        grad_mat1 = mm_mat1_grad(grad, weight, mat1).contiguous()
-        if store.recording_key is None:
-            with torch.no_grad():
-                accumulate_grad(param, mm_weight_grad(grad, mat1, weight_col_major_t))
-        else:
-            store.defer(param, lambda: mm_weight_grad(grad, mat1, weight_col_major_t),
-                        saved=(grad, mat1))
-        return grad_mat1
 
-    @deferred_linear_backward.register_fake
-    def _(grad, mat1, weight, slot, weight_col_major_t):
-        return mat1.new_empty(mat1.shape)
+@deferred_linear_backward.register_fake
+def _(grad, mat1, weight, slot, weight_col_major_t):
+    return mat1.new_empty(mat1.shape)
 
 
 class _TracedDeferredLinear(torch.autograd.Function):
@@ -445,10 +441,6 @@ def set_weight_grad_deferral(module: nn.Module, enabled: bool = True,
                 if hasattr(layer.weight, attribute):
                     delattr(layer.weight, attribute)
         return None
-    _register_backward_operator()
-    from .sequence_parallel_linear import _register_backward_operator as register_gather_op
-
-    register_gather_op()
     store = WeightGradStore() if store is None else store
     for layer in layers:
         setattr(layer.weight, STORE_ATTRIBUTE, store)
