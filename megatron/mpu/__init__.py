@@ -6,6 +6,19 @@ meant tensor-parallel, imports ``from megatron.mpu import v1 as mpu``; CPM-1-Pre
 ``from megatron.mpu import cpm as mpu``.
 Everything runs on CPU with gloo and on CUDA with NCCL.
 """
+from .context_parallel import (
+    dense_attention_mask,
+    document_starts,
+    gather_from_context_parallel,
+    is_token_layout,
+    layout_doc_starts,
+    layout_positions,
+    load_balanced_indices,
+    reduce_loss_over_context_parallel,
+    split_for_context_parallel,
+    token_layout,
+)
+from .cp_attention import CP_COMM_TYPES, context_parallel_attention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .data import broadcast_data
 from .grads import (clip_coefficient, clip_grad_norm, clip_grad_norm_tensor, grad_norms,
