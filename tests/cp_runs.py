@@ -95,3 +95,34 @@ def _attention_case(seed, case):
     scale = max(w.abs().max().item() for w in wanted)
     positions_ok = positions is None or torch.equal(positions, layout[0])
     return errors, scale, positions_ok
+
+
+def compiled_layer_breaks(seed):
+    """Rank body (2 ranks, cp 2): dynamo's graphs and breaks for one GPT-2 layer whose
+    attention is context-parallel, the functions the breaks are in, and whether the compiled
+    layer's output and input gradient equal the eager layer's."""
+    from megatron import mpu
+    from megatron.model.compile import prepare_for_compile
+    from megatron.model.transformer import ParallelTransformerLayer, TransformerConfig
+
+    mpu.initialize_model_parallel(1, 1, context_parallel_size=2)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               kv_channels=8, ffn_hidden_size=64, hidden_dropout=0.0,
+                               attention_dropout=0.0, seed=seed, token_layout=True)
+    layer = ParallelTransformerLayer(config, 1)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(16, 2, 32, generator=generator)  # [s / cp, b, h]
+    layout = mpu.split_for_context_parallel(mpu.token_layout(torch.arange(32).expand(2, 32)), 2)
+    prepare_for_compile()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer.forward)(hidden, layout)
+    reasons = {str(r.user_stack[-1].name) for r in explained.break_reasons}
+    results = []
+    for run in (layer.forward, torch.compile(layer.forward, backend="eager")):
+        x = hidden.clone().requires_grad_()
+        out = run(x, layout)
+        out.sum().backward()
+        results.append((out.detach(), x.grad))
+    same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*results))
+    mpu.destroy_model_parallel()
+    return explained.graph_count, explained.graph_break_count, reasons, same

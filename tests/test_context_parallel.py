@@ -66,3 +66,27 @@ def test_chunks_are_load_balanced_and_every_step_does_equal_work(cp):
             assert area == (4 * m * m if src == rank else 2 * m * m)  # balanced
             seen += visible.sum(1)
         assert torch.equal(seen, mine + 1)  # every query saw exactly its past
+
+
+def test_rotary_angles_at_given_positions_are_the_tables_rows(seed):
+    from megatron import mpu
+
+    rotary = mpu.RotaryEmbedding(8, 500.0)
+    positions = torch.randint(0, 40, (3, 12), generator=torch.Generator().manual_seed(seed))
+    cos, sin = rotary.at_positions(positions)  # [s, b, 1, d]
+    table_cos, table_sin = rotary(40)  # [40, 1, 1, d]
+    assert torch.equal(cos, table_cos[positions.t(), 0]) and \
+        torch.equal(sin, table_sin[positions.t(), 0])
+
+
+def test_compiled_layer_breaks_only_at_the_context_parallel_attention(seed):
+    from cp_runs import compiled_layer_breaks
+
+    """The ring runs as one eager call (torch.compiler.disable): the layer's frame and the
+    attention module's frame each split there, so dynamo counts 4 graphs and 3 breaks for
+    the layer, every break at that call (a layer without context parallelism: 1 and 0)."""
+    for graphs, breaks, reasons, same in run_distributed(compiled_layer_breaks, 2, seed,
+                                                         timeout=300):
+        assert (graphs, breaks) == (4, 3)
+        assert reasons == {"context_parallel_attention"}, reasons
+        assert same  # compiled equals eager, forward and backward

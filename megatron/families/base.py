@@ -210,7 +210,15 @@ def transformer_kwargs(cfg, dropout: bool = True) -> dict:
         # padded vocabulary rows get -inf logits; unknown (None) in some old checkpoints
         true_vocab_size=m.true_vocab_size,
         sequence_parallel=cfg.parallel.sequence_parallel and dropout,  # not in inference
-        attention_backend=kernels.attention_backend or "auto")
+        attention_backend=kernels.attention_backend or "auto",
+        token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type)
+
+
+def uses_token_layout(cfg: Any) -> bool:
+    """Whether a run's decoder passes the token layout (megatron/mpu/context_parallel.py)
+    in its mask slot: under context parallelism and with document masking; otherwise the
+    ``[1, 1, s, s]`` bool causal mask."""
+    return cfg.parallel.cp > 1 or cfg.data.reset_attention_mask or cfg.data.reset_position_ids
 
 
 def pipeline_placement(cfg: Any) -> str:
