@@ -30,15 +30,18 @@ def _family(name):
     return get_family(name)
 
 
-def train_runs(runs):
+def train_runs(runs, count_syncs=()):
     """Rank body: each ``(family, argv, tracker)`` of ``runs`` in turn through pretrain().
 
     ``tracker``: None, or ``(checkpoint folder, iteration)`` to point the folder's tracker
     at before the run (rank 0 writes it; a resume from a step the saving run passed).
+    ``count_syncs``: indices of runs whose host-device syncs are counted per step
+    (tests/sync_count.py).
 
     Returns:
-        per run ``("ok", per-step losses)``, or for a configuration error ``("error",
-        message, whether mpu's groups were built)``.
+        per run ``("ok", per-step losses)`` (and with ``count_syncs`` the number of sync
+        events of each step), or for a configuration error ``("error", message, whether
+        mpu's groups were built)``.
     """
     import torch.distributed as dist
 
@@ -47,7 +50,7 @@ def train_runs(runs):
     from megatron.training import pretrain
 
     out = []
-    for family, argv, tracker in runs:
+    for number, (family, argv, tracker) in enumerate(runs):
         if tracker is not None:
             if dist.get_rank() == 0:
                 with open(os.path.join(tracker[0], "latest_checkpointed_iteration.txt"),
@@ -56,7 +59,15 @@ def train_runs(runs):
             dist.barrier()
         mpu.destroy_model_parallel()  # the last run's groups: a refusal must build none
         try:
-            out.append(("ok", pretrain(family=_family(family), argv=argv).losses))
+            if number in count_syncs:
+                from sync_count import step_sync_counts
+
+                states = []
+                steps = step_sync_counts(
+                    lambda a: states.append(pretrain(family=_family(family), argv=a)), argv)
+                out.append(("ok", states[0].losses, [len(events) for events in steps]))
+            else:
+                out.append(("ok", pretrain(family=_family(family), argv=argv).losses))
         except ConfigError as exc:
             out.append(("error", str(exc), mpu.model_parallel_is_initialized()))
     return out
