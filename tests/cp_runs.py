@@ -45,7 +45,9 @@ def attention_errors(seed, layouts, cases):
     """Rank body: context-parallel attention at each ``(cp, tp)`` of ``layouts`` (the tp
     ranks beside run their own groups) against :func:`reference_attention` of the whole
     sequence: ``{(cp, tp, case): (errors of the output and dq, dk, dv, their scale,
-    positions equal Megatron's)}`` per case ``(comm_type, documents, kv_heads, tile_bytes)``."""
+    positions equal Megatron's)}`` per case ``(comm_type, documents, kv_heads, tile_bytes)``
+    (``tile_bytes`` None: the CPU's fused kernel per block; a number: the plain-PyTorch
+    blocks with score tiles of that many bytes)."""
     from megatron import mpu
 
     out = {}
@@ -81,13 +83,16 @@ def _attention_case(seed, case):
     local = [mpu.split_for_context_parallel(t.clone(), 0).requires_grad_()
              for t in (q, k, v)]
     local_layout = None if layout is None else mpu.split_for_context_parallel(layout, 2)
-    attention_blocks.TILE_BYTES, saved = tile, attention_blocks.TILE_BYTES
+    saved = attention_blocks.TILE_BYTES, attention_blocks.USE_CPU_FLASH
+    # tile None: the CPU's fused kernel per block; else the plain-PyTorch blocks in tiles
+    attention_blocks.TILE_BYTES = tile or saved[0]
+    attention_blocks.USE_CPU_FLASH = tile is None
     try:
         result = mpu.context_parallel_attention(*local, local_layout, scale=0.3,
                                                 comm_type=comm)
         result.backward(mpu.split_for_context_parallel(dout, 0))
     finally:
-        attention_blocks.TILE_BYTES = saved
+        attention_blocks.TILE_BYTES, attention_blocks.USE_CPU_FLASH = saved
     gathered = [mpu.gather_from_context_parallel(t, 0)
                 for t in (result.detach(), *(x.grad for x in local))]
     wanted = [reference.detach(), *(x.grad for x in full)]

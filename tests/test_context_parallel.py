@@ -3,8 +3,9 @@ ring_attention.py, cp_attention.py) against plain PyTorch on the whole sequence.
 
 One 4-rank launch runs cp 4, cp 2 beside tp 2, and cp 1, each with the ring (p2p), the
 all-gather and the all-to-all (Ulysses) forms, causal and with Megatron's document mask,
-with as many key-value heads as query heads and grouped (2 for 4), and once with score tiles
-of a few rows: outputs and the gradients of q, k and v equal the reference's.
+with as many key-value heads as query heads and grouped (2 for 4), with the CPU's fused
+kernel per block and with the plain-PyTorch blocks (whole, and in score tiles of a few
+rows): outputs and the gradients of q, k and v equal the reference's.
 """
 import pytest
 import torch
@@ -13,8 +14,10 @@ from cp_runs import EOD, attention_errors, megatron_document_mask
 from harness import run_distributed
 
 LAYOUTS = [(4, 1), (2, 2), (1, 4)]
-CASES = [(comm, documents, kv_heads, 32 * 2**20) for comm in ("p2p", "all_gather", "a2a")
-         for documents in (False, True) for kv_heads in (4, 2)] + [("p2p", True, 2, 600)]
+CASES = [(comm, documents, kv_heads, None) for comm in ("p2p", "all_gather", "a2a")
+         for documents in (False, True) for kv_heads in (4, 2)] + \
+    [(comm, documents, 2, tile) for comm in ("p2p", "all_gather") for documents in (False, True)
+     for tile in (32 * 2**20, 600)]
 
 
 def test_attention_and_gradients_equal_serial_attention_at_every_cp(seed):

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .attention_blocks import block_backward, block_forward, merge_blocks
+from .attention_blocks import BlockMask, block_backward, block_forward, merge_blocks
 from .mappings import _all_gather_single
 from .context_parallel import load_balanced_indices
 
@@ -43,19 +43,19 @@ def step_plan(rank: int, src: int, m: int):
 
 
 def _mask_fn(q_idx, k_idx, doc, causal):
-    """``mask(lo, hi) -> bool [b or 1, 1, 1, rows, sk]`` (True = attend), or None."""
+    """The :class:`BlockMask` of a block, or None (every query sees every key)."""
     if not causal and doc is None:
         return None
+    if doc is None:
+        return BlockMask(True, None)  # a diagonal block: the kernels' own causal mask
 
-    def mask(lo, hi):
-        allowed = k_idx[None, :] <= q_idx[lo:hi, None] if causal else None  # [rows, sk]
-        if doc is not None:
-            in_doc = k_idx[None, None, :] >= doc[:, lo:hi, None]  # [b, rows, sk]
-            allowed = in_doc if allowed is None else in_doc & allowed
-        lead = allowed.shape[0] if allowed.dim() == 3 else 1
-        return allowed.view(lead, 1, 1, hi - lo, k_idx.numel())
+    def allowed(lo, hi):  # -> bool [b, 1, 1, rows, sk], True = attend
+        mask = k_idx[None, None, :] >= doc[:, lo:hi, None]  # [b, rows, sk]: in the document
+        if causal:
+            mask = mask & (k_idx[None, :] <= q_idx[lo:hi, None])
+        return mask.view(doc.shape[0], 1, 1, hi - lo, k_idx.numel())
 
-    return mask
+    return BlockMask(causal, allowed)
 
 
 class _Ring:
@@ -191,8 +191,9 @@ class ContextParallelAttention(torch.autograd.Function):
             kv_src = source.get(step)
             rows, cols, mask = _plan(rank, step, cp, m, doc, q.device)
             dq_part, dk, dv = block_backward(
-                q[..., rows, :], kv_src[0][..., cols, :], kv_src[1][..., cols, :], None,
-                dout[..., rows, :], lse[..., rows], delta[..., rows], ctx.scale, mask)
+                q[..., rows, :], kv_src[0][..., cols, :], kv_src[1][..., cols, :],
+                out[..., rows, :], dout[..., rows, :], lse[..., rows], delta[..., rows],
+                ctx.scale, mask)
             dq[..., rows, :] += dq_part
             part = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=q.device)
             part[0][..., cols, :], part[1][..., cols, :] = dk, dv
