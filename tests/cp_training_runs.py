@@ -12,8 +12,10 @@ DOCUMENTS = ("--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"
 
 def run_argv(data, family, tp, pp, cp, dp, *extra, comm="p2p", documents=False):
     """A dropout-free fp32 run of ``family`` (4 layers, hidden 32, 4 heads, sequences of 32,
-    global batch 8 in micro-batches of 2) for STEPS steps, clipping on, at (tp, pp, cp, dp)."""
+    global batch 8 in micro-batches of 2) for STEPS steps, clipping on, at (tp, pp, cp, dp),
+    evaluating 2 batches every AT steps."""
     flags = ["--clip-grad", "1.0", "--context-parallel-size", str(cp), "--cp-comm-type", comm,
+             "--eval-interval", str(AT), "--eval-iters", "2",
              *(DOCUMENTS if documents else ()), *extra]
     if family == "llama":
         return llama_argv(data, tp, pp, *flags, steps=STEPS, micro=2, global_batch=8)
@@ -39,9 +41,9 @@ def train_runs(runs, count_syncs=()):
     (tests/sync_count.py).
 
     Returns:
-        per run ``("ok", per-step losses)`` (and with ``count_syncs`` the number of sync
-        events of each step), or for a configuration error ``("error", message, whether
-        mpu's groups were built)``.
+        per run ``("ok", per-step losses, [(iteration, validation loss)])`` (and with
+        ``count_syncs`` the number of sync events of each step), or for a configuration
+        error ``("error", message, whether mpu's groups were built)``.
     """
     import torch.distributed as dist
 
@@ -65,9 +67,11 @@ def train_runs(runs, count_syncs=()):
                 states = []
                 steps = step_sync_counts(
                     lambda a: states.append(pretrain(family=_family(family), argv=a)), argv)
-                out.append(("ok", states[0].losses, [len(events) for events in steps]))
+                out.append(("ok", states[0].losses, states[0].eval_losses,
+                            [len(events) for events in steps]))
             else:
-                out.append(("ok", pretrain(family=_family(family), argv=argv).losses))
+                state = pretrain(family=_family(family), argv=argv)
+                out.append(("ok", state.losses, state.eval_losses))
         except ConfigError as exc:
             out.append(("error", str(exc), mpu.model_parallel_is_initialized()))
     return out

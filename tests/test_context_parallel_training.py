@@ -3,7 +3,8 @@ pipeline (1F1B, ZB-V) and data parallelism, sequence parallelism and recompute, 
 ring (p2p), all-gather and all-to-all forms, with and without document masking: per-step
 losses equal the serial run's within 1e-5 over 8 steps (fp32, clipping on); checkpoints
 resume at another cp (and tp, pp) exactly; a bad cp is refused before any group is built,
-on every rank; a context-parallel step reads nothing from the device outside logging.
+on every rank; validation losses equal too; a context-parallel step reads nothing from the
+device outside logging.
 
 The default run has one 8-rank launch covering those cases (and one serial launch for the
 references); ``-m exhaustive`` runs the whole matrix (family x cp x layout x comm type x
@@ -20,12 +21,24 @@ TOL = 1e-5
 
 
 def _serial(data, keys):
-    """{(family, documents): serial per-step losses}, in one 1-rank launch."""
+    """{(family, documents): (serial per-step losses, {iteration: validation loss})}, in
+    one 1-rank launch."""
     runs = [(family, run_argv(data, family, 1, 1, 1, 1, documents=documents), None)
             for family, documents in keys]
     results = run_distributed(train_runs, 1, runs, timeout=600)[0]
     assert all(status == "ok" for status, *_ in results), results
-    return {key: losses for key, (_, losses) in zip(keys, results)}
+    return {key: (losses, dict(evals)) for key, (_, losses, evals) in zip(keys, results)}
+
+
+def _check(result, reference, first=0, where=()):
+    """One run's losses (from step ``first`` on) and validation losses equal the serial's."""
+    status, losses, evals = result[:3]
+    assert status == "ok", (where, result)
+    serial, serial_evals = reference
+    assert relative_error(losses, serial[first:]) < TOL, (where, losses, serial)
+    assert evals and all(it > first for it, _ in evals), (where, evals)
+    assert relative_error([e for _, e in evals], [serial_evals[it] for it, _ in evals]) < TOL, \
+        (where, evals, serial_evals)
 
 
 @pytest.mark.slow
@@ -50,20 +63,19 @@ def test_context_parallel_equals_serial_resumes_at_another_cp_and_refuses_bad_si
                            "--checkpoint-activations", "--load", d, comm="all_gather"), (d, AT)),
     ]
     per_rank = run_distributed(train_runs, 8, runs, (3,), timeout=900)
-    wanted = [None, serial[("gpt2", True)], serial[("gpt2", True)][AT:],
-              serial[("llama", True)], serial[("llama", False)], serial[("llama", False)][AT:]]
+    wanted = [None, (("gpt2", True), 0), (("gpt2", True), AT), (("llama", True), 0),
+              (("llama", False), 0), (("llama", False), AT)]
     for rank, results in enumerate(per_rank):
         status, message, groups_built = results[0]
         assert status == "error" and not groups_built, (rank, results[0])
         assert "--seq-length (32) is not divisible by 6" in message, message
         assert "world size (8) is not divisible by" in message, message
-        for number, (result, reference) in enumerate(zip(results[1:], wanted[1:])):
-            status, losses = result[:2]
-            assert status == "ok", (rank, number, losses)
-            assert relative_error(losses, reference) < TOL, (rank, number, losses, reference)
+        for number, (result, (key, first)) in enumerate(zip(results[1:], wanted[1:])):
+            _check(result, serial[key], first, (rank, number + 1))
         # no host-device sync in a step (the ring, the chunked batch, the token layout, the
-        # loss over cp) but the first (start-up) and the logging ones (4 and 8: --log-interval)
-        syncs = results[3][2]
+        # loss over cp) but the first (start-up) and the logging ones (4 and 8: --log-interval
+        # and the evaluations)
+        syncs = results[3][3]
         assert len(syncs) == 8 and [syncs[i] for i in (1, 2, 4, 5, 6)] == [0] * 5, (rank, syncs)
         assert syncs[3] > 0 and syncs[7] > 0, (rank, syncs)  # the counter is live: the logs
 
@@ -103,10 +115,8 @@ def test_context_parallel_matrix_equals_serial(family, gpt2_data):
         runs = [(family, argv, None) for _, argv in cases]
         per_rank = run_distributed(train_runs, world, runs, timeout=3000)
         for rank, results in enumerate(per_rank):
-            for (case, _), (status, losses) in zip(cases, results):
-                assert status == "ok", (world, rank, case, losses)
-                error = relative_error(losses, serial[(family, case[3])])
-                assert error < TOL, (world, rank, case, losses, serial[(family, case[3])])
+            for (case, _), result in zip(cases, results):
+                _check(result, serial[(family, case[3])], 0, (world, rank, case))
 
 
 @pytest.mark.slow
@@ -124,7 +134,7 @@ def test_compiled_context_parallel_equals_serial_and_breaks_only_at_the_attentio
         argv = run_argv(gpt2_data, family, 1, pp, 2, 1, "--compile", documents=True)
         for ((losses, steps, entries, reasons),) in run_distributed(
                 compiled_runs, 2 * pp, family, [argv], timeout=900):
-            assert relative_error(losses, serial[(family, True)]) < TOL, (family, losses)
+            assert relative_error(losses, serial[(family, True)][0]) < TOL, (family, losses)
             assert steps[0][2] > 0 and all(s == steps[0] for s in steps), (family, steps)
             assert len(reasons) == 1 and "torch.compiler.disable" in reasons[0], reasons
             trained = [n for k, n in entries.items() if k.endswith("train") or
