@@ -125,8 +125,8 @@ def test_compiled_context_parallel_equals_serial_and_breaks_only_at_the_attentio
     """--compile at cp 2 (GPT-2 one region for the whole model, the Llama example one per
     pipeline chunk): the serial losses; dynamo's graph breaks are all the one eager call of
     the context-parallel attention, made in the first step (measured: GPT-2 4 layers 9
-    graphs, 5 breaks; Llama pp 2: 4 breaks per stage of 2 layers), nothing compiles later
-    and every region compiled once."""
+    graphs, 5 breaks; Llama pp 2: 4 breaks per stage of 2 layers) and in the first
+    evaluation (its own regions), nothing compiles later and every region compiled once."""
     from compile_runs import train_runs as compiled_runs
 
     serial = _serial(gpt2_data, [("gpt2", True), ("llama", True)])
@@ -135,8 +135,9 @@ def test_compiled_context_parallel_equals_serial_and_breaks_only_at_the_attentio
         for ((losses, steps, entries, reasons),) in run_distributed(
                 compiled_runs, 2 * pp, family, [argv], timeout=900):
             assert relative_error(losses, serial[(family, True)][0]) < TOL, (family, losses)
-            assert steps[0][2] > 0 and all(s == steps[0] for s in steps), (family, steps)
+            # compiled in step 1 (training) and at the evaluation of step 4 (its regions),
+            # nothing after: the counts change only there
+            assert steps[0][2] > 0 and all(s == steps[0] for s in steps[:AT]), (family, steps)
+            assert all(s == steps[AT] for s in steps[AT:]), (family, steps)
             assert len(reasons) == 1 and "torch.compiler.disable" in reasons[0], reasons
-            trained = [n for k, n in entries.items() if k.endswith("train") or
-                       k.endswith("train_loss")]
-            assert 1 in trained and set(trained) <= {0, 1}, entries
+            assert 1 in entries.values() and set(entries.values()) <= {0, 1}, entries
