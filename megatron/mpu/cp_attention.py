@@ -29,7 +29,8 @@ from .context_parallel import layout_doc_starts, load_balanced_indices
 from .ring_attention import ring_attention
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
-#: SDPA kernels for a masked call on CUDA: all but cuDNN's (megatron/model/attention.py).
+#: SDPA kernels for an fp16 masked call on CUDA: all but cuDNN's, whose masked backward gave
+#: non-finite gradients there (megatron/model/attention.py says where it was seen).
 _MASKED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -97,8 +98,10 @@ def local_attention(q, k, v, doc, scale):
     else:
         idx = torch.arange(s, device=q.device)
         allowed = (idx[None, :] <= idx[:, None])[None] & (idx[None, None, :] >= doc[:, :, None])
-        mask = allowed[:, None]  # [b, 1, s, s], True = attend
-        if q.device.type == "cuda":
+        # additive, contiguous, in the queries' dtype: what the fused kernels take
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            ~allowed, torch.finfo(q.dtype).min)[:, None]  # [b, 1, s, s]
+        if q.device.type == "cuda" and q.dtype == torch.float16:
             with sdpa_kernel(_MASKED_BACKENDS):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         else:
