@@ -161,7 +161,11 @@ class ContextParallelAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         m = q.shape[3] // 2
         source = _source(torch.stack([k, v]), group, comm_type)  # [2, b, n, 2m, d]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        b, n, g, s, d = q.shape
+        # sequence first in memory: the caller's [s, b, heads * d] is then a view of it, so
+        # the output kept here and the next layer's input are one tensor
+        out = torch.zeros((s, b, n, g, d), dtype=torch.float32,
+                          device=q.device).permute(1, 2, 3, 0, 4)  # [b, n, g, 2m, d]
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         for step in range(cp):
             kv = source.get(step)
