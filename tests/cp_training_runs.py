@@ -54,10 +54,11 @@ def train_runs(runs, count_syncs=()):
     out = []
     for number, (family, argv, tracker) in enumerate(runs):
         if tracker is not None:
-            if dist.get_rank() == 0:
-                with open(os.path.join(tracker[0], "latest_checkpointed_iteration.txt"),
-                          "w") as handle:
+            if dist.get_rank() == 0:  # replaced whole: the last run's closing line may read it
+                path = os.path.join(tracker[0], "latest_checkpointed_iteration.txt")
+                with open(path + ".tmp", "w") as handle:
                     handle.write(str(tracker[1]))
+                os.replace(path + ".tmp", path)
             dist.barrier()
         mpu.destroy_model_parallel()  # the last run's groups: a refusal must build none
         try:
