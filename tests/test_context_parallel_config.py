@@ -72,3 +72,33 @@ def test_t5_refuses_context_parallelism_and_document_masking():
                                           r"not supported by the 't5'"):
         parse_args(t5 + ["--reset-attention-mask"], world_size=1, rank=0, check_files=False,
                    family=get_family("t5"))
+
+
+def test_a_family_provides_context_parallelism_through_its_model_configs_token_layout():
+    """A family declaring no ``supports`` gets cp and document masking when its model config
+    carries ``token_layout`` (the attention then takes mpu's layout), and is refused
+    otherwise (issue 45's provided features)."""
+    from dataclasses import dataclass
+
+    from megatron.families import ModelFamily, uses_token_layout
+
+    @dataclass
+    class WithLayout:
+        token_layout: bool
+
+    @dataclass
+    class Without:
+        hidden: int = 1
+
+    def family(model_config):
+        return ModelFamily(name="mine", add_flags=lambda p: p, model_config=model_config,
+                           build_model=None, build_datasets=None, flops_per_step=None,
+                           make_batch_fn=None, loss_fn=None)
+
+    provides = family(lambda cfg, dropout=True: WithLayout(uses_token_layout(cfg)))
+    for extra in (("--context-parallel-size", "2"), ("--reset-attention-mask",)):
+        assert _parse(*extra, family=provides).model_family is provides
+        with pytest.raises(ConfigError, match=r"not supported by the 'mine' model family: its "
+                                              r"model config \(Without\) does not carry "
+                                              r"token_layout=True"):
+            _parse(*extra, family=family(lambda cfg, dropout=True: Without()))
