@@ -47,7 +47,7 @@ megatron_speed_args() {
 # data-parallel size), never --gas itself: a run restarted on fewer nodes (MIN_NODES) keeps
 # the global batch and accumulates more micro-batches (gas = global / (micro x dp)).
 megatron_batch_args() {
-  local dp_full=$(( GPUS_PER_NODE * NNODES / (mp_size * pp_size) ))
+  local dp_full=$(( GPUS_PER_NODE * NNODES / (mp_size * ${cp_size:-1} * pp_size) ))
   GLOBAL_BATCH=${GLOBAL_BATCH:-$(( BATCHSIZE * GAS * dp_full ))}
   batch_args="--batch-size $BATCHSIZE --global-batch-size $GLOBAL_BATCH"
 }

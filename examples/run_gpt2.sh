@@ -29,8 +29,9 @@ STEP_TIMEOUT=${STEP_TIMEOUT:-}        # seconds: a rank with no finished step is
 ASYNC_SAVE=${ASYNC_SAVE:-0}           # 1: checkpoints written on a background thread
 HOSTFILE=${HOSTFILE:-$script_dir/hostfile}
 
-# ---- parallelism: world = GPUS_PER_NODE x NNODES = mp_size x pp_size x dp ------------
+# ---- parallelism: world = GPUS_PER_NODE x NNODES = mp_size x cp_size x pp_size x dp ---
 mp_size=${mp_size:-2}                 # tensor parallel
+cp_size=${cp_size:-1}                 # context parallel: ranks splitting each sequence (long SEQLEN)
 pp_size=${pp_size:-2}                 # pipeline stages (1 = no pipeline)
 vpp_size=${vpp_size:-1}               # model chunks per pipeline stage (> 1: interleaved 1F1B)
 PIPELINE_SCHEDULE=${PIPELINE_SCHEDULE:-}  # 1f1b | interleaved | zb-h1 | zbv (zero bubble); empty: implied
@@ -70,7 +71,7 @@ megatron_batch_args
 megatron_fault_args
 megatron_log_args
 
-gpt_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
+gpt_args="--model-parallel-size $mp_size --context-parallel-size $cp_size --pipe-parallel-size $pp_size \
   --virtual-pipeline-model-parallel-size $vpp_size ${PIPELINE_SCHEDULE:+--pipeline-schedule $PIPELINE_SCHEDULE} \
   --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
   --seq-length $SEQLEN --max-position-embeddings $SEQLEN \

@@ -74,12 +74,15 @@ def destroy_distributed():
 
 
 def set_random_seed(seed):
-    """Seed Python, NumPy and torch; pipeline stages get different streams (Megatron's rule).
+    """Seed Python, NumPy and torch; pipeline stages get different streams (Megatron's rule),
+    and so do the ranks of a context-parallel group (they hold different tokens of the same
+    samples: one stream would repeat each dropout mask in every chunk).
 
     Weight initialisation does not depend on this: layers are built under per-layer seeds
     derived from ``--seed`` (megatron.model.utils.init_rng), whatever the layout.
     """
-    seed = seed + 100 * mpu.get_pipeline_model_parallel_rank()
+    seed = seed + 100 * mpu.get_pipeline_model_parallel_rank() \
+        + 1_000_003 * mpu.get_context_parallel_rank()
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -158,13 +161,15 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
     _agree_on_files(own)  # before any other collective
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp,
+                                  context_parallel_size=cfg.parallel.cp)
     set_random_seed(cfg.model.seed)
     with startup.phase("fused kernels"):
         _load_kernels(cfg)
     set_globals(args=cfg, tokenizer=tokenizer, timers=Timers(), startup_times=startup,
                 tensorboard_writer=build_metrics_writer(cfg, _tensorboard_writer(cfg)))
-    print_rank_0(f"> initialized: world {cfg.parallel.world} = tp {cfg.parallel.tp}"
+    cp = f" x cp {cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
+    print_rank_0(f"> initialized: world {cfg.parallel.world} = tp {cfg.parallel.tp}{cp}"
                  f" x pp {cfg.parallel.pp} x dp {cfg.parallel.dp}, "
                  f"backend {cfg.parallel.dist_backend}, compute dtype {cfg.precision.name}")
     return cfg

@@ -151,3 +151,87 @@ def test_state_is_frozen_and_built_once():
     assert errors[0] == "FrozenInstanceError"
     assert "already initialized" in errors[1]
     assert "not initialized" in errors[2]
+
+
+# ---------------------------------------------------------------- context parallelism
+#: (tp, cp, pp) at 8 ranks (dp what is left): cp 2, 4 and 8, beside tp, pp and dp
+CP_LAYOUTS = [(1, 2, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1), (1, 4, 2), (1, 8, 1)]
+
+
+def _describe_cp_layouts(layouts):
+    out = {}
+    for tp, cp, pp in layouts:
+        mpu.initialize_model_parallel(tp, pp, context_parallel_size=cp)
+        s = mpu.get_parallel_state()
+        sums = {}
+        for name, group in [("tp", mpu.get_tensor_model_parallel_group()),
+                            ("cp", mpu.get_context_parallel_group()),
+                            ("dp", mpu.get_data_parallel_group()),
+                            ("dp_cp", mpu.get_data_parallel_group(with_context_parallel=True)),
+                            ("pp", mpu.get_pipeline_model_parallel_group()),
+                            ("mp", mpu.get_model_parallel_group())]:
+            t = torch.tensor([float(dist.get_rank())])
+            dist.all_reduce(t, group=group)
+            sums[name] = t.item()
+        out[(tp, cp, pp)] = {
+            "coords": (s.pp_rank, s.dp_rank, s.cp_rank, s.tp_rank),
+            "getters": (mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size(),
+                        mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+                        mpu.get_data_parallel_rank(with_context_parallel=True),
+                        mpu.get_data_parallel_world_size(with_context_parallel=True),
+                        mpu.get_data_parallel_src_rank(with_context_parallel=True)),
+            "members": {"tp": s.tp_ranks, "cp": mpu.get_context_parallel_global_ranks(),
+                        "dp": s.dp_ranks, "dp_cp": s.dp_cp_ranks, "pp": s.pp_ranks,
+                        "mp": s.mp_ranks},
+            "sums": sums}
+        mpu.destroy_model_parallel()
+    return out
+
+
+def _cp_expected(rank, tp, cp, pp, dp):
+    """From DeepSpeed's own row-major topologies: (pipe, data, context, model) for every
+    group, and PipeModelDataParallelTopology with dp x cp as its data axis for the grid
+    tds's pipeline engine builds (its data groups reduce the gradients)."""
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    topo = ProcessTopology(axes=["pipe", "data", "context", "model"], dims=[pp, dp, cp, tp])
+    grid = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp * cp)
+    c = topo.get_coord(rank)
+    same = lambda *axes: tuple(sorted(  # noqa: E731  ranks agreeing with us on ``axes``
+        r for r in range(topo.world_size())
+        if all(getattr(topo.get_coord(r), a) == getattr(c, a) for a in axes)))
+    dp_cp = _group_of(grid, "data", rank)
+    assert dp_cp == same("pipe", "model")
+    return {"coords": (c.pipe, c.data, c.context, c.model),
+            "getters": (c.context, cp, c.data, dp, dp_cp.index(rank), dp * cp, dp_cp[0]),
+            "members": {"tp": same("pipe", "data", "context"),
+                        "cp": same("pipe", "data", "model"),
+                        "dp": same("pipe", "context", "model"), "dp_cp": dp_cp,
+                        "pp": same("data", "context", "model"),
+                        "mp": same("data", "context")}}
+
+
+def test_context_parallel_groups_match_deepspeed_topologies():
+    per_rank = run_distributed(_describe_cp_layouts, 8, CP_LAYOUTS, timeout=180)
+    for tp, cp, pp in CP_LAYOUTS:
+        for rank, described in enumerate(per_rank):
+            got = dict(described[(tp, cp, pp)])
+            sums = got.pop("sums")
+            assert got == _cp_expected(rank, tp, cp, pp, 8 // (tp * cp * pp)), \
+                ((tp, cp, pp), rank)
+            for name, members in got["members"].items():
+                assert sums[name] == float(sum(members)), ((tp, cp, pp), rank, name)
+
+
+def _bad_cp(tp, cp):
+    try:
+        mpu.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_context_parallel_size_that_does_not_divide_the_world_raises_on_every_rank():
+    messages = run_distributed(_bad_cp, 4, 2, 4, timeout=60)
+    assert all(m is not None and "world size (4)" in m and "context-parallel size (4)" in m
+               for m in messages), messages

@@ -8,7 +8,9 @@ on the layout, and the sharding the mpu layers record with it is all a resume at
 (tp, pp, v) needs: no key map. :data:`LLAMA` is the model family ``pretrain()`` takes.
 
 Between pipeline stages travels ``(hidden [s, b, h] float, attention_mask [1, 1, s, s]
-bool)`` (with --sequence-parallel the hidden state is the rank's ``[s/tp, b, h]``).
+bool)`` (with --sequence-parallel the hidden state is the rank's ``[s/tp, b, h]``; under
+context parallelism or document masking the mask slot carries mpu's int token layout
+``[1 or 2, b, s / cp]`` and ``s`` is the rank's ``s / cp`` tokens).
 """
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import mpu
-from megatron.families import FEATURES, ModelFamily, pipeline_placement, pipeline_topology
+from megatron.families import (FEATURES, ModelFamily, pipeline_placement, pipeline_topology,
+                               uses_token_layout)
 from megatron.families import decoder_lm  # batch function, datasets, stage contract
 from megatron.model.language_model import masked_lm_loss
 from megatron.model.utils import init_method_normal, init_rng
@@ -42,6 +45,11 @@ class LlamaConfig:
     seed: int = 1234
     sequence_parallel: bool = False
     checkpoint_activations: bool = False
+    token_layout: bool = False
+    """The mask slot carries mpu's token layout (context parallelism, document masking):
+    positions for the rotary angles and the attention's document starts."""
+    cp_comm_type: str = "p2p"
+    """How the context-parallel attention exchanges keys and values (``--cp-comm-type``)."""
 
     @property
     def head_dim(self) -> int:
@@ -104,11 +112,19 @@ class LlamaLayer(nn.Module):
             self.up_proj = _linear(config, "col", h, config.ffn_hidden_size)
             self.down_proj = _linear(config, "row", config.ffn_hidden_size, h)
         self.rotary = mpu.RotaryEmbedding(d, config.rope_theta)
+        self.cp_comm_type = config.cp_comm_type
 
     def attention(self, x, attention_mask):
         q, k, v = self.q_proj(x)[0], self.k_proj(x)[0], self.v_proj(x)[0]  # [s, b, n/tp * d]
         s, b = q.shape[:2]
         q, k, v = (t.view(s, b, -1, self.head_dim) for t in (q, k, v))  # [s, b, n, d]
+        if mpu.is_token_layout(attention_mask):  # context parallelism / document masking
+            # each token's own position: a context-parallel rank's chunks, or per document
+            cos, sin = self.rotary.at_positions(mpu.layout_positions(attention_mask))
+            q, k = mpu.apply_rotary(q, cos, sin), mpu.apply_rotary(k, cos, sin)
+            out = mpu.context_parallel_attention(q, k, v, attention_mask,
+                                                 comm_type=self.cp_comm_type)
+            return self.o_proj(out)[0]
         cos, sin = self.rotary(s, q.device)
         q, k = mpu.apply_rotary(q, cos, sin), mpu.apply_rotary(k, cos, sin)
         group = q.shape[2] // k.shape[2]  # query heads per key-value head
@@ -196,7 +212,7 @@ def pipeline_model(config: LlamaConfig, num_virtual_stages: int = 1, placement: 
         activation_checkpoint_interval=1 if config.checkpoint_activations else 0,
         activation_checkpoint_func=mpu.checkpoint, checkpointable_layers=["LlamaLayer"],
         num_virtual_stages=num_virtual_stages, placement=placement)
-    return decoder_lm.set_decoder_contract(model, config.sequence_parallel)
+    return decoder_lm.set_decoder_contract(model, config.sequence_parallel, config.token_layout)
 
 
 @torch.no_grad()
@@ -338,7 +354,8 @@ def model_config(cfg: Any, dropout: bool = True) -> LlamaConfig:
         rope_theta=cfg.get("rope_theta", 10000.0), norm_eps=m.layernorm_epsilon,
         init_method_std=m.init_method_std, seed=m.seed,
         sequence_parallel=cfg.parallel.sequence_parallel and dropout,
-        checkpoint_activations=m.checkpoint_activations)
+        checkpoint_activations=m.checkpoint_activations,
+        token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type)
 
 
 def build_model(cfg: Any, pipeline: bool) -> nn.Module:
@@ -364,7 +381,10 @@ LLAMA = ModelFamily(
     build_model=build_model, build_datasets=decoder_lm.build_datasets,
     flops_per_step=flops_per_step, make_batch_fn=decoder_lm.make_batch_fn,
     loss_fn=masked_lm_loss, validate=validate,
-    flag_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    # the model has no dropout: the generic flags' 0.1 would mean nothing (and context
+    # parallelism refuses attention dropout)
+    flag_defaults={"tokenizer_type": "GPT2BPETokenizer", "attention_dropout": 0.0,
+                   "hidden_dropout": 0.0},
     checked_settings=("num_key_value_heads", "rope_theta", "layernorm_epsilon"),
     compile_classes=(LlamaLayer,),
     supports=frozenset(FEATURES))

@@ -38,6 +38,11 @@ def add_model_args(parser):
     g.add_argument("--checkpoint-num-layers", type=int, default=1,
                    help="layers per recomputed block")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="decoders: a token attends only within its own document (documents end "
+                        "at the end-of-document token; Megatron-LM's flag)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="decoders: positions restart at 0 after each end-of-document token")
 
 
 def add_parallel_args(parser):
@@ -71,6 +76,14 @@ def add_parallel_args(parser):
                    help="split LayerNorm/dropout activations along the sequence across the "
                         "tensor-parallel ranks (Megatron-LM's; needs tp > 1; "
                         "docs/scale_out.md)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="ranks that split each sequence (context parallelism, Megatron-core's "
+                        "flag): each holds 2 of 2 x this many chunks in a load-balanced causal "
+                        "order; world = tp x cp x pp x dp; docs/scale_out.md")
+    g.add_argument("--cp-comm-type", choices=["p2p", "all_gather", "a2a"], default="p2p",
+                   help="how context-parallel attention sees the other ranks' keys and values: "
+                        "p2p (a ring, overlapped with attention), all_gather, or a2a "
+                        "(all-to-all of the heads, Ulysses; heads / tp divisible by cp)")
 
 
 def add_training_args(parser):

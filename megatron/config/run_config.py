@@ -62,7 +62,8 @@ class Section:
 
 @dataclass(frozen=True)
 class ParallelDims(Section):
-    """Sizes and this process's place in the (tensor, pipeline, data) grid (``cfg.parallel``)."""
+    """Sizes and this process's place in the (tensor, context, pipeline, data) grid
+    (``cfg.parallel``)."""
 
     world: int
     """Number of processes."""
@@ -71,7 +72,7 @@ class ParallelDims(Section):
     pp: int
     """Pipeline stages (``--pipe-parallel-size``; 0 and 1 both mean one stage)."""
     dp: int
-    """Data-parallel size: world / (tp x pp)."""
+    """Data-parallel size: world / (tp x cp x pp)."""
     rank: int
     local_rank: int
     dist_backend: str
@@ -87,14 +88,20 @@ class ParallelDims(Section):
     pipeline_schedule: str = "1f1b"
     """``--pipeline-schedule``: ``1f1b``, ``interleaved`` (vpp > 1), ``zb-h1`` or ``zbv``
     (zero bubble; zbv has vpp 2 in a V placement); tds.pipe.schedules."""
+    cp: int = 1
+    """Context-parallel size (``--context-parallel-size``): ranks splitting each sequence."""
+    cp_comm_type: str = "p2p"
+    """``--cp-comm-type``: ``p2p`` (ring), ``all_gather`` or ``a2a`` (Ulysses)."""
 
     FLAGS: ClassVar[Dict[str, str]] = {
         "world": "world_size", "tp": "tensor_model_parallel_size",
         "pp": "pipeline_model_parallel_size", "dp": "data_parallel_size",
-        "dist_backend": "distributed_backend", "vpp": "virtual_pipeline_model_parallel_size"}
+        "dist_backend": "distributed_backend", "vpp": "virtual_pipeline_model_parallel_size",
+        "cp": "context_parallel_size"}
     DEFAULTS: ClassVar[Dict[str, Any]] = {"dp": 1, "world": 1, "rank": 0, "local_rank": 0,
                                           "dist_backend": None, "vpp": 1,
-                                          "pipeline_schedule": "1f1b"}
+                                          "pipeline_schedule": "1f1b", "cp": 1,
+                                          "cp_comm_type": "p2p"}
 
     @property
     def pipeline_engine(self) -> bool:
@@ -214,13 +221,18 @@ class DataConfig(Section):
     prefetch_batches: int
     """Batches read ahead on a background thread (0: on the training thread)."""
     eod_mask_loss: bool
+    reset_attention_mask: bool
+    """Decoders: attention stays within each document (``--reset-attention-mask``)."""
+    reset_position_ids: bool
+    """Decoders: positions restart after each end-of-document token."""
     tokenizer_type: Optional[str]
     vocab_file: Optional[str]
     merge_file: Optional[str]
     tokenizer_model: Optional[str]
     vocab_extra_ids: int
 
-    DEFAULTS: ClassVar[Dict[str, Any]] = {"prefetch_batches": 0}
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"prefetch_batches": 0, "reset_attention_mask": False,
+                                          "reset_position_ids": False}
 
 
 @dataclass(frozen=True)

@@ -29,17 +29,26 @@ def _parallel(args, problems):
     args.pipeline_model_parallel_size = max(args.pipeline_model_parallel_size, 1)
     tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, \
         args.world_size
-    if world % (tp * pp):
-        problems.append(f"world size ({world}) is not divisible by tensor-model-parallel size "
-                        f"({tp}) x pipeline-model-parallel size ({pp}); launch a multiple of "
-                        f"{tp * pp} processes or change --model-parallel-size/--pipe-parallel-size")
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp < 1:
+        problems.append(f"--context-parallel-size must be >= 1, got {cp}")
+        cp = args.context_parallel_size = 1
+    sizes, flags = f"tensor-model-parallel size ({tp}) x pipeline-model-parallel size ({pp})", \
+        "--model-parallel-size/--pipe-parallel-size"
+    if cp > 1:
+        sizes, flags = f"{sizes} x context-parallel size ({cp})", \
+            "--model-parallel-size/--pipe-parallel-size/--context-parallel-size"
+    if world % (tp * pp * cp):
+        problems.append(f"world size ({world}) is not divisible by {sizes}; launch a multiple "
+                        f"of {tp * pp * cp} processes or change {flags}")
         args.data_parallel_size = 1
         return
-    args.data_parallel_size = world // (tp * pp)
+    args.data_parallel_size = world // (tp * pp * cp)
     expected = getattr(args, "expected_data_parallel_size", None)
     if expected is not None and expected != args.data_parallel_size:
         problems.append(f"parallel_config.data_parallel is {expected} but world size {world} / "
-                        f"(tp {tp} x pp {pp}) gives {args.data_parallel_size}")
+                        f"(tp {tp} x pp {pp}{f' x cp {cp}' if cp > 1 else ''}) gives "
+                        f"{args.data_parallel_size}")
     if args.distributed_backend is None:
         on_gpu = torch.cuda.is_available() and os.environ.get("MEGATRON_DEVICE", "") != "cpu"
         args.distributed_backend = "nccl" if on_gpu else "gloo"
@@ -397,11 +406,12 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
         raise ConfigError(f"missing required settings: {', '.join(missing)} (give them as "
                           f"flags or in the --config file)")
     problems = []
+    from .context_parallel import validate_context_parallel
     from .speed_flags import validate_speed
 
     for check in (_parallel, _model, _virtual_pipeline, _pipeline_schedule, _batch, _optim, _data, _intervals,
                   _faults, _split, _wandb,
-                  _sequence_parallel, validate_speed):
+                  _sequence_parallel, validate_context_parallel, validate_speed):
         check(args, problems)
     if family is not None:
         family.validate(args, problems)

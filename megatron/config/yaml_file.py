@@ -4,8 +4,9 @@ A config is a mapping of flag names (``num_layers`` or ``num-layers``, any alias
 values, plus an optional MindFormers-style block::
 
     parallel_config:
-      data_parallel: 2        # checked against world size / (tp * pp)
+      data_parallel: 2        # checked against world size / (tp * cp * pp)
       model_parallel: 2       # --model-parallel-size
+      context_parallel: 2     # --context-parallel-size
       pipeline_stage: 2       # --pipe-parallel-size
       micro_batch_num: 4      # --gas
       recompute: true         # --checkpoint-activations
@@ -18,6 +19,7 @@ from ..errors import ConfigError, not_text
 PARALLEL_CONFIG_KEYS = {
     "data_parallel": "expected_data_parallel_size",
     "model_parallel": "tensor_model_parallel_size",
+    "context_parallel": "context_parallel_size",
     "pipeline_stage": "pipeline_model_parallel_size",
     "micro_batch_num": "gas",
     "recompute": "checkpoint_activations",

@@ -36,12 +36,14 @@ from typing import Callable, Dict, Optional, Union
 
 from ..errors import ConfigError
 from .base import (FEATURES, ModelFamily, pipeline_placement, pipeline_topology,
-                   provided_problems, transformer_kwargs, unsupported_flags)
+                   provided_problems, transformer_kwargs, unsupported_flags,
+                   uses_token_layout)
 
 __all__ = ["FEATURES", "ModelFamily", "get_family", "known_families", "load_family",
            "pipeline_placement",
            "pipeline_topology",
-           "provided_problems", "register", "transformer_kwargs", "unsupported_flags"]
+           "provided_problems", "register", "transformer_kwargs", "unsupported_flags",
+           "uses_token_layout"]
 
 _FACTORIES: Dict[str, Callable[[], ModelFamily]] = {}
 

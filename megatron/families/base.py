@@ -24,14 +24,23 @@ FEATURES: Dict[str, Tuple[str, Callable]] = {
                                      or 1) > 1),
     "pipeline": ("--pipeline-model-parallel-size",
                  lambda ns: (getattr(ns, "pipeline_model_parallel_size", None) or 1) > 1),
+    "context_parallel": ("--context-parallel-size",
+                         lambda ns: (getattr(ns, "context_parallel_size", None) or 1) > 1),
+    "document_masking": ("--reset-attention-mask / --reset-position-ids",
+                         lambda ns: bool(getattr(ns, "reset_attention_mask", False)
+                                         or getattr(ns, "reset_position_ids", False))),
 }
 
 #: Features a family provides when the model config it builds from the run carries them
-#: switched on (the layers read them there): ``model_config(cfg).sequence_parallel`` /
-#: ``.checkpoint_activations``. The pipeline ones are provided by ``build_model(cfg,
+#: switched on (the layers read them there): feature -> the model config's attribute
+#: (``model_config(cfg).sequence_parallel`` / ``.checkpoint_activations``; context
+#: parallelism and document masking: ``.token_layout``, the attention taking mpu's token
+#: layout, docs/new_model.md). The pipeline ones are provided by ``build_model(cfg,
 #: pipeline=True)`` itself, checked when it is built
 #: (:func:`megatron.training.backend_factory.check_pipeline_module`).
-FROM_MODEL_CONFIG = ("sequence_parallel", "checkpoint_activations")
+FROM_MODEL_CONFIG = {"sequence_parallel": "sequence_parallel",
+                     "checkpoint_activations": "checkpoint_activations",
+                     "context_parallel": "token_layout", "document_masking": "token_layout"}
 
 
 def unsupported_flags(ns, family) -> list:
@@ -67,10 +76,11 @@ def provided_problems(cfg, family) -> list:
         return []
     config = family.model_config(cfg)
     return [f"{FEATURES[f][0]} is not supported by the {family.name!r} model family: its "
-            f"model config ({type(config).__name__}) does not carry {f}=True, so its layers "
-            f"would not see the flag; drop it, or implement it (model_config sets {f} from "
-            f"the run and the layers use it: docs/new_model.md)"
-            for f in asked if not getattr(config, f, False)]
+            f"model config ({type(config).__name__}) does not carry "
+            f"{FROM_MODEL_CONFIG[f]}=True, so its layers would not see the flag; drop it, or "
+            f"implement it (model_config sets {FROM_MODEL_CONFIG[f]} from the run and the "
+            f"layers use it: docs/new_model.md)"
+            for f in asked if not getattr(config, FROM_MODEL_CONFIG[f], False)]
 
 
 @dataclass(frozen=True)
@@ -132,10 +142,12 @@ class ModelFamily:
     :func:`megatron.model.compile.compile_layers` compiles for a per-layer comparison."""
     supports: Optional[FrozenSet[str]] = None
     """Optional generic features (:data:`FEATURES`: ``sequence_parallel``,
-    ``checkpoint_activations``, ``virtual_pipeline``, ``pipeline``). None (the default): what
+    ``checkpoint_activations``, ``virtual_pipeline``, ``pipeline``, ``context_parallel``,
+    ``document_masking``). None (the default): what
     the family provides: the pipeline ones through ``build_model(cfg, pipeline=True)`` (a
     ``PipelineModule`` with ``num_virtual_stages`` chunks, checked when it is built),
-    sequence parallelism and recompute when ``model_config(cfg)`` carries them. A declared
+    sequence parallelism and recompute when ``model_config(cfg)`` carries them, context
+    parallelism and document masking when it carries ``token_layout``. A declared
     set narrows that: a flag asking for a feature outside it is refused at start-up."""
     memory_model: Optional[str] = None
     """The startup memory check's and tools/plan_layout.py's description of the model:
@@ -198,7 +210,15 @@ def transformer_kwargs(cfg, dropout: bool = True) -> dict:
         # padded vocabulary rows get -inf logits; unknown (None) in some old checkpoints
         true_vocab_size=m.true_vocab_size,
         sequence_parallel=cfg.parallel.sequence_parallel and dropout,  # not in inference
-        attention_backend=kernels.attention_backend or "auto")
+        attention_backend=kernels.attention_backend or "auto",
+        token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type)
+
+
+def uses_token_layout(cfg: Any) -> bool:
+    """Whether a run's decoder passes the token layout (megatron/mpu/context_parallel.py)
+    in its mask slot: under context parallelism and with document masking; otherwise the
+    ``[1, 1, s, s]`` bool causal mask."""
+    return cfg.parallel.cp > 1 or cfg.data.reset_attention_mask or cfg.data.reset_position_ids
 
 
 def pipeline_placement(cfg: Any) -> str:
@@ -208,10 +228,12 @@ def pipeline_placement(cfg: Any) -> str:
 
 
 def pipeline_topology() -> Any:
-    """DeepSpeed's pipeline topology of this process grid (same rank order as mpu)."""
+    """DeepSpeed's pipeline topology of this process grid (same rank order as mpu). Its
+    "data" axis is mpu's data x context group: the engine reduces gradients over it."""
     from tds.pipe import PipeModelDataParallelTopology
 
     from .. import mpu
 
     s = mpu.get_parallel_state()
-    return PipeModelDataParallelTopology(num_pp=s.pp_size, num_mp=s.tp_size, num_dp=s.dp_size)
+    return PipeModelDataParallelTopology(num_pp=s.pp_size, num_mp=s.tp_size,
+                                         num_dp=s.dp_size * s.cp_size)

@@ -238,5 +238,7 @@ FAMILY = ModelFamily(
     loss_fn=masked_lm_loss, keys=t5_keys, hf=t5_hf, flag_defaults=T5_DEFAULTS, label="T5",
     layer_stacks=2, derive=derive, validate=validate,
     validate_with_tokenizer=validate_with_tokenizer, settings=T5Settings,
-    compile_classes=(T5EncoderLayer, T5DecoderLayer), supports=frozenset(FEATURES),
+    compile_classes=(T5EncoderLayer, T5DecoderLayer),
+    # encoder-decoder context parallelism and document masking are not implemented
+    supports=frozenset(FEATURES) - {"context_parallel", "document_masking"},
     memory_model="t5")

@@ -28,6 +28,7 @@ from ..errors import USER_ERROR_EXIT, MegatronError
 SCRIPT_VARIABLES = (
     (r"--model-parallel-size|tensor-model-parallel size", "mp_size"),
     (r"--pipe-parallel-size|pipeline-model-parallel size", "pp_size"),
+    (r"--context-parallel-size|context-parallel size", "cp_size"),
     (r"--virtual-pipeline-model-parallel-size", "vpp_size"),
     (r"--pipeline-schedule", "PIPELINE_SCHEDULE"),
     (r"--num-layers", "NLAYERS"),

@@ -1,6 +1,8 @@
 """GPT-2 as a tds PipelineModule: the same layers and weights as GPT2Model, split into stages.
 
-Stage boundary tuple: ``(hidden [s, b, h] float, attention_mask [1, 1, s, s] bool)``, the
+Stage boundary tuple: ``(hidden [s, b, h] float, attention_mask [1, 1, s, s] bool)`` (under
+context parallelism or document masking the second is the int token layout
+``[1 or 2, b, s / cp]``, megatron/mpu/context_parallel.py, and ``s`` is ``s / cp``), the
 hidden state split across tensor-parallel ranks for the send (with --sequence-parallel it is
 already the rank's ``[s/tp, b, h]`` shard and travels as is). The word embedding is a
 ``TiedLayerSpec`` on the first stage (lookup) and the last (output logits); tds reduces its
@@ -94,7 +96,8 @@ class GPT2ModelPipe(PipelineModule):
                          activation_checkpoint_func=mpu.checkpoint,
                          checkpointable_layers=["ParallelTransformerLayerPipe"],
                          num_virtual_stages=num_virtual_stages, placement=placement)
-        self._input_type = ["float", "bool"]
+        # the mask slot: a bool mask, or the int token layout (context parallelism)
+        self._input_type = ["float", "int" if config.token_layout else "bool"]
         self._input_grad = [True, False]
         # Under sequence parallelism the hidden state already is 1/tp of the sequence.
         self._input_pipe_partitioned = [not config.sequence_parallel, False]

@@ -96,6 +96,12 @@ def masked_lm_loss(logits, labels):
             last stage's); fp32 logits are overwritten with the softmax (the loss's own
             buffer, as in Megatron-LM): compute anything else from them first.
         labels: ``(ids [b, s], loss_mask [b, s])``; ``loss_mask`` float, 0 where not counted.
+
+    Under context parallelism (each rank holding part of every sequence) the sums of the
+    losses and of the counted tokens are added over the context-parallel group first, so
+    every rank returns the mean of the whole sequences
+    (:func:`megatron.mpu.reduce_loss_over_context_parallel`, which also scales the gradient
+    for the data x context averaging).
     """
     ids, loss_mask = labels
     if logits.dim() == 3 and logits.stride(0) < logits.stride(1):
@@ -106,4 +112,6 @@ def masked_lm_loss(logits, labels):
                                                   inplace=True).t()
     else:
         losses = mpu.vocab_parallel_cross_entropy(logits, ids, inplace=True)  # [b, s], fp32
+    if mpu.model_parallel_is_initialized() and mpu.get_context_parallel_world_size() > 1:
+        return mpu.reduce_loss_over_context_parallel((losses * loss_mask).sum(), loss_mask.sum())
     return (losses * loss_mask).sum() / loss_mask.sum()

@@ -49,6 +49,11 @@ class ModelRunOptions:
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     """``sdpa`` (scaled_dot_product_attention) or ``unfused`` (bmm + fused softmax);
     see megatron/model/attention.py."""
+    token_layout: bool = False
+    """The mask slot carries the token layout (context parallelism, document masking:
+    megatron/mpu/context_parallel.py), not a bool mask; a pipeline declares it ``int``."""
+    cp_comm_type: str = "p2p"
+    """How the context-parallel attention exchanges keys and values (``--cp-comm-type``)."""
 
 
 @dataclass
@@ -118,6 +123,7 @@ class ParallelSelfAttention(nn.Module):
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.cp_comm_type = config.cp_comm_type
         self.dense = mpu.RowParallelLinear(
             projection, config.hidden_size, bias=config.bias, input_is_parallel=True,
             init_method=scaled_init_method_normal(std, config.num_layers),
@@ -133,7 +139,10 @@ class ParallelSelfAttention(nn.Module):
         sk = k.shape[0]
         if kv_cache is not None and attention_mask is not None:
             attention_mask = attention_mask[..., sk - sq:sk, :sk]
-        if self.attention_backend == "sdpa":
+        if mpu.is_token_layout(attention_mask):  # context parallelism / document masking
+            context = mpu.context_parallel_attention(q, k, v, attention_mask, scale=self.scale,
+                                                     comm_type=self.cp_comm_type)
+        elif self.attention_backend == "sdpa":
             context = sdpa_attention(q, k, v, scale=self.scale, causal=True,
                                      mask=_extra_mask(attention_mask),
                                      dropout_p=self.attention_dropout.p if self.training else 0.0,

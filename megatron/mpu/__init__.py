@@ -6,6 +6,19 @@ meant tensor-parallel, imports ``from megatron.mpu import v1 as mpu``; CPM-1-Pre
 ``from megatron.mpu import cpm as mpu``.
 Everything runs on CPU with gloo and on CUDA with NCCL.
 """
+from .context_parallel import (
+    dense_attention_mask,
+    document_starts,
+    gather_from_context_parallel,
+    is_token_layout,
+    layout_doc_starts,
+    layout_positions,
+    load_balanced_indices,
+    reduce_loss_over_context_parallel,
+    split_for_context_parallel,
+    token_layout,
+)
+from .cp_attention import CP_COMM_TYPES, context_parallel_attention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .data import broadcast_data
 from .grads import (clip_coefficient, clip_grad_norm, clip_grad_norm_tensor, grad_norms,
@@ -29,6 +42,10 @@ from .parallel_state import (
     ParallelOverrides,
     ParallelState,
     destroy_model_parallel,
+    get_context_parallel_global_ranks,
+    get_context_parallel_group,
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
     get_data_parallel_group,
     get_data_parallel_rank,
     get_data_parallel_src_rank,
@@ -57,6 +74,7 @@ from .parallel_state import (
     get_tensor_model_parallel_world_size,
     get_virtual_pipeline_model_parallel_rank,
     get_virtual_pipeline_model_parallel_world_size,
+    grid_coordinates,
     grid_rank,
     initialize_model_parallel,
     is_pipeline_first_stage,

@@ -1,11 +1,15 @@
-"""Who this rank is in the (pipeline, data, tensor) grid, and its process groups.
+"""Who this rank is in the (pipeline, data, context, tensor) grid, and its process groups.
 
-Rank order is tensor fastest, then data, then pipeline::
+Rank order is tensor fastest, then context, then data, then pipeline (Megatron-core's
+default order, "tp-cp-dp-pp")::
 
-    rank = pp_rank * (tp_size * dp_size) + dp_rank * tp_size + tp_rank
+    rank = ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) * tp_size + tp_rank
 
-which is DeepSpeed's ``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)``,
-so groups built here and DeepSpeed's pipeline grid agree rank for rank.
+Without context parallelism (cp_size 1) this is DeepSpeed's
+``PipeModelDataParallelTopology(num_pp, num_mp, num_dp)``; with it, DeepSpeed's topology
+of ``num_dp = dp_size * cp_size`` (its "data" axis is the data x context group, the
+group gradients are reduced over), so groups built here and DeepSpeed's pipeline grid
+agree rank for rank.
 
 All of it lives in one immutable :class:`ParallelState`, built once by
 :func:`initialize_model_parallel`; the Megatron-style getters below read it.
@@ -20,12 +24,13 @@ from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
 
+from .grid import grid_coordinates, grid_groups, grid_rank  # noqa: F401 (public here)
 from .utils import ensure_divisibility
 
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the 3D grid and the groups it belongs to."""
+    """This rank's place in the (pipeline, data, context, tensor) grid and its groups."""
 
     world_size: int
     """Number of ranks in the default process group."""
@@ -36,7 +41,8 @@ class ParallelState:
     pp_size: int
     """Pipeline-model-parallel size (number of stages)."""
     dp_size: int
-    """Data-parallel size (model replicas)."""
+    """Data-parallel size (model replicas reading different samples; the ranks of a
+    context-parallel group read the same samples and count once)."""
     tp_rank: int
     pp_rank: int
     dp_rank: int
@@ -56,6 +62,15 @@ class ParallelState:
     dp_group: Any
     mp_group: Any
     embedding_group: Any
+    cp_size: int = 1
+    """Context-parallel size (ranks that split each sequence, --context-parallel-size)."""
+    cp_rank: int = 0
+    cp_ranks: Tuple[int, ...] = ()
+    """Global ranks of this rank's context-parallel group, in cp order."""
+    dp_cp_ranks: Tuple[int, ...] = ()
+    """Global ranks of this rank's data x context group (the gradient reduction's)."""
+    cp_group: Any = None
+    dp_cp_group: Any = None
     virtual_pp_size: Optional[int] = None
     """Model chunks per pipeline rank of an interleaved schedule (Megatron v2.6), or None.
     Stored for model code that asks; tds's engine runs one chunk per rank (no interleaving)."""
@@ -78,24 +93,6 @@ _STATE: Optional[ParallelState] = None
 _OVERRIDES = ParallelOverrides()
 
 
-def grid_rank(pp_rank: int, dp_rank: int, tp_rank: int, tp_size: int, dp_size: int) -> int:
-    """Global rank of grid coordinate (pp_rank, dp_rank, tp_rank)."""
-    return (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
-
-
-def _grid_groups(tp_size, pp_size, dp_size):
-    """Every group of every kind, as tuples of global ranks, in a fixed order."""
-    tp, pp, dp = tp_size, pp_size, dp_size
-    r = lambda p, d, t: grid_rank(p, d, t, tp, dp)  # noqa: E731
-    tp_groups = [tuple(r(p, d, t) for t in range(tp)) for p in range(pp) for d in range(dp)]
-    dp_groups = [tuple(r(p, d, t) for d in range(dp)) for p in range(pp) for t in range(tp)]
-    pp_groups = [tuple(r(p, d, t) for p in range(pp)) for d in range(dp) for t in range(tp)]
-    mp_groups = [tuple(r(p, d, t) for p in range(pp) for t in range(tp)) for d in range(dp)]
-    emb_groups = [g if len(g) == 1 else (g[0], g[-1]) for g in pp_groups]
-    return {"tp": tp_groups, "dp": dp_groups, "pp": pp_groups, "mp": mp_groups,
-            "embedding": emb_groups}
-
-
 def _new_groups(rank, ranks_lists):
     """Create every group (all ranks must create all of them, in order); keep ours."""
     mine = ((), None)
@@ -106,12 +103,24 @@ def _new_groups(rank, ranks_lists):
     return mine
 
 
+def _build_groups(rank, tp, pp, dp, cp):
+    """Our groups of every kind: ``{kind: (ranks, group)}``. Without context parallelism
+    the data x context group is the data-parallel group itself (no second group)."""
+    lists = grid_groups(tp, pp, dp, cp)
+    kinds = [kind for kind in lists if not (kind == "dp_cp" and cp == 1)]
+    groups = {kind: _new_groups(rank, lists[kind]) for kind in kinds}
+    if cp == 1:
+        groups["dp_cp"] = groups["dp"]
+    return groups
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               pipeline_model_parallel_split_rank: Optional[int] = None,
+                              context_parallel_size: int = 1,
                               **v26_names: int) -> ParallelState:
-    """Split the world into tensor-, pipeline- and data-parallel groups.
+    """Split the world into tensor-, context-, pipeline- and data-parallel groups.
 
     Accepts Megatron v2.6's 3-argument form ``(tp, pp, virtual_pp_size)`` and core's
     4-argument form ``(tp, pp, virtual_pp_size, pp_split_rank)``, positionally or with
@@ -126,6 +135,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
             not interleave, so this only informs model code that reads it.
         pipeline_model_parallel_split_rank: stage where an encoder-decoder model's
             decoder starts (stored; tds's T5 pipeline decides its own split).
+        context_parallel_size: ranks that split each sequence (cp, Megatron-core's
+            keyword); the data-parallel size is what is left: world / (tp * cp * pp).
         **v26_names: the same four values under v2.6's names with a trailing underscore.
 
     Returns:
@@ -133,7 +144,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or the groups already exist.
-        ValueError: tp * pp does not divide the world size.
+        ValueError: tp * cp * pp does not divide the world size.
     """
     global _STATE, _OVERRIDES
     (tensor_model_parallel_size, pipeline_model_parallel_size,
@@ -148,17 +159,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                            "destroy_model_parallel() first")
     tp = max(int(tensor_model_parallel_size), 1)
     pp = max(int(pipeline_model_parallel_size), 1)
+    cp = _check_optional_size(context_parallel_size, "context_parallel_size", 1) or 1
     world, rank = dist.get_world_size(), dist.get_rank()
-    ensure_divisibility(world, tp * pp, "world size",
-                        f"tensor-model-parallel size ({tp}) x pipeline-model-parallel size ({pp})")
+    what = f"tensor-model-parallel size ({tp}) x pipeline-model-parallel size ({pp})"
+    ensure_divisibility(world, tp * pp * cp, "world size",
+                        what if cp == 1 else f"{what} x context-parallel size ({cp})")
     vpp = _check_optional_size(virtual_pipeline_model_parallel_size,
                                "virtual_pipeline_model_parallel_size", 1)
     split = _check_optional_size(pipeline_model_parallel_split_rank,
                                  "pipeline_model_parallel_split_rank", 0)
-    dp = world // (tp * pp)
-    groups = {kind: _new_groups(rank, lists) for kind, lists in _grid_groups(tp, pp, dp).items()}
-    pp_rank, rest = divmod(rank, tp * dp)
-    dp_rank, tp_rank = divmod(rest, tp)
+    dp = world // (tp * pp * cp)
+    groups = _build_groups(rank, tp, pp, dp, cp)
+    pp_rank, dp_rank, cp_rank, tp_rank = grid_coordinates(rank, tp, dp, cp)
     _STATE = ParallelState(
         world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
@@ -166,6 +178,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         mp_ranks=groups["mp"][0], embedding_ranks=groups["embedding"][0],
         tp_group=groups["tp"][1], pp_group=groups["pp"][1], dp_group=groups["dp"][1],
         mp_group=groups["mp"][1], embedding_group=groups["embedding"][1],
+        cp_size=cp, cp_rank=cp_rank, cp_ranks=groups["cp"][0], cp_group=groups["cp"][1],
+        dp_cp_ranks=groups["dp_cp"][0], dp_cp_group=groups["dp_cp"][1],
         virtual_pp_size=vpp, pp_split_rank=split,
     )
     _OVERRIDES = ParallelOverrides(virtual_pp_rank=None if vpp is None else 0)
@@ -241,8 +255,17 @@ def get_pipeline_model_parallel_group() -> Optional[dist.ProcessGroup]:
     return get_parallel_state().pp_group
 
 
-def get_data_parallel_group() -> Optional[dist.ProcessGroup]:
-    return get_parallel_state().dp_group
+def get_data_parallel_group(with_context_parallel: bool = False) -> Optional[dist.ProcessGroup]:
+    """The ranks holding the same model shard and the same part of the sequence; with
+    ``with_context_parallel`` (Megatron-core's keyword) the data x context group, which
+    reduces the gradients (every rank of it holds the same shard)."""
+    state = get_parallel_state()
+    return state.dp_cp_group if with_context_parallel else state.dp_group
+
+
+def get_context_parallel_group() -> Optional[dist.ProcessGroup]:
+    """The ranks that split this rank's sequences (a group of one without cp)."""
+    return get_parallel_state().cp_group
 
 
 def get_model_parallel_group() -> Optional[dist.ProcessGroup]:
@@ -266,8 +289,25 @@ def get_pipeline_model_parallel_world_size() -> int:
     return _override_or_state("pp_size")
 
 
-def get_data_parallel_world_size() -> int:
-    return get_parallel_state().dp_size
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Data-parallel size; with ``with_context_parallel`` the data x context size."""
+    state = get_parallel_state()
+    return state.dp_size * (state.cp_size if with_context_parallel else 1)
+
+
+def get_context_parallel_world_size() -> int:
+    """Context-parallel size (1 without context parallelism)."""
+    return get_parallel_state().cp_size
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context-parallel group (which part of each sequence)."""
+    return get_parallel_state().cp_rank
+
+
+def get_context_parallel_global_ranks() -> Tuple[int, ...]:
+    """Global ranks of this rank's context-parallel group, in cp order (core's name)."""
+    return get_parallel_state().cp_ranks
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -280,8 +320,13 @@ def get_pipeline_model_parallel_rank() -> int:
     return _override_or_state("pp_rank")
 
 
-def get_data_parallel_rank() -> int:
-    return get_parallel_state().dp_rank
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """Data-parallel rank; with ``with_context_parallel`` the rank in the data x context
+    group (``dp_rank * cp_size + cp_rank``)."""
+    state = get_parallel_state()
+    if with_context_parallel:
+        return state.dp_rank * state.cp_size + state.cp_rank
+    return state.dp_rank
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
@@ -311,9 +356,10 @@ def get_tensor_model_parallel_src_rank() -> int:
     return get_parallel_state().tp_ranks[0]
 
 
-def get_data_parallel_src_rank() -> int:
-    """Global rank of dp rank 0 in this rank's data-parallel group."""
-    return get_parallel_state().dp_ranks[0]
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """Global rank of dp rank 0 in this rank's data-parallel (x context) group."""
+    state = get_parallel_state()
+    return (state.dp_cp_ranks if with_context_parallel else state.dp_ranks)[0]
 
 
 def get_pipeline_model_parallel_first_rank() -> int:

@@ -169,7 +169,8 @@ _EAGER_FORK = None
 
 
 def fork_eagerly_under_compile():
-    """Make :func:`in_model_parallel_stream` one eager call inside compiled code.
+    """Make :func:`in_model_parallel_stream` (and the context-parallel attention) one eager
+    call inside compiled code.
 
     Not done at import: ``torch.compiler.disable`` imports dynamo (about a second per
     process, on every rank of every run, compiled or not). Idempotent;
@@ -178,6 +179,9 @@ def fork_eagerly_under_compile():
     global _EAGER_FORK
     if _EAGER_FORK is None:
         _EAGER_FORK = torch.compiler.disable(_forked_call)
+    from .cp_attention import eager_under_compile
+
+    eager_under_compile()  # the context-parallel attention: one eager call too
 
 
 # Device-neutral names.

@@ -38,6 +38,14 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
         return emb.cos(), emb.sin()
 
+    def at_positions(self, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[s, b, 1, d]`` (fp32), for the positions ``[b, s]`` of each
+        token: a context-parallel rank's chunks, or positions restarting per document."""
+        pos = position_ids.t().to(torch.float32)  # [s, b]
+        freqs = pos[..., None] * self.inv_freq.to(pos.device)  # [s, b, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [s, b, 1, d]
+        return emb.cos(), emb.sin()
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` on the last dimension."""
@@ -51,7 +59,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     Args:
         x: queries or keys, ``[s, b, heads, d]``.
-        cos, sin: ``[s, 1, 1, d]``.
+        cos, sin: ``[s, 1, 1, d]`` (or ``[s, b, 1, d]``: :meth:`RotaryEmbedding.at_positions`).
     """
     xf = x.float()
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

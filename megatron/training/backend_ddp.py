@@ -24,9 +24,12 @@ def autocast(precision: Any) -> ContextManager:
 
 
 def wrap_data_parallel(model: torch.nn.Module) -> torch.nn.Module:
-    """torch DDP over the data-parallel group (nothing to do with one replica)."""
-    group = mpu.get_data_parallel_group()
-    if mpu.get_data_parallel_world_size() == 1:
+    """torch DDP over the data x context group (nothing to do with one replica): the ranks
+    holding the same shard, whether they read other samples or other parts of the same
+    ones (context parallelism: the loss's backward scales for this average,
+    :func:`megatron.mpu.reduce_loss_over_context_parallel`)."""
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    if mpu.get_data_parallel_world_size(with_context_parallel=True) == 1:
         return model
     device = mpu.get_device()
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,

@@ -85,6 +85,8 @@ def build_deepspeed_config(cfg: Any, pipeline: bool) -> Dict[str, Any]:
                               f"(batch size {b.micro_batch_size} x gas {b.gas} x "
                               f"data-parallel {cfg.parallel.dp}); make them agree")
     config.update(batch)
+    if cfg.parallel.cp > 1:  # DeepSpeed's data axis is data x context: cp ranks per sample
+        config["train_batch_size"] = b.global_batch_size * cfg.parallel.cp
     if config.get("gradient_clipping", cfg.optim.clip_grad) != cfg.optim.clip_grad:
         raise ConfigError(f"{path}: gradient_clipping is {config['gradient_clipping']} but "
                           f"--clip-grad is {cfg.optim.clip_grad}; make them agree")
@@ -146,6 +148,25 @@ def _schedule_kwargs(module, cfg) -> Dict[str, Any]:
     return {"pipeline_schedule": name, "weight_grad_store": store}
 
 
+class DeepSpeedMpu:
+    """megatron.mpu as DeepSpeed's engine reads it (``deepspeed.initialize(mpu=...)``):
+    its data-parallel group is mpu's data x context group, which reduces the gradients and
+    partitions ZeRO's state (a pipeline engine gets the same from its topology,
+    :func:`megatron.families.pipeline_topology`); everything else is mpu's."""
+
+    def get_data_parallel_group(self):
+        return mpu.get_data_parallel_group(with_context_parallel=True)
+
+    def get_data_parallel_rank(self):
+        return mpu.get_data_parallel_rank(with_context_parallel=True)
+
+    def get_data_parallel_world_size(self):
+        return mpu.get_data_parallel_world_size(with_context_parallel=True)
+
+    def __getattr__(self, name):
+        return getattr(mpu, name)
+
+
 class EngineBackend(TrainingBackend):
     """A DeepSpeed engine (tds's pipeline engine for a PipelineModule)."""
 
@@ -174,7 +195,7 @@ class EngineBackend(TrainingBackend):
         pipe = {"batch_fn": batch_fn, "batch_context": context,
                 "clip_grad_norm_fn": mpu.clip_grad_norm_tensor,
                 "pre_reduce_grads_fn": _coalesced_sequence_parallel_sum(module, cfg),
-                **_schedule_kwargs(module, cfg)} if pipeline else {"mpu": mpu}
+                **_schedule_kwargs(module, cfg)} if pipeline else {"mpu": DeepSpeedMpu()}
         # fp32/bf16: DeepSpeed's ZeRO and bf16 optimizers clip on the device (tds.sync_free)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=lr_scheduler,

@@ -57,9 +57,9 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 
 def _gather_rng_states():
-    """Every data-parallel rank's RNG state (dp rank order), for the dp-rank-0 writer."""
+    """Every data x context rank's RNG state (in that group's order), for its rank-0 writer."""
     state = get_rng_state()
-    group = mpu.get_data_parallel_group()
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) == 1:
         return [state]
     states = [None] * dist.get_world_size(group)
@@ -141,9 +141,10 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
                     writer: Optional[Any] = None) -> None:
     """Write a complete checkpoint for ``iteration`` (collective: every rank calls it).
 
-    Data-parallel rank 0 of each (tp, pp) writes the model, schedule, RNG and progress. A
-    backend whose optimizer state is sharded across data-parallel ranks (DeepSpeed's ZeRO-1,
-    bf16) has every rank write its own optimizer file next to it. Each step that can fail on
+    Data-parallel rank 0 of each (tp, pp) writes the model, schedule, RNG and progress (with
+    context parallelism: rank 0 of the data x context group). A backend whose optimizer
+    state is sharded across data-parallel ranks (DeepSpeed's ZeRO-1, bf16) has every rank
+    write its own optimizer file next to it. Each step that can fail on
     one rank alone (preparing the folder, writing the files, publishing) ends in one
     agreement (:func:`megatron.agreement.agree`), so a full disk on one node stops every rank
     with the same :class:`CheckpointError`, and the tracker still names the previous
@@ -168,8 +169,10 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
     rng_states = _gather_rng_states()
     agree_on_call(save_step("preparing the folder", iteration, root), _prepare_folder,
                   tmp_root, iteration, error_type=CheckpointError, hint=SAVE_FAILED_HINT)
+    # the ranks of a data x context group hold the same shard: rank 0 of it writes, and a
+    # sharded optimizer (ZeRO over that group) gets one file per rank of it
     tp, pp, dp = (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
-                  mpu.get_data_parallel_rank())
+                  mpu.get_data_parallel_rank(with_context_parallel=True))
     files = []
     if dp == 0:
         state = _main_state(iteration, backend, cfg, train_state, rng_states)
@@ -344,7 +347,7 @@ def _restore_rng(cfg, state):
         return
     if "rng_state" in state:
         rng_states = state["rng_state"]
-        dp_rank = mpu.get_data_parallel_rank()
+        dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
         set_rng_state(rng_states[dp_rank] if dp_rank < len(rng_states) else rng_states[0])
     elif "foreign" in state:
         warn_rank_0(f"checkpoint in {cfg.checkpoint.load} is a {state['foreign']}: random "

@@ -78,7 +78,8 @@ class EngineStateIO(OptimizerStateIO):
         load_named(self.optimizer, self.backend.module(), state.named, state.step)
 
     def load_files(self, paths: List[str]) -> None:
-        dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        dp, dp_rank = mpu.get_data_parallel_world_size(with_context_parallel=True), \
+            mpu.get_data_parallel_rank(with_context_parallel=True)  # ZeRO's partitions
         params = inspect.signature(self.optimizer.load_state_dict).parameters
         if "state_dict_list" not in params:
             if len(paths) != dp and self.named_optimizer() is None:

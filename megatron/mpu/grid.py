@@ -1,0 +1,44 @@
+"""Rank arithmetic of the (pipeline, data, context, tensor) grid: which global rank sits at
+which coordinate, and every group of every kind as tuples of global ranks (the order of
+:mod:`.parallel_state`: tensor fastest, then context, data, pipeline)."""
+from typing import Tuple
+
+
+def grid_rank(pp_rank: int, dp_rank: int, tp_rank: int, tp_size: int, dp_size: int,
+              cp_rank: int = 0, cp_size: int = 1) -> int:
+    """Global rank of grid coordinate (pp_rank, dp_rank, cp_rank, tp_rank)."""
+    return ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) * tp_size + tp_rank
+
+
+def grid_coordinates(rank: int, tp_size: int, dp_size: int, cp_size: int = 1
+                     ) -> Tuple[int, int, int, int]:
+    """``(pp_rank, dp_rank, cp_rank, tp_rank)`` of a global rank (:func:`grid_rank`'s inverse)."""
+    rest, tp_rank = divmod(rank, tp_size)
+    rest, cp_rank = divmod(rest, cp_size)
+    pp_rank, dp_rank = divmod(rest, dp_size)
+    return pp_rank, dp_rank, cp_rank, tp_rank
+
+
+def grid_groups(tp_size, pp_size, dp_size, cp_size=1):
+    """Every group of every kind, as tuples of global ranks, in a fixed order."""
+    tp, pp, dp, cp = tp_size, pp_size, dp_size, cp_size
+    r = lambda p, d, c, t: grid_rank(p, d, t, tp, dp, c, cp)  # noqa: E731
+    grid = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp)
+            for t in range(tp)]
+
+    def groups(vary, key):
+        """One group per value of ``key`` (the fixed coordinates), members ordered by ``vary``."""
+        out = {}
+        for coord in grid:
+            out.setdefault(key(*coord), []).append((vary(*coord), r(*coord)))
+        return [tuple(rank for _, rank in sorted(members)) for members in out.values()]
+
+    pp_groups = groups(lambda p, d, c, t: p, lambda p, d, c, t: (d, c, t))
+    return {
+        "tp": groups(lambda p, d, c, t: t, lambda p, d, c, t: (p, d, c)),
+        "cp": groups(lambda p, d, c, t: c, lambda p, d, c, t: (p, d, t)),
+        "dp": groups(lambda p, d, c, t: d, lambda p, d, c, t: (p, c, t)),
+        "dp_cp": groups(lambda p, d, c, t: (d, c), lambda p, d, c, t: (p, t)),
+        "pp": pp_groups,
+        "mp": groups(lambda p, d, c, t: (p, t), lambda p, d, c, t: (d, c)),
+        "embedding": [g if len(g) == 1 else (g[0], g[-1]) for g in pp_groups]}
