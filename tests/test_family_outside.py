@@ -81,7 +81,8 @@ def outside_family_runs(data, ckpt):
         _family(), name="llama"))
     import torch
 
-    # a class the model does not use (an empty tuple means "compile nothing": test_compile.py)
+    # --compile takes the user's whole model (and the family's loss) as one region, whatever
+    # compile_classes names (an empty tuple means "compile nothing": test_compile.py)
     runs["compile"] = _captured(argv(1, "--compile"), _family(compile_classes=(torch.nn.GRU,)))
     runs["provider"] = _captured(argv(4), flops_per_step=my_flops, **_providers())
     runs["provider n/a"] = _captured(argv(4), **_providers())
@@ -108,7 +109,8 @@ def test_a_family_from_a_test_file_is_first_class(gpt2_data, tmp_path):
     assert "--checkpoint-activations is not supported by the 'mine' model family" in message
     assert "iteration" not in log  # refused before any step
     losses, log = runs["compile"]
-    assert len(losses) == 1 and "--compile compiled nothing" in log and "['GRU']" in log, log
+    assert len(losses) == 1 and "--compile: the model as one region, its loss included" in log
+    assert "includes torch.compile of 1 graph(s)" in log, log
 
 
 def _logs_its_flops(losses, log):
