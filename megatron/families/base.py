@@ -16,8 +16,12 @@ def _no_problems(*_):
 FEATURES: Dict[str, Tuple[str, Callable]] = {
     "sequence_parallel": ("--sequence-parallel",
                           lambda ns: bool(getattr(ns, "sequence_parallel", False))),
-    "checkpoint_activations": ("--checkpoint-activations",
+    "checkpoint_activations": ("--checkpoint-activations (--recompute-granularity full)",
                                lambda ns: bool(getattr(ns, "checkpoint_activations", False))),
+    "selective_recompute": ("--recompute-granularity selective",
+                            lambda ns: getattr(ns, "recompute_granularity", None) == "selective"),
+    "recompute_block": ("--recompute-method block",
+                        lambda ns: getattr(ns, "recompute_method", None) == "block"),
     "virtual_pipeline": ("--virtual-pipeline-model-parallel-size",
                          lambda ns: (getattr(ns, "virtual_pipeline_model_parallel_size", None)
                                      or 1) > 1),
@@ -93,7 +97,8 @@ class ModelFamily:
     log says "--compile compiled no layer")."""
     supports: FrozenSet[str] = frozenset()
     """Optional generic features the model implements (:data:`FEATURES`: ``sequence_parallel``,
-    ``checkpoint_activations``, ``virtual_pipeline``, ``pipeline``); others are refused."""
+    ``checkpoint_activations``, ``selective_recompute``, ``recompute_block``,
+    ``virtual_pipeline``, ``pipeline``); others are refused."""
     memory_model: Optional[str] = None
     """The startup memory check's and tools/plan_layout.py's description of the model:
     ``"gpt2"`` (a decoder-only transformer), ``"t5"``, or None (no memory model: said so)."""
@@ -110,7 +115,9 @@ class ModelFamily:
         from ..config import saved_run_config
 
         flags = saved_run_config(saved, self).replace(compute_dtype=torch.float32,
-                                                      checkpoint_activations=False)
+                                                      checkpoint_activations=False,
+                                                      recompute_granularity=None,
+                                                      recompute_method=None)
         return self.model_config(flags, dropout=False)
 
     def forward_step(self, batch_fn: Callable) -> Callable:
@@ -142,6 +149,8 @@ def transformer_kwargs(cfg, dropout: bool = True) -> dict:
         attention_dropout=m.attention_dropout if dropout else 0.0,
         layernorm_epsilon=m.layernorm_epsilon, checkpoint_activations=m.checkpoint_activations,
         checkpoint_num_layers=m.checkpoint_num_layers,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
         masked_softmax_fusion=kernels.masked_softmax_fusion, compute_dtype=cfg.precision.dtype,
         seed=m.seed,
         # padded vocabulary rows get -inf logits; unknown (None) in some old checkpoints
