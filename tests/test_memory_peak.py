@@ -1,8 +1,8 @@
 """The memory model's whole per-stage peak against the real peak of a training step (CPU,
 gloo), for 1F1B, interleaved, ZB-H1 and ZB-V pipelines, sequence parallelism, full
-recompute, bf16 with both of DeepSpeed's gradient accumulation dtypes, and DeepSpeed's
-engine without a pipeline
-(whose peak is its optimizer step).
+(uniform and block) and selective recompute, bf16 with both of DeepSpeed's gradient
+accumulation dtypes, and DeepSpeed's engine without a pipeline (whose peak is its
+optimizer step).
 
 Measured on each rank (tests/peak_tracker.py): every tensor storage alive at once, each
 counted once however many views share it, from the first op to the last of the second of
@@ -44,6 +44,7 @@ def _layouts(micro, ds_fp32_accumulation):
     interleaved = ["--virtual-pipeline-model-parallel-size", "2"]
     tp_sp = ["--model-parallel-size", "2", "--pipe-parallel-size", "2", "--sequence-parallel"]
     bf16 = ["--pipe-parallel-size", "2", "--bf16"]
+    selective = ["--recompute-granularity", "selective", "--attention-backend", "unfused"]
     return {"pp4 1F1B": _base(micro, 4) + ["--pipe-parallel-size", "4"],
             # full recompute: a group's activations come back, with its backward on top
             "tp2 pp2 SP 1F1B recompute": _base(micro, 4) + tp_sp + ["--checkpoint-activations"],
@@ -54,6 +55,14 @@ def _layouts(micro, ds_fp32_accumulation):
             "pp4 ZB-V": _base(micro, 8) + ["--pipe-parallel-size", "4",
                                            "--pipeline-schedule", "zbv"],
             "tp2 pp2 SP ZB-H1": _base(micro, 4) + tp_sp + ["--pipeline-schedule", "zb-h1"],
+            # selective recompute (the unfused path's s x s tensors come back in the
+            # backward), in 1F1B and ZB-H1; block recompute of each chunk's first layer
+            "tp2 pp2 SP 1F1B selective": _base(micro, 4, attention_dropout=0.1) + tp_sp +
+            selective,
+            "tp2 pp2 SP ZB-H1 selective": _base(micro, 4, attention_dropout=0.1) + tp_sp +
+            selective + ["--pipeline-schedule", "zb-h1"],
+            "pp4 v2 block": _base(micro, 8) + ["--pipe-parallel-size", "4"] + interleaved + [
+                "--recompute-granularity", "full", "--recompute-method", "block"],
             # DeepSpeed's BF16_Optimizer, bf16 accumulation; attention dropout: the CPU's
             # SDPA math path, which computes in fp32
             "bf16 pp2 dp2": _base(micro, 4, attention_dropout=0.1) + bf16,
@@ -86,7 +95,7 @@ def _table(names, results):
     return "\n".join([head] + [line for _, line in rows.values()])
 
 
-@pytest.mark.slow  # 40-90 s: seven engines built and stepped twice on 4 ranks
+@pytest.mark.slow  # 60-120 s: twelve engines built and stepped twice on 4 ranks
 def test_stage_peaks_match_the_real_peak_of_a_step(tmp_path):
     micro = random.choice([1, 2])
     ds_json = tmp_path / "ds_fp32_accumulation.json"

@@ -87,6 +87,23 @@ def cpu_math_path(spec: MemorySpec) -> bool:
     return spec.attention == "sdpa" and spec.device == "cpu" and spec.attention_dropout > 0
 
 
+def selective(spec: MemorySpec, mask_needs_grad: bool = False) -> bool:
+    """Selective recompute applies: asked for, and the attention core keeps ``s x s``
+    tensors (the unfused path; SDPA only through PyTorch's math path on the CPU), the rule
+    the model itself follows (megatron/model/recompute.py ``core_keeps_scores``).
+
+    Args:
+        spec: the run.
+        mask_needs_grad: the additive mask carries a gradient (T5's self-attention bias).
+    """
+    if spec.recompute != "selective":
+        return False
+    from ..model.recompute import core_keeps_scores
+
+    return core_keeps_scores(spec.attention, spec.device, spec.attention_dropout,
+                             mask_needs_grad)
+
+
 def attention_core(spec: MemorySpec, shape: Shape) -> int:
     """Scores-to-context bytes of one attention (the dense layer's input included).
 
@@ -126,9 +143,13 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     tokens = s * b
     total = 2 * norm_bytes(spec, tokens)
     total += 2 * tokens * h * e // sp_divisor(spec)  # QKV and fc1 inputs (shards under SP)
-    if not (cpu_math_path(spec) and spec.e < 4):  # there only its fp32 copies are kept
-        total += 3 * tokens * proj * e // t  # q, k, v
-    total += attention_core(spec, Shape(s, s, b))
+    recomputed = selective(spec)
+    if recomputed or not (cpu_math_path(spec) and spec.e < 4):  # there: its fp32 copies
+        total += 3 * tokens * proj * e // t  # q, k, v (the checkpoint's inputs, selective)
+    if recomputed:  # the core's output (the dense layer's input); the rest comes back
+        total += tokens * proj * e // t
+    else:
+        total += attention_core(spec, Shape(s, s, b))
     total += 2 * tokens * f * e // t  # GeLU input and output (fc2's input)
     drop_dtype = spec.residual_bytes if spec.bias else e  # the bias add promotes it
     residual = tokens * h // sp_divisor(spec)
@@ -146,6 +167,30 @@ def recompute_input(spec: MemorySpec, tokens: int) -> int:
         tokens: sequence x micro-batch.
     """
     return tokens * spec.hidden * spec.residual_bytes // sp_divisor(spec)
+
+
+def full_recompute(spec: MemorySpec, n: int, layer: int, kept: int, mask: int):
+    """``(saved bytes, recompute peak)`` of ``n`` layers of ``layer`` bytes each: under full
+    recompute, uniform: each group of ``recompute_num_layers`` keeps its input (``kept``),
+    one group's activations come back at a time; block: the first ``recompute_num_layers``
+    layers (of this stage or chunk) keep their input, one comes back at a time, the rest
+    keep everything. A recomputed group also keeps the mask it was given (``mask`` bytes,
+    one tensor for all).
+
+    Args:
+        spec: the run.
+        n: layers of the stage or chunk.
+        layer: bytes one layer saves without recompute.
+        kept: bytes a recomputed group keeps (its input).
+        mask: bytes of the mask a checkpoint keeps.
+    """
+    if spec.recompute != "full" or not n:
+        return n * layer, 0
+    k = spec.recompute_num_layers
+    if spec.recompute_method == "block":
+        recomputed = min(k, n)
+        return recomputed * kept + mask + (n - recomputed) * layer, layer
+    return -(-n // k) * kept + mask, min(k, n) * layer
 
 
 def gpt2_embedding(spec: MemorySpec, b: int) -> int:
@@ -200,13 +245,10 @@ def gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
     """
     b, tokens = spec.micro_batch, spec.seq * spec.micro_batch
     n = layers.encoder_layers
-    if spec.recompute == "full" and n:
-        k = spec.recompute_num_layers
-        groups = -(-n // k)
-        body = groups * recompute_input(spec, tokens) + spec.seq * spec.seq  # + bool mask
-        peak = min(k, n) * gpt2_layer(spec, b)
-    else:
-        body, peak = n * gpt2_layer(spec, b), 0
+    # a recomputed group keeps the [1, 1, s, s] mask it was given (on a pipeline stage the
+    # one the engine received: report.py then does not count it again)
+    body, peak = full_recompute(spec, n, gpt2_layer(spec, b), recompute_input(spec, tokens),
+                                spec.seq * spec.seq)
     total = body
     if layers.embedding:
         total += gpt2_embedding(spec, b)

@@ -65,3 +65,21 @@ def deferred_bytes(spec: MemorySpec, layers: StageLayers) -> int:
         tokens = dec if spec.family == "t5" else enc
         total += _linear(spec, tokens, spec.hidden, spec.vocab // spec.tp, True)
     return total
+
+
+def largest_weight_grad(spec: MemorySpec, layers: StageLayers, grad_bytes: int) -> int:
+    """Bytes of the largest weight gradient a zero-bubble weight pass of ``layers`` makes
+    at once (its GEMM's result before it is added into ``.grad``).
+
+    Args:
+        spec: the run.
+        layers: the chunk.
+        grad_bytes: bytes per element of a gradient.
+    """
+    h, t, f, proj = spec.hidden, spec.tp, spec.ffn, spec.heads * spec.kv_channels
+    gates = 2 if getattr(spec, "ff_type", "") == "gated-gelu" else 1
+    largest = max(gates * f * h, 3 * proj * h) // t if layers.encoder_layers or \
+        layers.decoder_layers else 0
+    if layers.head:
+        largest = max(largest, spec.vocab // t * h)
+    return largest * grad_bytes

@@ -1,18 +1,18 @@
 """The per-stage prediction: the larger of the micro-batches' peak (model states +
 in-flight activations + buffers + the largest transient, less the gradients not yet
 allocated then) and the optimizer step's (model states + the step's temporaries)."""
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import List, Optional
 
 from .activations import gpt2_stage
 from .backward import gpt2_backward, t5_backward
-from .grad_timing import grads_freed_each_step, late_grads, with_grads_peaks
+from .deferred import deferred_bytes, gemm_weight_params, largest_weight_grad
+from .grad_timing import grads_freed_each_step
 from .model_states import ModelStates, model_states, step_bytes
-from .deferred import deferred_bytes, gemm_weight_params
-from .schedule import activation_peaks, in_flight, rank_chunks
 from .spec import MemorySpec
 from .stages import chunk_layers, rank_layers, stage_layers
 from .t5_activations import t5_stage
+from .walk import ChunkBytes, peaks, rank_chunks, rank_walks
 
 GIB = 2 ** 30
 
@@ -31,13 +31,15 @@ class StageMemory:
     """DDP gradient buckets; the pipeline's stage outputs and received masks held for the
     backward."""
     transient: int
-    """The largest short-lived working set: 16-bit logits next to their fp32 copy while the
-    loss runs, or a backward's gradients in flight (megatron/memory/backward.py: the
-    logits' gradient, a layer's GEMM gradients, under SP its re-gathered input, a
-    recomputed group's activations)."""
+    """What short-lived working sets add at their worst moment beyond the most activation
+    and gradient bytes alive at once: a backward's gradients in flight
+    (megatron/memory/backward.py: the logits' gradient, a layer's GEMM gradients, under SP
+    its re-gathered input, a recomputed group's activations) on what was alive before it,
+    or the 16-bit logits next to their fp32 copy while the loss runs (megatron/memory/
+    walk.py weighs each moment of the schedule)."""
     activation_peak: Optional[int] = None
-    """Interleaved: the most bytes alive at once, each chunk charged its own bytes (the
-    head and the embedding in the chunks that hold them); None: per micro-batch x count."""
+    """The most activation bytes alive at once, each chunk charged its own bytes (the head
+    and the embedding in the chunks that hold them); None: per micro-batch x count."""
     late_grads: int = 0
     """Gradient bytes not yet allocated when the activations peak (the engine frees them
     after each step; the rank peaks before its first backward: megatron/memory/
@@ -91,16 +93,17 @@ def _received_masks(spec: MemorySpec) -> int:
     return spec.micro_batch * (se * se + sd * sd + sd * se)
 
 
-def _pipeline_buffers(spec: MemorySpec, layers, count: int) -> int:
-    """What the engine keeps per in-flight micro-batch beyond the saved activations: the
-    output of each chunk but the last (until its backward) and the masks each chunk but
-    the first received. ``count`` is in chunks when interleaved (each rank holds ``vpp``)."""
+def _chunk_buffers(spec: MemorySpec, chunk: int) -> int:
+    """What the engine keeps per micro-batch of global ``chunk`` beyond its saved
+    activations, from its forward to its backward: its output unless it is the last chunk,
+    and the masks it received unless it is the first."""
     if spec.pp == 1:
         return 0
-    v = spec.vpp
-    outputs = count * (v - 1) // v if layers.head else count
-    masks = count * (v - 1) // v if layers.stage == 0 else count
-    return outputs * _hidden_out(spec) + masks * _received_masks(spec)
+    last = spec.pp * spec.vpp - 1
+    # a GPT-2 chunk's recomputed layers save the received mask (counted as activations)
+    saved_mask = spec.family == "gpt2" and spec.recompute == "full"
+    return _hidden_out(spec) * (chunk != last) + \
+        _received_masks(spec) * (chunk != 0 and not saved_mask)
 
 
 def _loss_forward(spec: MemorySpec) -> int:
@@ -121,40 +124,57 @@ def predict(spec: MemorySpec) -> List[StageMemory]:
     """
     spec.check()
     schedule = spec.pipeline_schedule
-    counts = in_flight(spec.pp, spec.num_micro_batches, spec.vpp, schedule)
-    stage_fn, backward_fn = (gpt2_stage, gpt2_backward) if spec.family == "gpt2" else \
-        (t5_stage, t5_backward)
     parts = chunk_layers(spec) if spec.vpp > 1 else stage_layers(spec)
     chunks_of = rank_chunks(spec.pp, spec.vpp, schedule)  # each rank's global chunks
     stages = [rank_layers(parts, r, mine) for r, mine in enumerate(chunks_of)] \
         if schedule == "zbv" else stage_layers(spec)  # a loop: the stages' own partition
-    acts = [stage_fn(spec, part) for part in parts]
-    backwards = [backward_fn(spec, part, act) for part, act in zip(parts, acts)]
-    saved = tuple(act.saved for act in acts)
-    peaks = [None] * spec.pp
-    if spec.vpp > 1 or schedule in ("zb-h1", "zbv"):
-        deferred = tuple(deferred_bytes(spec, part) for part in parts)
-        peaks = activation_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved, schedule,
-                                 deferred)
-    grads = tuple(model_states(spec, part).grad_bytes for part in parts)
-    gemm = tuple(0 if schedule not in ("zb-h1", "zbv") else
-                 min(g, gemm_weight_params(spec, part) * g // max(1, model_states(spec, part).params))
-                 for g, part in zip(grads, parts))
-    timing = with_grads_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved, grads,
-                              schedule, gemm) if grads_freed_each_step(spec) else None
+    acts, cb = chunk_bytes(spec, parts)
+    walks = rank_walks(schedule if spec.pp > 1 else "", spec.pp, spec.vpp,
+                       spec.num_micro_batches)
     out = []
-    for layers, count, peak, mine in zip(stages, counts, peaks, chunks_of):
+    saved_only = replace(cb, saved=tuple(a.saved for a in acts))
+    for layers, walk, mine in zip(stages, walks, chunks_of):
         states = model_states(spec, layers)
-        per_micro_batch = sum(acts[c].saved for c in mine) // spec.vpp
+        rank = peaks(walk, cb)  # activations with what the engine keeps beside them
+        saved = peaks(walk, saved_only).activations
         buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
-        buffers += _pipeline_buffers(spec, layers, count)
-        transient = max(max(backwards[c] for c in mine),
-                        _loss_forward(spec) if layers.head else 0)
-        late = min(states.grad_bytes, late_grads(spec, timing, sum(grads[c] for c in mine),
-                                                 layers.stage)) if timing else 0
-        out.append(StageMemory(layers.stage, states, per_micro_batch, count, buffers,
-                               transient, peak, late, step_bytes(spec, layers, states)))
+        buffers += rank.activations - saved  # stage outputs and received masks
+        rank_grads = sum(cb.grads[c] for c in mine)  # 0: they live through the step
+        late = min(states.grad_bytes, rank.activations + rank_grads - rank.with_grads)
+        out.append(StageMemory(layers.stage, states,
+                               sum(acts[c].saved for c in mine) // spec.vpp, rank.in_flight,
+                               buffers, rank.with_transient - rank.with_grads, saved, late,
+                               step_bytes(spec, layers, states)))
     return out
+
+
+def chunk_bytes(spec: MemorySpec, parts) -> tuple:
+    """``(activations per chunk, ChunkBytes)`` of the model chunks ``parts`` (one per stage
+    without interleaving): what a micro-batch saves (with the stage output and the masks
+    the engine keeps beside it), keeps for a zero-bubble weight pass, the gradients and
+    when they appear, and each chunk's backward and loss-forward transients."""
+    stage_fn, backward_fn = (gpt2_stage, gpt2_backward) if spec.family == "gpt2" else \
+        (t5_stage, t5_backward)
+    acts = [stage_fn(spec, part) for part in parts]
+    saved = tuple(act.saved + _chunk_buffers(spec, part.stage) for act, part in zip(acts, parts))
+    zb = schedule_is_zero_bubble(spec)
+    deferred = tuple(deferred_bytes(spec, part) for part in parts) if zb else saved
+    params = [model_states(spec, part) for part in parts]
+    grads = tuple(x.grad_bytes if grads_freed_each_step(spec) else 0 for x in params)
+    gemm = tuple(min(g, gemm_weight_params(spec, part) * g // max(1, x.params)) if zb else 0
+                 for g, part, x in zip(grads, parts, params))
+    transient = [backward_fn(spec, part, act) for part, act in zip(parts, acts)]
+    forward = tuple(_loss_forward(spec) if part.head else 0 for part in parts)
+    per_param = 4 if spec.backend == "ddp" or spec.dtype == "fp32" else spec.e
+    weight_pass = tuple(largest_weight_grad(spec, part, per_param) for part in parts) \
+        if zb else ()
+    return acts, ChunkBytes(saved, deferred, grads, gemm, tuple(t.any for t in transient),
+                            tuple(t.first for t in transient), forward, weight_pass)
+
+
+def schedule_is_zero_bubble(spec: MemorySpec) -> bool:
+    """A zero-bubble schedule (input and weight passes apart)."""
+    return spec.pp > 1 and spec.pipeline_schedule in ("zb-h1", "zbv")
 
 
 def format_stage(stage: StageMemory, pp: int) -> str:

@@ -48,7 +48,12 @@ class MemorySpec:
     when vpp > 1."""
     sequence_parallel: bool = False
     recompute: str = "none"
-    """``none`` or ``full`` (--checkpoint-activations: each group of layers keeps its input)."""
+    """``none``, ``full`` (--recompute-granularity full / --checkpoint-activations) or
+    ``selective`` (the attention core, where it keeps ``s x s`` tensors)."""
+    recompute_method: str = "uniform"
+    """Full recompute: ``uniform`` (each group of ``recompute_num_layers`` layers keeps its
+    input) or ``block`` (the first ``recompute_num_layers`` layers of each stage or chunk
+    keep their input, the others everything)."""
     recompute_num_layers: int = 1
     dtype: str = "fp32"
     backend: str = "ddp"
@@ -106,8 +111,17 @@ class MemorySpec:
             problems.append(f"family {self.family!r}: the memory model knows gpt2 and t5")
         if self.dtype not in DTYPE_BYTES:
             problems.append(f"dtype {self.dtype!r}: choose one of {sorted(DTYPE_BYTES)}")
-        if self.recompute not in ("none", "full"):
-            problems.append(f"recompute {self.recompute!r}: choose none or full")
+        if self.recompute not in ("none", "full", "selective"):
+            problems.append(f"recompute {self.recompute!r}: choose none, full or selective")
+        if self.recompute_method not in ("uniform", "block") or self.recompute_num_layers < 1:
+            problems.append(f"recompute method {self.recompute_method!r} with "
+                            f"{self.recompute_num_layers} layers: choose uniform or block and "
+                            f"at least 1 layer")
+        if self.family == "t5" and (self.recompute == "selective" or
+                                    self.recompute_method == "block" and
+                                    self.recompute == "full"):
+            problems.append("T5 with selective or block recompute: the model describes T5's "
+                            "uniform full recompute only (not measured otherwise)")
         if self.attention not in ("sdpa", "unfused"):
             problems.append(f"attention {self.attention!r}: choose sdpa or unfused")
         if self.zero_stage not in (0, 1, 2):
@@ -193,6 +207,17 @@ def _grad_accum(cfg) -> str:
     return name
 
 
+def _recompute(m) -> dict:
+    """The recompute fields of a run's model section (a saved configuration without the
+    granularity: --checkpoint-activations' full, uniform)."""
+    granularity = m.recompute_granularity or ("full" if m.checkpoint_activations else None)
+    if granularity == "full":
+        method = m.recompute_method or "uniform"
+        count = m.recompute_num_layers or m.checkpoint_num_layers
+        return dict(recompute="full", recompute_method=method, recompute_num_layers=count)
+    return dict(recompute=granularity or "none")
+
+
 def _backend(cfg) -> str:
     return "engine" if cfg.parallel.pp > 1 or cfg.parallel.deepspeed else "ddp"
 
@@ -239,8 +264,7 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp, vpp=p.vpp,
         schedule=p.pipeline_schedule if p.pp > 1 else "",
         sequence_parallel=p.sequence_parallel,
-        recompute="full" if m.checkpoint_activations else "none",
-        recompute_num_layers=m.checkpoint_num_layers, dtype=dtype, backend=backend,
+        **_recompute(m), dtype=dtype, backend=backend,
         zero_stage=_zero_stage(cfg) if backend == "engine" else 0,  # DDP ignores the flag
         attention=resolve_attention_backend(k.attention_backend),
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,

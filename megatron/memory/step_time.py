@@ -100,18 +100,28 @@ def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int, cross:
     b = spec.micro_batch
     time = gemm_time(tokens, 3 * proj // t, h, e, dev) + gemm_time(tokens, h, proj // t, e, dev)
     time += gemm_time(tokens, gated * f // t, h, e, dev) + gemm_time(tokens, h, f // t, e, dev)
-    sq = tokens // b
-    attn = 4.0 * b * sq * sq * proj / t
-    if cross:  # decoder: cross-attention's projections and core
+    if cross:  # decoder: cross-attention's projections (its core: _core_forward)
         enc = s_kv * b
         time += gemm_time(tokens, proj // t, h, e, dev) + gemm_time(enc, 2 * proj // t, h, e, dev)
         time += gemm_time(tokens, h, proj // t, e, dev)
-        attn += 4.0 * b * sq * s_kv * proj / t
-    time += attn / (dev.peak_tflops * 1e12 * dev.attention_efficiency)
     c = t if spec.sequence_parallel else 1
     elementwise = tokens * e * (16 * h / c + 4 * f / t)  # norms, dropouts, residuals, GeLU
-    elementwise += _score_bytes(spec, sq, sq) + (_score_bytes(spec, sq, s_kv) if cross else 0)
-    return time + elementwise / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
+    return time + elementwise / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency) + \
+        _core_forward(spec, dev, tokens, s_kv, cross)
+
+
+def _core_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int, cross: bool) -> float:
+    """Seconds of one layer's attention core forward (scores, softmax, dropout, context;
+    the decoder's cross-attention core too): what selective recompute runs again."""
+    b, proj, t = spec.micro_batch, spec.heads * spec.kv_channels, spec.tp
+    sq = tokens // b
+    attn = 4.0 * b * sq * sq * proj / t
+    scores = _score_bytes(spec, sq, sq)
+    if cross:
+        attn += 4.0 * b * sq * s_kv * proj / t
+        scores += _score_bytes(spec, sq, s_kv)
+    return attn / (dev.peak_tflops * 1e12 * dev.attention_efficiency) + \
+        scores / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
 
 
 def _score_bytes(spec: MemorySpec, sq: int, skv: int) -> float:
@@ -157,20 +167,44 @@ def _stage_times(spec: MemorySpec, dev: Device, layers_per_stage: List[tuple],
     """Per stage: (compute, tp comm) seconds of one micro-batch, forward + backward."""
     b = spec.micro_batch
     out = []
-    passes = 4 if spec.recompute == "full" else 3  # forward, 2 x backward (+ recompute)
     for enc, dec, head in layers_per_stage:
         comp = comm = 0.0
         for n, tokens, s_kv, cross in ((enc, spec.seq * b, spec.seq, False),
                                        (dec, spec.dec_seq * b, spec.seq, True)):
             if n:
-                comp += n * passes * _layer_forward(spec, dev, tokens, s_kv, cross)
+                forward = _layer_forward(spec, dev, tokens, s_kv, cross)
                 tp = _tp_comm(spec, dev, tokens, per_node)
-                comm += n * tp * (1.5 if spec.recompute == "full" else 1)
+                comp += n * 3 * forward  # forward, 2 x backward
+                comm += n * tp
+                if spec.recompute == "selective":  # the attention core once more
+                    comp += n * _core_forward(spec, dev, tokens, s_kv, cross)
+                elif spec.recompute == "full":  # the layers' forward once more
+                    again = recomputed_layers(spec, n, enc + dec)
+                    comp += again * forward
+                    comm += again * tp / 2  # the forward's half of the collectives
         if head:
             tokens = (spec.dec_seq if spec.family == "t5" else spec.seq) * b
             comp += 3 * gemm_time(tokens, spec.vocab // spec.tp, spec.hidden, spec.e, dev)
         out.append((comp, comm))
     return out
+
+
+def recompute_fraction(spec: MemorySpec, stage_layers: int) -> float:
+    """Share of a stage's ``stage_layers`` transformer layers that full recompute runs
+    again: all (uniform); block: ``recompute_num_layers`` of each of the stage's ``vpp``
+    chunks (equal chunks assumed)."""
+    if spec.recompute != "full" or not stage_layers:
+        return 0.0
+    if spec.recompute_method == "uniform":
+        return 1.0
+    per_chunk = stage_layers / spec.vpp
+    return min(spec.recompute_num_layers, per_chunk) / per_chunk
+
+
+def recomputed_layers(spec: MemorySpec, n: int, stage_layers: int) -> float:
+    """Of ``n`` layers of one kind on a stage of ``stage_layers``, how many full recompute
+    runs again (:func:`recompute_fraction`)."""
+    return n * recompute_fraction(spec, stage_layers)
 
 
 def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: List[tuple],
@@ -202,7 +236,7 @@ def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: Li
     dp_bw = _bw(spec.tp * spec.dp, per_node, dev)
     dp = _collective(grad_bytes, spec.dp, dp_bw, dev, ring=2.0)
     if spec.backend == "ddp" and spec.pp == 1:  # buckets overlap the last backward
-        dp = max(0.0, dp - stages[0][0] * 2 / (4 if spec.recompute == "full" else 3))
+        dp = max(0.0, dp - stages[0][0] * 2 / (3 + recompute_fraction(spec, spec.num_layers)))
     adam_bytes = 16 + 12 if spec.e == 4 else 2 + 16 + 12 + 2  # read p g m v, write p m v
     shard = spec.dp if spec.zero_stage else 1
     opt = params_per_rank * adam_bytes / shard / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
