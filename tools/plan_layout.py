@@ -10,10 +10,12 @@ tokens per second per GPU at the global batch. The config's own layout is evalua
 same way, at the same global batch. ``--json`` writes only JSON on stdout (logs go to stderr).
 
     python tools/plan_layout.py --paper narayanan2021 [--json]
+    python tools/plan_layout.py --paper korthikanti2022 [--json]
 
 evaluates instead the layouts of Narayanan et al. 2021's Table 1 (GPT 1.7B-1T on A100s)
 with the A100 preset and prints predicted against published TFLOP/s per GPU
-(megatron/memory/published.py).
+(megatron/memory/published.py), or Korthikanti et al. 2022's Tables 3-5 (full recompute
+against sequence parallelism + selective recompute, megatron/memory/korthikanti.py).
 """
 import argparse
 import contextlib
@@ -44,7 +46,7 @@ def parse_bytes(text: str) -> int:
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a run config YAML (configs/); required unless --paper")
-    p.add_argument("--paper", choices=["narayanan2021"], default=None,
+    p.add_argument("--paper", choices=["narayanan2021", "korthikanti2022"], default=None,
                    help="evaluate a published table's own layouts instead (A100 preset)")
     p.add_argument("--family", default="gpt2",
                    help="a registered model family with a memory model (gpt2, t5, or one "
@@ -188,6 +190,8 @@ def _print(args, hw, base, batch, plans, mine, why):
 
 def _paper(args, real_stdout):
     """--paper: the published rows' own layouts, predicted against published."""
+    if args.paper == "korthikanti2022":
+        return _korthikanti(args, real_stdout)
     from megatron.memory.published import format_table, predict_table
 
     with contextlib.redirect_stdout(sys.stderr):
@@ -200,6 +204,31 @@ def _paper(args, real_stdout):
     json.dump([{"params_b": p.row.params_b, "published_tflops": p.row.tflops,
                 "predicted_tflops": p.tflops, "ratio": p.ratio, **p.plan.to_dict()}
                for p in preds], real_stdout, indent=1)
+    real_stdout.write("\n")
+    return 0
+
+
+def _korthikanti(args, real_stdout):
+    """--paper korthikanti2022: Tables 3 and 5 (and Table 4's layer), both recompute modes."""
+    from megatron.memory import korthikanti as k
+
+    with contextlib.redirect_stdout(sys.stderr):
+        preds, layers = k.predict_table(), k.predict_layers()
+    if not args.json:
+        print("Korthikanti et al. 2022, Tables 3 and 5: full recompute against sequence "
+              "parallelism + selective recompute, through the planner's model (A100 preset)")
+        print(k.format_table(preds))
+        print()
+        print("Table 4: one 22B layer")
+        print(k.format_layers(layers))
+        return 0
+    json.dump({"rows": [{"params_b": p.row.params_b, "paper_full_s": p.row.full_s,
+                         "paper_present_s": p.row.present_s, "paper_mfu": p.row.mfu,
+                         "predicted_mfu": p.mfu, "predicted_speedup": p.speedup,
+                         "full": p.full.to_dict(), "present": p.present.to_dict()}
+                        for p in preds],
+               "layer_22b_ms": {v: {"paper": k.LAYER_22B[v], "predicted": t}
+                                for v, t in layers.items()}}, real_stdout, indent=1)
     real_stdout.write("\n")
     return 0
 

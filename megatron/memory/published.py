@@ -115,7 +115,7 @@ def row_spec(row: PublishedRow) -> MemorySpec:
         micro_batch=row.micro_batch, num_micro_batches=per_replica // row.micro_batch,
         tp=row.tp, pp=row.pp, dp=row.dp, vpp=row.vpp, recompute="full", dtype="fp16",
         backend="ddp" if row.pp == 1 else "engine", attention="unfused",
-        hidden_dropout=0.1, attention_dropout=0.1, max_positions=SEQ)
+        hidden_dropout=0.1, attention_dropout=0.1, max_positions=SEQ, fused_elementwise=True)
 
 
 @dataclass(frozen=True)

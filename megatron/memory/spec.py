@@ -75,6 +75,11 @@ class MemorySpec:
     """The output layer's rows include padding beyond the tokenizer's vocabulary: their
     logits are filled with -inf in place on a view, so the backward copies the logits'
     gradient once more (autograd's CopySlices)."""
+    fused_elementwise: bool = False
+    """The step runs Megatron-LM's fused bias-dropout-add and bias-GeLU kernels (the
+    published tables' runs): each layer moves ``10 e h + 2 h`` bytes per token around
+    its GEMMs (+ ``2 e f / t``) instead of this project's separate bias, dropout and
+    residual ops' ``16 e h`` (+ ``4 e f / t``); step time only (megatron/memory/step_time.py)."""
     grad_accum: str = ""
     """DeepSpeed's ``data_types.grad_accum_dtype`` (``fp32``, ``bf16``, ``fp16``; empty: the
     weights' dtype): the dtype of the BF16_Optimizer's flat gradient buffer."""

@@ -6,11 +6,19 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
   ``sat(d) = d / (d + gemm_half)``: a thin dimension (few tokens in a micro-batch, a narrow
   tensor-parallel shard) leaves tensor cores idle; never faster than moving the operands
   through HBM, never shorter than ``kernel_floor``. Backward = 2 x forward (input and
-  weight gradients); full recompute runs the forward once more.
-- **Attention** (scores and context): ``4 b s^2 P / t`` FLOPs forward at ``attention_efficiency``.
-- **Elementwise** (norms, dropouts, residuals, GeLU, bias adds): bytes moved at HBM speed;
-  the unfused attention path also moves its ``[b, a/t, s, s]`` scores and probabilities
-  (written, softmax, dropout, read by the context bmm) through HBM, which SDPA does not.
+  weight gradients).
+- **Attention** (scores and context): ``4 b s^2 P / t`` FLOPs forward at
+  ``attention_efficiency``; backward 2 x.
+- **Elementwise** (norms, dropouts, residuals, GeLU, bias adds): bytes moved at HBM speed,
+  this project's ops (or Megatron-LM's fused kernels, ``fused_elementwise``); the unfused
+  attention path also moves its ``[b, a/t, s, s]`` scores and probabilities (written,
+  softmax, dropout, read by the context bmm) through HBM, which SDPA does not. The backward
+  moves them once more (each op reads its saved input and the incoming gradient and
+  writes one gradient: about the forward's bytes; Korthikanti et al. 2022's Table 4
+  layer times, docs/memory.md).
+- **Recompute**: full runs the recomputed layers' forward once more (with its half of
+  the tensor-parallel collectives); selective the attention core's forward (where it keeps
+  ``s x s`` tensors).
 - **Tensor parallel**: per layer 2 all-reduces forward and 2 backward (ring
   ``2 (t - 1) / t`` of ``s b h e``); under SP reduce-scatters and all-gathers of the same
   total plus the backward's re-gather of the QKV / fc1 input shards; not overlapped.
@@ -25,8 +33,9 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
 - **Optimizer**: the Adam step's bytes (weights, gradients, moments, masters) at HBM speed.
 """
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
+from .activations import selective
 from .spec import MemorySpec
 
 
@@ -92,8 +101,11 @@ def _bw(span: int, per_node: int, dev: Device) -> float:
     return dev.intra_gbps if span <= per_node else dev.inter_gbps
 
 
-def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int, cross: bool) -> float:
-    """Compute seconds of one layer's forward on one rank (one micro-batch)."""
+def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int,
+                   cross: bool) -> Tuple[float, float]:
+    """``(matmul, memory)`` seconds of one layer's forward on one rank (one micro-batch): the
+    GEMMs and the attention core's FLOPs, and the HBM-bound elementwise work (norms,
+    dropouts, residuals, GeLU; the unfused attention's scores)."""
     h, t, e, f = spec.hidden, spec.tp, spec.e, spec.ffn
     proj = spec.heads * spec.kv_channels
     gated = 2 if spec.family == "t5" and spec.ff_type == "gated-gelu" else 1
@@ -105,14 +117,20 @@ def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int, cross:
         time += gemm_time(tokens, proj // t, h, e, dev) + gemm_time(enc, 2 * proj // t, h, e, dev)
         time += gemm_time(tokens, h, proj // t, e, dev)
     c = t if spec.sequence_parallel else 1
-    elementwise = tokens * e * (16 * h / c + 4 * f / t)  # norms, dropouts, residuals, GeLU
-    return time + elementwise / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency) + \
-        _core_forward(spec, dev, tokens, s_kv, cross)
+    # norms, dropouts, residuals, GeLU: this project's ops read and write each once;
+    # Megatron-LM's fused bias-dropout-add (1-byte mask) and bias-GeLU kernels less
+    elementwise = tokens * (e * 10 * h + 2 * h) / c + tokens * e * 2 * f / t \
+        if spec.fused_elementwise else tokens * e * (16 * h / c + 4 * f / t)
+    core_matmul, core_memory = _core_forward(spec, dev, tokens, s_kv, cross)
+    return time + core_matmul, \
+        elementwise / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency) + core_memory
 
 
-def _core_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int, cross: bool) -> float:
-    """Seconds of one layer's attention core forward (scores, softmax, dropout, context;
-    the decoder's cross-attention core too): what selective recompute runs again."""
+def _core_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int,
+                  cross: bool) -> Tuple[float, float]:
+    """``(matmul, memory)`` seconds of one layer's attention core forward (scores, softmax,
+    dropout, context; the decoder's cross-attention core too): what selective recompute
+    runs again."""
     b, proj, t = spec.micro_batch, spec.heads * spec.kv_channels, spec.tp
     sq = tokens // b
     attn = 4.0 * b * sq * sq * proj / t
@@ -120,7 +138,7 @@ def _core_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int, cross: 
     if cross:
         attn += 4.0 * b * sq * s_kv * proj / t
         scores += _score_bytes(spec, sq, s_kv)
-    return attn / (dev.peak_tflops * 1e12 * dev.attention_efficiency) + \
+    return attn / (dev.peak_tflops * 1e12 * dev.attention_efficiency), \
         scores / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
 
 
@@ -172,12 +190,16 @@ def _stage_times(spec: MemorySpec, dev: Device, layers_per_stage: List[tuple],
         for n, tokens, s_kv, cross in ((enc, spec.seq * b, spec.seq, False),
                                        (dec, spec.dec_seq * b, spec.seq, True)):
             if n:
-                forward = _layer_forward(spec, dev, tokens, s_kv, cross)
+                matmul, memory = _layer_forward(spec, dev, tokens, s_kv, cross)
+                forward = matmul + memory
                 tp = _tp_comm(spec, dev, tokens, per_node)
-                comp += n * 3 * forward  # forward, 2 x backward
+                # the backward: two GEMMs per forward GEMM (input and weight gradients),
+                # the elementwise bytes once more (each op reads its saved input and the
+                # gradient and writes one gradient)
+                comp += n * (forward + 2 * matmul + memory)
                 comm += n * tp
-                if spec.recompute == "selective":  # the attention core once more
-                    comp += n * _core_forward(spec, dev, tokens, s_kv, cross)
+                if selective(spec):  # the attention core once more (where it keeps s x s)
+                    comp += n * sum(_core_forward(spec, dev, tokens, s_kv, cross))
                 elif spec.recompute == "full":  # the layers' forward once more
                     again = recomputed_layers(spec, n, enc + dec)
                     comp += again * forward
@@ -187,6 +209,31 @@ def _stage_times(spec: MemorySpec, dev: Device, layers_per_stage: List[tuple],
             comp += 3 * gemm_time(tokens, spec.vocab // spec.tp, spec.hidden, spec.e, dev)
         out.append((comp, comm))
     return out
+
+
+def layer_times(spec: MemorySpec, dev: Device, per_node: int) -> Tuple[float, float]:
+    """``(forward, backward)`` seconds of one GPT layer and one micro-batch with its
+    tensor-parallel collectives, the backward with what recompute runs again (every layer
+    recomputed under full recompute): the terms :func:`step_time` adds up.
+
+    Args:
+        spec: the layout.
+        dev: device and link constants.
+        per_node: GPUs per node.
+    """
+    tokens = spec.seq * spec.micro_batch
+    matmul, memory = _layer_forward(spec, dev, tokens, spec.seq, False)
+    act = tokens * spec.hidden * spec.e
+    bw = _bw(spec.tp, per_node, dev)
+    forward_comm = 2 * _collective(act, spec.tp, bw, dev, ring=2.0)
+    backward_comm = _tp_comm(spec, dev, tokens, per_node) - forward_comm
+    forward = matmul + memory + forward_comm
+    backward = 2 * matmul + memory + backward_comm
+    if selective(spec):
+        backward += sum(_core_forward(spec, dev, tokens, spec.seq, False))
+    elif spec.recompute == "full":
+        backward += forward
+    return forward, backward
 
 
 def recompute_fraction(spec: MemorySpec, stage_layers: int) -> float:
