@@ -154,8 +154,9 @@ def _config_plan(cfg, base, hw, batch, flops):
     return evaluate(spec, hw, flops), ""
 
 
-def _plan(args):
-    from megatron.memory.planner import Hardware, plan
+def _setup(args):
+    """``(cfg, family, base spec, hardware, global batch, step FLOPs)`` of the flags."""
+    from megatron.memory.planner import Hardware
 
     _check(args)
     cfg, family, base = _base(args)
@@ -165,27 +166,37 @@ def _plan(args):
                   intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
                   hbm_gbps=args.hbm_gbps, reserve=parse_bytes(args.reserve))
     batch = args.global_batch or cfg.batch.global_batch_size
-    flops = family.flops_per_step(cfg.replace(global_batch_size=batch))
-    mine, why = _config_plan(cfg, base, hw, batch, flops)
-    return hw, base, batch, plan(base, hw, batch, flops), mine, why
+    flops = family.flops_per_step(cfg.replace(global_batch_size=batch)) \
+        if family.flops_per_step else 1.0
+    return cfg, family, base, hw, batch, flops
 
 
-def _print(args, hw, base, batch, plans, mine, why):
+def _header(args, hw, base, batch, candidates, mine, why):
     from megatron.memory.report import GIB
 
-    print(f"{args.config}: {len(plans)} layouts fit on {args.gpus} GPUs x "
+    print(f"{args.config}: {candidates} layouts on {args.gpus} GPUs x "
           f"{hw.gpu_memory / GIB:.0f} GiB less {hw.reserve / GIB:.1f} GiB reserve "
           f"({hw.nodes} nodes), global batch {batch}, {base.dtype}, {hw.peak_tflops:g} TFLOP/s "
           f"peak, GEMMs at up to {hw.efficiency:.0%}")
     print("  config: the YAML's own layout at the same global batch" if mine else
           f"  config: not evaluated ({why})")
     print(f"  {'':6s} {'tok/s/GPU':>9s} {'s/step':>8s} {'TFLOP/s':>7s}  layout")
-    for label, p in ([("config", mine)] if mine else []) + [("", p) for p in plans[:args.top]]:
-        stages = " ".join(f"{s.peak / GIB:.1f}" for s in p.stages)
-        fits = "" if p.fits(hw.usable) else "  DOES NOT FIT"
-        print(f"  {label:6s} {p.tokens_per_gpu_s:9.0f} {p.step_time:8.3f} "
-              f"{p.tflops_per_gpu:7.1f}  {p.layout():66s} bubble {p.bubble:.2f}  "
-              f"peak/stage GiB: {stages}{fits}")
+    if mine:
+        _row("config", mine, hw)
+    sys.stdout.flush()  # the configured layout's row before the ranking runs
+
+
+def _row(label, p, hw):
+    from megatron.memory.report import GIB
+
+    peaks = [s.peak / GIB for s in p.stages]
+    stages = " ".join(f"{x:.1f}" for x in peaks) if len(peaks) <= 8 else \
+        (f"max {max(peaks):.1f} (stage {peaks.index(max(peaks))}), "
+         f"min {min(peaks):.1f} (stage {peaks.index(min(peaks))})")
+    fits = "" if p.fits(hw.usable) else "  DOES NOT FIT"
+    print(f"  {label:6s} {p.tokens_per_gpu_s:9.0f} {p.step_time:8.3f} "
+          f"{p.tflops_per_gpu:7.1f}  {p.layout():66s} bubble {p.bubble:.2f}  "
+          f"peak/stage GiB: {stages}{fits}")
 
 
 def _paper(args, real_stdout):
@@ -239,15 +250,30 @@ def main(argv=None):
     real_stdout = sys.stdout
     if args.paper:
         return _paper(args, real_stdout)
+    from megatron.memory.planner import layouts, rank
+
     with contextlib.redirect_stdout(sys.stderr):
-        hw, base, batch, plans, mine, why = _plan(args)
+        cfg, family, base, hw, batch, flops = _setup(args)
+        mine, why = _config_plan(cfg, base, hw, batch, flops)
+        candidates = list(layouts(base, hw, batch))
     if not args.json:
-        _print(args, hw, base, batch, plans, mine, why)
+        _header(args, hw, base, batch, len(candidates), mine, why)
+    elif mine:
+        print(f"plan_layout: the config's layout: {mine.layout()}, "
+              f"{mine.tokens_per_gpu_s:.0f} tok/s/GPU; ranking {len(candidates)} layouts",
+              file=sys.stderr, flush=True)
+    with contextlib.redirect_stdout(sys.stderr):
+        plans = rank(candidates, hw, flops)
+    if not args.json:
+        print(f"  {len(plans)} of them fit; the fastest first:")
+        for p in plans[:args.top]:
+            _row("", p, hw)
         return 0
-    json.dump({"config": args.config, "gpus": args.gpus, "nodes": hw.nodes,
-               "gpu_memory_bytes": hw.gpu_memory, "reserve_bytes": hw.reserve,
-               "usable_bytes": hw.usable, "global_batch": batch, "dtype": base.dtype,
-               "efficiency": hw.efficiency, "peak_tflops": hw.peak_tflops,
+    json.dump({"config": args.config, "family": family.name, "gpus": args.gpus,
+               "nodes": hw.nodes, "gpu_memory_bytes": hw.gpu_memory,
+               "reserve_bytes": hw.reserve, "usable_bytes": hw.usable, "global_batch": batch,
+               "dtype": base.dtype, "efficiency": hw.efficiency,
+               "peak_tflops": hw.peak_tflops, "candidates": len(candidates),
                "config_layout": mine.to_dict() if mine else None,
                "config_layout_note": why, "layouts": [p.to_dict() for p in plans]},
               real_stdout, indent=1)

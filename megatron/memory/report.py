@@ -4,15 +4,10 @@ allocated then) and the optimizer step's (model states + the step's temporaries)
 from dataclasses import asdict, dataclass, replace
 from typing import List, Optional
 
-from .activations import gpt2_stage
-from .backward import gpt2_backward, t5_backward
-from .deferred import deferred_bytes, gemm_weight_params, largest_weight_grad
-from .grad_timing import grads_freed_each_step
-from .model_states import ModelStates, model_states, step_bytes
+from .chunks import chunk_bytes, rank_grad_bytes, rank_states, stage_layout
+from .model_states import ModelStates
 from .spec import MemorySpec
-from .stages import chunk_layers, rank_layers, stage_layers
-from .t5_activations import t5_stage
-from .walk import ChunkBytes, peaks, rank_chunks, rank_walks
+from .walk import RankPeaks, peaks, rank_walks
 
 GIB = 2 ** 30
 
@@ -76,105 +71,53 @@ class StageMemory:
         return out
 
 
-def _hidden_out(spec: MemorySpec) -> int:
-    """Bytes of one micro-batch's stage output (what a pipeline stage sends and keeps)."""
-    tokens = spec.micro_batch * (spec.seq + (spec.dec_seq if spec.family == "t5" else 0))
-    return tokens * spec.hidden * spec.residual_bytes // (spec.tp if spec.sequence_parallel
-                                                          else 1)
-
-
-def _received_masks(spec: MemorySpec) -> int:
-    """Bytes of the bool masks one micro-batch brings to a stage with its hidden states
-    (GPT-2: ``[1, 1, s, s]``; T5: encoder, decoder and cross masks per sample), kept with
-    the received inputs until the backward."""
-    if spec.family == "gpt2":
-        return spec.seq * spec.seq
-    se, sd = spec.seq, spec.dec_seq
-    return spec.micro_batch * (se * se + sd * sd + sd * se)
-
-
-def _chunk_buffers(spec: MemorySpec, chunk: int) -> int:
-    """What the engine keeps per micro-batch of global ``chunk`` beyond its saved
-    activations, from its forward to its backward: its output unless it is the last chunk,
-    and the masks it received unless it is the first."""
-    if spec.pp == 1:
-        return 0
-    last = spec.pp * spec.vpp - 1
-    # a GPT-2 chunk's recomputed layers save the received mask (counted as activations)
-    saved_mask = spec.family == "gpt2" and spec.recompute == "full"
-    return _hidden_out(spec) * (chunk != last) + \
-        _received_masks(spec) * (chunk != 0 and not saved_mask)
-
-
-def _loss_forward(spec: MemorySpec) -> int:
-    """16-bit logits next to their fp32 copy (which becomes the kept softmax) while the loss
-    runs; fp32 logits become the softmax themselves (the loss works in place)."""
-    tokens = spec.micro_batch * (spec.dec_seq if spec.family == "t5" else spec.seq)
-    return tokens * spec.vocab // spec.tp * (spec.e if spec.e < 4 else 0)
-
-
-def predict(spec: MemorySpec) -> List[StageMemory]:
+def predict(spec: MemorySpec, reference: bool = False) -> List[StageMemory]:
     """Predicted memory of every pipeline stage (one entry per stage).
 
     Args:
         spec: the run (:func:`~megatron.memory.spec.spec_from_run_config`).
+        reference: walk tds's lowered action lists rather than this module's orders (the
+            slow path the planner's ranking is checked against).
 
     Raises:
         ConfigError: a spec the model does not describe.
     """
     spec.check()
-    schedule = spec.pipeline_schedule
-    parts = chunk_layers(spec) if spec.vpp > 1 else stage_layers(spec)
-    chunks_of = rank_chunks(spec.pp, spec.vpp, schedule)  # each rank's global chunks
-    stages = [rank_layers(parts, r, mine) for r, mine in enumerate(chunks_of)] \
-        if schedule == "zbv" else stage_layers(spec)  # a loop: the stages' own partition
-    acts, cb = chunk_bytes(spec, parts)
-    walks = rank_walks(schedule if spec.pp > 1 else "", spec.pp, spec.vpp,
-                       spec.num_micro_batches)
-    out = []
-    saved_only = replace(cb, saved=tuple(a.saved for a in acts))
-    for layers, walk, mine in zip(stages, walks, chunks_of):
-        states = model_states(spec, layers)
-        rank = peaks(walk, cb)  # activations with what the engine keeps beside them
-        saved = peaks(walk, saved_only).activations
-        buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
-        buffers += rank.activations - saved  # stage outputs and received masks
-        rank_grads = sum(cb.grads[c] for c in mine)  # 0: they live through the step
-        late = min(states.grad_bytes, rank.activations + rank_grads - rank.with_grads)
-        out.append(StageMemory(layers.stage, states,
-                               sum(acts[c].saved for c in mine) // spec.vpp, rank.in_flight,
-                               buffers, rank.with_transient - rank.with_grads, saved, late,
-                               step_bytes(spec, layers, states)))
-    return out
+    layout = stage_layout(spec)
+    saved, cb = chunk_bytes(spec, layout.parts)
+    walks = rank_walks(spec.pipeline_schedule if spec.pp > 1 else "", spec.pp, spec.vpp,
+                       spec.num_micro_batches, reference)
+    saved_only = replace(cb, saved=saved)
+    states = rank_states(spec)
+    return [stage_memory(spec, r, saved, peaks(walk, cb), peaks(walk, saved_only).activations,
+                         states) for r, walk in enumerate(walks)]
 
 
-def chunk_bytes(spec: MemorySpec, parts) -> tuple:
-    """``(activations per chunk, ChunkBytes)`` of the model chunks ``parts`` (one per stage
-    without interleaving): what a micro-batch saves (with the stage output and the masks
-    the engine keeps beside it), keeps for a zero-bubble weight pass, the gradients and
-    when they appear, and each chunk's backward and loss-forward transients."""
-    stage_fn, backward_fn = (gpt2_stage, gpt2_backward) if spec.family == "gpt2" else \
-        (t5_stage, t5_backward)
-    acts = [stage_fn(spec, part) for part in parts]
-    saved = tuple(act.saved + _chunk_buffers(spec, part.stage) for act, part in zip(acts, parts))
-    zb = schedule_is_zero_bubble(spec)
-    deferred = tuple(deferred_bytes(spec, part) for part in parts) if zb else saved
-    params = [model_states(spec, part) for part in parts]
-    grads = tuple(x.grad_bytes if grads_freed_each_step(spec) else 0 for x in params)
-    gemm = tuple(min(g, gemm_weight_params(spec, part) * g // max(1, x.params)) if zb else 0
-                 for g, part, x in zip(grads, parts, params))
-    transient = [backward_fn(spec, part, act) for part, act in zip(parts, acts)]
-    forward = tuple(_loss_forward(spec) if part.head else 0 for part in parts)
-    per_param = 4 if spec.backend == "ddp" or spec.dtype == "fp32" else spec.e
-    weight_pass = tuple(largest_weight_grad(spec, part, per_param) for part in parts) \
-        if zb else ()
-    return acts, ChunkBytes(saved, deferred, grads, gemm, tuple(t.any for t in transient),
-                            tuple(t.first for t in transient), forward, weight_pass)
+def stage_memory(spec: MemorySpec, r: int, saved, rank: RankPeaks, saved_peak: int,
+                 states_steps=None) -> StageMemory:
+    """Pipeline rank ``r``'s :class:`StageMemory` from its walk's peaks.
 
-
-def schedule_is_zero_bubble(spec: MemorySpec) -> bool:
-    """A zero-bubble schedule (input and weight passes apart)."""
-    return spec.pp > 1 and spec.pipeline_schedule in ("zb-h1", "zbv")
+    Args:
+        spec: the run.
+        r: the pipeline rank.
+        saved: per global chunk, the bytes one micro-batch saves (without what the engine
+            keeps beside them).
+        rank: the rank's peaks with the engine's outputs and masks
+            (:func:`~megatron.memory.walk.peaks`).
+        saved_peak: the rank's most saved bytes at once, without them.
+        states_steps: :func:`~megatron.memory.chunks.rank_states` of ``spec`` (given by a
+            caller that asks for every rank).
+    """
+    layout = stage_layout(spec)
+    layers, mine = layout.stages[r], layout.chunks_of[r]
+    states, step = (states_steps or rank_states(spec))[r]
+    buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
+    buffers += rank.activations - saved_peak  # stage outputs and received masks
+    rank_grads = rank_grad_bytes(spec, mine)
+    late = min(states.grad_bytes, rank.activations + rank_grads - rank.with_grads)
+    return StageMemory(layers.stage, states, sum(saved[c] for c in mine) // spec.vpp,
+                       rank.in_flight, buffers, rank.with_transient - rank.with_grads,
+                       saved_peak, late, step)
 
 
 def format_stage(stage: StageMemory, pp: int) -> str:

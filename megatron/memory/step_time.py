@@ -180,33 +180,42 @@ class StepTime:
     """Idle share of the pipeline part."""
 
 
+def _per_layer(spec: MemorySpec, dev: Device, per_node: int, decoder: bool):
+    """``(compute, tp comm, forward, forward comm)`` seconds of one layer (a T5 decoder layer
+    when ``decoder``) and one micro-batch: forward and backward (two GEMMs per forward GEMM,
+    the elementwise bytes once more: each op reads its saved input and the gradient and
+    writes one gradient), selective recompute's attention core; what full recompute would
+    run again is the forward and its half of the collectives."""
+    b = spec.micro_batch
+    tokens = (spec.dec_seq if decoder else spec.seq) * b
+    matmul, memory = _layer_forward(spec, dev, tokens, spec.seq, decoder)
+    forward = matmul + memory
+    tp = _tp_comm(spec, dev, tokens, per_node)
+    compute = forward + 2 * matmul + memory
+    if selective(spec):  # the attention core once more (where it keeps s x s)
+        compute += sum(_core_forward(spec, dev, tokens, spec.seq, decoder))
+    return compute, tp, forward, tp / 2
+
+
 def _stage_times(spec: MemorySpec, dev: Device, layers_per_stage: List[tuple],
                  per_node: int):
     """Per stage: (compute, tp comm) seconds of one micro-batch, forward + backward."""
-    b = spec.micro_batch
+    kinds = [_per_layer(spec, dev, per_node, decoder) if any(
+        stage[decoder] for stage in layers_per_stage) else None for decoder in (0, 1)]
+    tokens = (spec.dec_seq if spec.family == "t5" else spec.seq) * spec.micro_batch
+    head_time = 3 * gemm_time(tokens, spec.vocab // spec.tp, spec.hidden, spec.e, dev)
     out = []
-    for enc, dec, head in layers_per_stage:
+    for stage in layers_per_stage:
         comp = comm = 0.0
-        for n, tokens, s_kv, cross in ((enc, spec.seq * b, spec.seq, False),
-                                       (dec, spec.dec_seq * b, spec.seq, True)):
+        for decoder in (0, 1):
+            n = stage[decoder]
             if n:
-                matmul, memory = _layer_forward(spec, dev, tokens, s_kv, cross)
-                forward = matmul + memory
-                tp = _tp_comm(spec, dev, tokens, per_node)
-                # the backward: two GEMMs per forward GEMM (input and weight gradients),
-                # the elementwise bytes once more (each op reads its saved input and the
-                # gradient and writes one gradient)
-                comp += n * (forward + 2 * matmul + memory)
-                comm += n * tp
-                if selective(spec):  # the attention core once more (where it keeps s x s)
-                    comp += n * sum(_core_forward(spec, dev, tokens, s_kv, cross))
-                elif spec.recompute == "full":  # the layers' forward once more
-                    again = recomputed_layers(spec, n, enc + dec)
-                    comp += again * forward
-                    comm += again * tp / 2  # the forward's half of the collectives
-        if head:
-            tokens = (spec.dec_seq if spec.family == "t5" else spec.seq) * b
-            comp += 3 * gemm_time(tokens, spec.vocab // spec.tp, spec.hidden, spec.e, dev)
+                compute, tp, forward, forward_tp = kinds[decoder]
+                again = recomputed_layers(spec, n, stage[0] + stage[1])
+                comp += n * compute + again * forward
+                comm += n * tp + again * forward_tp
+        if stage[2]:
+            comp += head_time
         out.append((comp, comm))
     return out
 

@@ -12,9 +12,9 @@ actions is a set of integer rows (counts and flags per local chunk), and any byt
 give the rank's peaks as the largest row-vector product (:func:`peaks`): the walk is made
 once per ``(schedule, p, v, m)`` and reused by every layout that shares it.
 
-The orders are tds's (:func:`tds.pipe.schedules.compute_orders`, what the engine runs);
-1F1B, interleaved 1F1B and ZB-H1 are built here on arrays in the same order
-(tests/test_planner_fast.py checks them against tds's), ZB-V's list schedule is tds's.
+The orders are tds's (:func:`tds.pipe.schedules.compute_orders`, what the engine runs),
+built here on arrays in the same order (ZB-V's list schedule in :mod:`.walk_zbv`;
+tests/test_planner_fast.py checks every one against tds's).
 """
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,7 +22,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-F, B, BI, W = 0, 1, 2, 3  # action kinds
+from .walk_zbv import BI, B, F, W, zbv_orders  # noqa: F401  (the action kinds)
 #: Column blocks of a moment row, each ``v`` wide (one column per local chunk).
 BLOCKS = ("alive", "deferred", "grads_b", "grads_bi", "grads_w", "transient", "first",
           "forward", "weight_pass", "weight_first")
@@ -89,25 +89,33 @@ def _interleaved(p: int, v: int, m: int):
     return kinds, chunks
 
 
-def _from_tds(name: str, p: int, v: int, m: int):
-    """Kinds and local chunks from tds's own orders (ZB-V's list schedule)."""
+def _from_tds(name: str, p: int, v: int, m: int, lowered: bool = False):
+    """Kinds and local chunks from tds's own orders (ZB-V's list schedule); ``lowered``:
+    from the action lists the engine runs (``build_schedule``, communication left out)."""
     from tds.pipe import schedules
 
     kind_of = {schedules.Forward: F, schedules.Backward: B, schedules.BackwardInput: BI,
                schedules.BackwardWeight: W}
     mine = rank_chunks(p, v, name)
-    orders = schedules.compute_orders(name, p, v, m)
+    if lowered:
+        orders = [[a for a in actions if type(a) in kind_of]
+                  for actions in schedules.build_schedule(name, p, v, m)[0]]
+    else:
+        orders = schedules.compute_orders(name, p, v, m)
     kinds = np.array([[kind_of[type(a)] for a in order] for order in orders])
     chunks = np.array([[mine[r].index(a.chunk) for a in order]
                        for r, order in enumerate(orders)])
     return kinds, chunks
 
 
-def orders(name: str, p: int, v: int, m: int):
+def orders(name: str, p: int, v: int, m: int, reference: bool = False):
     """``(kinds [p, T], local chunks [p, T])`` of a schedule (``p == 1``: forward then
-    backward of each micro-batch)."""
+    backward of each micro-batch); ``reference``: read off tds's lowered action lists (the
+    slow path the planner's ranking is checked against)."""
     if p == 1:
         return np.tile([F, B], (1, m)), np.zeros((1, 2 * m), dtype=np.int64)
+    if reference:
+        return _from_tds(name, p, v, m, lowered=True)
     if name == "1f1b":
         kinds = _one_f_one_b(p, m)
         return kinds, np.zeros_like(kinds)
@@ -116,6 +124,8 @@ def orders(name: str, p: int, v: int, m: int):
         return kinds, np.zeros_like(kinds)
     if name == "interleaved":
         return _interleaved(p, v, m)
+    if name == "zbv":
+        return zbv_orders(p, m)
     return _from_tds(name, p, v, m)
 
 
@@ -141,19 +151,45 @@ def _rank_walk(kinds: np.ndarray, chunks: np.ndarray, v: int,
                        np.hstack([after, zeros, zeros, hot, zeros, zeros])[is_[F][:, 0]],
                        np.hstack([before, zeros, zeros, zeros, hot, weight_first])[
                            is_[W][:, 0]]])
-    return RankWalk(np.unique(np.hstack([after] + [zeros] * 5), axis=0),
-                    np.unique(extra, axis=0), mine)
+    return RankWalk(_unique_rows(np.hstack([after] + [zeros] * 5)), _unique_rows(extra), mine)
+
+
+def _unique_rows(rows: np.ndarray) -> np.ndarray:
+    """``np.unique(rows, axis=0)`` (the rows kept, in some order), by one int64 key per row:
+    a mixed-radix number where the columns' ranges fit in 62 bits (exact), else a hash
+    whose equal keys are then checked row by row (``np.unique`` itself on a collision)."""
+    if not len(rows):
+        return rows
+    low = rows.min(axis=0)
+    radix = rows.max(axis=0) - low + 1
+    if float(np.prod(radix.astype(np.float64))) < 2.0 ** 62:
+        place = np.concatenate([[1], np.cumprod(radix[::-1])[:-1]])[::-1].astype(np.int64)
+        _, first = np.unique((rows - low) @ place, return_index=True)
+        return rows[first]
+    key = rows @ _HASH[:rows.shape[1]]  # wraps modulo 2^64
+    order = np.argsort(key, kind="stable")
+    sorted_key = key[order]
+    starts = np.concatenate([[True], sorted_key[1:] != sorted_key[:-1]])
+    group_first = order[starts][np.cumsum(starts) - 1]
+    if (rows[order] != rows[group_first]).any():  # two different rows, one key
+        return np.unique(rows, axis=0)
+    return rows[order[starts]]
+
+
+_HASH = np.random.default_rng(46).integers(1, 2 ** 62, size=4096, dtype=np.int64) | 1
 
 
 @lru_cache(maxsize=512)
-def rank_walks(name: str, p: int, v: int, m: int) -> Tuple[RankWalk, ...]:
+def rank_walks(name: str, p: int, v: int, m: int,
+               reference: bool = False) -> Tuple[RankWalk, ...]:
     """Every rank's :class:`RankWalk` of a schedule (made once per argument set).
 
     Args:
         name: the schedule (1f1b, interleaved, zb-h1, zbv; anything with ``p == 1``).
         p, v, m: pipeline ranks, chunks per rank, micro-batches.
+        reference: from tds's lowered action lists (:func:`orders`).
     """
-    kinds, chunks = orders(name, p, v, m)
+    kinds, chunks = orders(name, p, v, m, reference)
     mine = rank_chunks(p, v, name)
     return tuple(_rank_walk(kinds[r], chunks[r], v, mine[r]) for r in range(p))
 
