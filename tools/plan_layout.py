@@ -49,8 +49,9 @@ def _args(argv):
     p.add_argument("--paper", choices=["narayanan2021", "korthikanti2022"], default=None,
                    help="evaluate a published table's own layouts instead (A100 preset)")
     p.add_argument("--family", default="gpt2",
-                   help="a registered model family with a memory model (gpt2, t5, or one "
-                        "registered by megatron.families.register)")
+                   help="the model family: a registered name (gpt2, t5, or one registered by "
+                        "megatron.families.register) or an import path package.module:OBJECT "
+                        "(a ModelFamily with a memory model; docs/memory.md)")
     p.add_argument("--gpus", type=int, default=None, help="required unless --paper")
     p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB")
     p.add_argument("--reserve", default="4GiB",
@@ -96,14 +97,15 @@ class _PlannedGPU:
 
 def _base(args):
     from megatron.config import build_run_config
-    from megatron.families import get_family
+    from megatron.families import load_family
     from megatron.memory.spec import spec_from_run_config
 
-    family = get_family(args.family)
+    family = load_family(args.family)
     if family.memory_model is None:
         raise ConfigError(f"family {family.name!r} has no memory model, so no layout can be "
-                          f"planned for it; set its memory_model ('gpt2' for a decoder-only "
-                          f"transformer) to describe it (docs/memory.md)")
+                          f"planned for it; set its memory_model ('decoder' for GPT-2-like "
+                          f"layers, or a megatron.memory.LayerDescription of its layers) to "
+                          f"describe it (docs/memory.md)")
     argv = ["--config", args.config, "--lr", "1e-4", "--train-iters", "1"]
     cfg, _ = build_run_config(argv, family, world_size=args.gpus, rank=0, check_files=False,
                               accelerator=_PlannedGPU())

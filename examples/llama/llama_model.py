@@ -359,6 +359,18 @@ def flops_per_step(cfg: Any) -> float:
     return 3.0 * 2.0 * b * s * (c.num_layers * per_layer + h * c.vocab_size)
 
 
+def memory_description(cfg: Any):
+    """The memory model's description of these layers (the planner and the start-up check
+    read it; docs/memory.md): RMSNorm, SwiGLU, grouped-query SDPA attention with rotary
+    positions, no biases, no dropout, an output layer of its own."""
+    from megatron.memory import LayerDescription
+
+    return LayerDescription(norm="rmsnorm", mlp="swiglu", positions="rotary", bias=False,
+                            kv_heads=model_config(cfg).num_key_value_heads,
+                            tied_embeddings=False, dropout=False, attention="sdpa",
+                            mask_tensor=True, separate_projections=True)
+
+
 LLAMA = ModelFamily(
     name="llama", label="Llama", add_flags=add_flags, model_config=model_config,
     build_model=build_model, build_datasets=decoder_lm.build_datasets,
@@ -367,4 +379,4 @@ LLAMA = ModelFamily(
     flag_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     checked_settings=("num_key_value_heads", "rope_theta", "layernorm_epsilon"),
     compile_classes=(LlamaLayer,),
-    supports=frozenset(FEATURES))
+    supports=frozenset(FEATURES), memory_model=memory_description)

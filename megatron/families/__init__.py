@@ -37,7 +37,8 @@ from ..errors import ConfigError
 from .base import (FEATURES, ModelFamily, pipeline_placement, pipeline_topology,
                    transformer_kwargs, unsupported_flags)
 
-__all__ = ["FEATURES", "ModelFamily", "get_family", "known_families", "pipeline_placement",
+__all__ = ["FEATURES", "ModelFamily", "get_family", "known_families", "load_family",
+           "pipeline_placement",
            "pipeline_topology",
            "register", "transformer_kwargs", "unsupported_flags"]
 
@@ -82,6 +83,41 @@ def get_family(name) -> Optional[ModelFamily]:
             f"ModelFamily object itself (pretrain(family=MY_FAMILY)), or register it first: "
             f"megatron.families.register({name!r}, lambda: MY_FAMILY) (docs/new_model.md)")
     return _FACTORIES[name]()
+
+
+def load_family(name: str) -> ModelFamily:
+    """A family by registered name, or by import path ``package.module:OBJECT`` (a
+    :class:`ModelFamily`, or a function returning one), as tools take it on the command line
+    (``tools/plan_layout.py --family my_models.llama:LLAMA``); the working directory is on
+    the import path.
+
+    Args:
+        name: ``gpt2``, a registered name, or ``package.module:OBJECT``.
+
+    Raises:
+        ConfigError: a path that does not import, or an object that is not a family.
+    """
+    if ":" not in name:
+        return get_family(name)
+    import importlib
+    import os
+    import sys
+
+    module_name, _, attribute = name.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"model family {name!r}: cannot import {attribute!r} from "
+                          f"{module_name!r} ({exc}); give package.module:OBJECT importable "
+                          f"from here (or on PYTHONPATH)") from None
+    factory = callable(found) and not isinstance(found, (ModelFamily, type))
+    family = found() if factory else found
+    if not isinstance(family, ModelFamily):
+        raise ConfigError(f"model family {name!r} is a {type(family).__name__}, not a "
+                          f"megatron.families.ModelFamily (or a function returning one)")
+    return family
 
 
 def _gpt2():

@@ -16,7 +16,7 @@ def _no_problems(*_):
 FEATURES: Dict[str, Tuple[str, Callable]] = {
     "sequence_parallel": ("--sequence-parallel",
                           lambda ns: bool(getattr(ns, "sequence_parallel", False))),
-    "checkpoint_activations": ("--checkpoint-activations (--recompute-granularity full)",
+    "checkpoint_activations": ("--checkpoint-activations",  # = --recompute-granularity full
                                lambda ns: bool(getattr(ns, "checkpoint_activations", False))),
     "selective_recompute": ("--recompute-granularity selective",
                             lambda ns: getattr(ns, "recompute_granularity", None) == "selective"),
@@ -99,9 +99,12 @@ class ModelFamily:
     """Optional generic features the model implements (:data:`FEATURES`: ``sequence_parallel``,
     ``checkpoint_activations``, ``selective_recompute``, ``recompute_block``,
     ``virtual_pipeline``, ``pipeline``); others are refused."""
-    memory_model: Optional[str] = None
+    memory_model: Any = None
     """The startup memory check's and tools/plan_layout.py's description of the model:
-    ``"gpt2"`` (a decoder-only transformer), ``"t5"``, or None (no memory model: said so)."""
+    ``"gpt2"`` / ``"decoder"`` / ``"encoder"`` (GPT-2's layers with the run's sizes),
+    ``"t5"`` / ``"encoder-decoder"``, a ``megatron.memory.LayerDescription`` of the family's
+    layers (or a function of the run configuration returning one), or None (no memory
+    model: said so); megatron/memory/describe.py."""
 
     def unsupported_flags(self, ns) -> list:
         """Messages for the flags of ``ns`` asking for features this model lacks."""

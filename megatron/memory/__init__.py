@@ -15,8 +15,9 @@ the H100 / A100 presets), :mod:`.published` (that model against Narayanan et al.
 Table 1) and :mod:`.check` (the start-up check).
 docs/memory.md gives the formulas and their measured error.
 """
+from .describe import LayerDescription
 from .report import GIB, StageMemory, format_stage, predict
 from .spec import MemorySpec, spec_from_run_config
 
-__all__ = ["GIB", "MemorySpec", "StageMemory", "format_stage", "predict",
+__all__ = ["GIB", "LayerDescription", "MemorySpec", "StageMemory", "format_stage", "predict",
            "spec_from_run_config"]

@@ -141,8 +141,11 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     s, h, f, t, e = spec.seq, spec.hidden, spec.ffn, spec.tp, spec.e
     proj = spec.heads * spec.kv_channels
     tokens = s * b
-    total = 2 * norm_bytes(spec, tokens)
-    total += 2 * tokens * h * e // sp_divisor(spec)  # QKV and fc1 inputs (shards under SP)
+    total = 2 * norm_bytes(spec, tokens, spec.norm_stats)
+    # QKV and fc1 inputs (shards under SP): one tensor each; separate q, k, v (gate, up)
+    # linears under autocast each cast a copy of their own
+    copies = 2 + (2 + spec.gated if spec.autocast and spec.separate_projections else 0)
+    total += copies * tokens * h * e // sp_divisor(spec)
     recomputed = selective(spec)
     if recomputed or not (cpu_math_path(spec) and spec.e < 4):  # there: its fp32 copies
         total += 3 * tokens * proj * e // t  # q, k, v (the checkpoint's inputs, selective)
@@ -150,12 +153,17 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
         total += tokens * proj * e // t
     else:
         total += attention_core(spec, Shape(s, s, b))
-    total += 2 * tokens * f * e // t  # GeLU input and output (fc2's input)
+    if spec.positions == "rotary":  # the fp32 cos and sin the rotation multiplies by
+        total += 2 * s * spec.kv_channels * 4
+    if spec.mask_tensor and spec.attention == "sdpa":  # the additive [1, 1, s, s] mask
+        total += s * s * e
+    # GeLU input and output (fc2's input); SwiGLU: gate and up outputs, SiLU, the product
+    total += (4 if spec.gated else 2) * tokens * f * e // t
     drop_dtype = spec.residual_bytes if spec.bias else e  # the bias add promotes it
     residual = tokens * h // sp_divisor(spec)
     total += 2 * dropout_bytes(spec, residual, drop_dtype, spec.hidden_dropout)
     if spec.autocast:
-        total += (3 * h * proj + proj * h + 2 * h * f) // t * e
+        total += (h * spec.qkv_width + proj * h + (3 if spec.gated else 2) * h * f) // t * e
     return total
 
 
@@ -201,7 +209,8 @@ def gpt2_embedding(spec: MemorySpec, b: int) -> int:
         b: samples per micro-batch.
     """
     tokens = spec.seq * b
-    ids = 2 * tokens * 8  # token ids (local ids under tp) and position ids
+    # token ids (local ids under tp) and, for a position table, position ids
+    ids = (2 if spec.positions == "learned" else 1) * tokens * 8
     if spec.tp > 1:
         ids += tokens  # VocabParallelEmbedding's out-of-range mask
     drop = dropout_bytes(spec, tokens * spec.hidden // sp_divisor(spec), spec.residual_bytes,
@@ -253,7 +262,7 @@ def gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
     if layers.embedding:
         total += gpt2_embedding(spec, b)
     if layers.final_norm:
-        total += norm_bytes(spec, tokens)
+        total += norm_bytes(spec, tokens, spec.norm_stats)
     if layers.head:
         total += output_and_loss(spec, b, spec.seq)
     return Activations(total, peak)

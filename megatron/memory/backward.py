@@ -69,6 +69,7 @@ def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1) -> int:
     h, e, r, c = spec.hidden, spec.e, spec.residual_bytes, sp_divisor(spec)
     tokens = shape.sq * shape.b
     proj, f = spec.heads * spec.kv_channels // spec.tp, spec.ffn // spec.tp
+    qkv = spec.qkv_width // spec.tp
     sp = spec.sequence_parallel and spec.tp > 1
     # a zero-bubble input pass makes no weight gradient and keeps each GEMM's input and
     # output gradient for the weight pass (megatron/memory/deferred.py)
@@ -95,12 +96,12 @@ def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1) -> int:
          held * h),  # fc2, its input
         (2 * inner, inner, 0),  # the activation's backward, its input
         (inner + col_dx + fc1_outputs * f * h * wg,
-         gemm_in * tokens * h * e // c + norm_bytes(spec, tokens) + drop,
+         gemm_in * tokens * h * e // c + norm_bytes(spec, tokens, spec.norm_stats) + drop,
          held * fc1_outputs * f),  # fc1, LN2, dropout
         (row_dy + tokens * proj * e + proj * h * wg, 0, held * h),  # dense
         (core_work, core_kept - (1 - gemm_in) * tokens * proj * e + qkv_saved, 0),
         (6 * tokens * proj * e, 0, 0),  # q, k, v gradients and the split's concatenation
-        (3 * tokens * proj * e + col_dx + 3 * proj * h * wg, 0, held * 3 * proj))  # QKV
+        (tokens * qkv * e + col_dx + qkv * h * wg, 0, held * qkv))  # QKV
     most = freed = 0
     for working, frees, holds in parts:
         most = max(most, working - freed)
@@ -148,7 +149,8 @@ def gpt2_embedding_backward(spec: MemorySpec, b: int) -> int:
     if spec.sequence_parallel and spec.tp > 1:
         grad += spec.seq * b * spec.hidden * spec.residual_bytes  # all-gathered
     param = 4 if spec.backend == "ddp" or spec.dtype == "fp32" else spec.e
-    table = max(spec.vocab // spec.tp, spec.max_positions) * spec.hidden * param
+    positions = spec.max_positions if spec.positions == "learned" else 0
+    table = max(spec.vocab // spec.tp, positions) * spec.hidden * param
     return max(2 * spec.seq * b * spec.hidden * spec.residual_bytes // sp_divisor(spec),
                grad + table)
 
@@ -230,11 +232,11 @@ def gpt2_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> Tr
             0, False, 0, 0, False, False, True)) if zero_bubble(spec) else 0)
         made = _grad_bytes(spec, head=True)
     if layers.final_norm:
-        head += norm_bytes(spec, tokens)
+        head += norm_bytes(spec, tokens, spec.norm_stats)
         made += _grad_bytes(spec, final_norm=True)
     n = layers.encoder_layers
     if n:
-        lb = layer_backward(spec, Shape(spec.seq, spec.seq, b)) - head
+        lb = layer_backward(spec, Shape(spec.seq, spec.seq, b), 2 if spec.gated else 1) - head
         points += _layer_points(spec, n, lb, act, b, made)
         made += n * _grad_bytes(spec, encoder_layers=1)
     if layers.embedding:
@@ -257,7 +259,7 @@ def t5_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> Tran
     if layers.head:
         out = head_backward(spec, b, spec.dec_seq)
         head = output_and_loss(spec, b, spec.dec_seq)
-    gated = 2 if spec.ff_type == "gated-gelu" else 1
+    gated = 2 if spec.gated else 1
     for count, s in ((layers.encoder_layers, spec.seq), (layers.decoder_layers, spec.dec_seq)):
         if count:
             layer = layer_backward(spec, Shape(s, max(s, spec.seq), b), gated)

@@ -44,7 +44,8 @@ def layouts(base: MemorySpec, hw: Hardware, global_batch: int) -> Iterator[Memor
     """
     stacks = 2 if base.family == "t5" else 1
     for tp in _divisors(hw.gpus):
-        if tp > min(8, hw.per_node) or base.heads % tp or base.vocab % tp:
+        if tp > min(8, hw.per_node) or base.heads % tp or base.vocab % tp or \
+                (base.kv_heads or base.heads) % tp:
             continue
         for pp in _divisors(hw.gpus // tp):
             if pp > base.num_layers * stacks:

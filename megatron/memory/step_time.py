@@ -108,9 +108,10 @@ def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int,
     dropouts, residuals, GeLU; the unfused attention's scores)."""
     h, t, e, f = spec.hidden, spec.tp, spec.e, spec.ffn
     proj = spec.heads * spec.kv_channels
-    gated = 2 if spec.family == "t5" and spec.ff_type == "gated-gelu" else 1
+    gated = 2 if spec.gated else 1
     b = spec.micro_batch
-    time = gemm_time(tokens, 3 * proj // t, h, e, dev) + gemm_time(tokens, h, proj // t, e, dev)
+    time = gemm_time(tokens, spec.qkv_width // t, h, e, dev) + \
+        gemm_time(tokens, h, proj // t, e, dev)
     time += gemm_time(tokens, gated * f // t, h, e, dev) + gemm_time(tokens, h, f // t, e, dev)
     if cross:  # decoder: cross-attention's projections (its core: _core_forward)
         enc = s_kv * b
