@@ -379,4 +379,5 @@ LLAMA = ModelFamily(
     flag_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     checked_settings=("num_key_value_heads", "rope_theta", "layernorm_epsilon"),
     compile_classes=(LlamaLayer,),
-    supports=frozenset(FEATURES), memory_model=memory_description)
+    # block recompute is not implemented here (its layers recompute as uniform groups of 1)
+    supports=frozenset(FEATURES) - {"recompute_block"}, memory_model=memory_description)
