@@ -5,7 +5,8 @@ megatron/model/recompute.py).
 A run with recompute must train exactly as the run without it (the recomputed forward
 replays the RNG states, so dropout draws the same masks): GPT-2 at tp 2 with sequence
 parallelism, 2 pipeline stages of 2 interleaved chunks, unfused attention, hidden and
-attention dropout 0.1, 8 steps: selective and full block against no recompute; T5 at tp 2 with selective (unfused) and block. Each recomputing run must have
+attention dropout 0.1, 8 steps: selective and full block against no recompute; T5 at tp 2
+with selective (unfused) and block. Each recomputing run must have
 recomputed (the checkpointed blocks' backward ran), and the start-up line says what.
 """
 import random

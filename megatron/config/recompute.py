@@ -11,8 +11,9 @@
 - ``selective``: only the attention core (scores, softmax, attention dropout, context) is
   recomputed, where it keeps ``s x s`` tensors: Megatron's unfused path, and SDPA on the
   CPU with attention dropout (PyTorch's math path). SDPA's fused kernels keep no ``s x s``
-  tensor, so there is nothing to recompute; the start-up log says which
-  (:func:`describe`; the rule: :func:`megatron.model.recompute.core_keeps_scores`). Korthikanti et al. 2022, Section 4.2.
+  tensor, so there is nothing to recompute; the start-up log says which (:func:`describe`;
+  the rule: :func:`megatron.model.recompute.core_keeps_scores`). Korthikanti et al. 2022,
+  Section 4.2.
 
 ``--checkpoint-activations`` (with ``--checkpoint-num-layers``) is ``full`` + ``uniform``;
 ``--recompute-activations`` is ``selective`` (Megatron-LM's shortcut). After validation

@@ -10,7 +10,7 @@ layers weigh the same, so each distinct one is computed once per layout
 """
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import List, Tuple
+from typing import Tuple
 
 from .activations import gpt2_stage
 from .backward import gpt2_backward, t5_backward

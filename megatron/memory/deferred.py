@@ -77,7 +77,7 @@ def largest_weight_grad(spec: MemorySpec, layers: StageLayers, grad_bytes: int) 
         layers: the chunk.
         grad_bytes: bytes per element of a gradient.
     """
-    h, t, f, proj = spec.hidden, spec.tp, spec.ffn, spec.heads * spec.kv_channels
+    h, t, f = spec.hidden, spec.tp, spec.ffn
     gates = 2 if spec.gated else 1
     largest = max(gates * f * h, spec.qkv_width * h) // t if layers.encoder_layers or \
         layers.decoder_layers else 0

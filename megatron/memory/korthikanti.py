@@ -67,8 +67,9 @@ KORTHIKANTI_2022 = (
 def model_flops(row: Row) -> float:
     """Model FLOPs of one iteration (no recompute; the paper's count behind its MFU):
     ``72 B s l h^2 (1 + s / 6h + V / 12 l h)``."""
-    h, s, l = row.hidden, SEQ, row.layers
-    return 72.0 * row.global_batch * s * l * h * h * (1 + s / (6 * h) + VOCAB / (12 * l * h))
+    h, s, layers = row.hidden, SEQ, row.layers
+    return 72.0 * row.global_batch * s * layers * h * h * (
+        1 + s / (6 * h) + VOCAB / (12 * layers * h))
 
 
 def row_spec(row: Row, present: bool) -> MemorySpec:

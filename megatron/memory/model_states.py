@@ -150,7 +150,7 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
 
 def _largest_param(spec: MemorySpec, layers: StageLayers) -> int:
     """Elements of the stage's largest parameter tensor on one tensor-parallel rank."""
-    proj, t = spec.heads * spec.kv_channels, spec.tp
+    t = spec.tp
     largest = max(spec.ffn * spec.hidden, spec.qkv_width * spec.hidden) // t \
         if layers.encoder_layers or layers.decoder_layers else spec.hidden
     if layers.embedding or layers.head:
