@@ -14,26 +14,15 @@ from dataclasses import dataclass, replace
 from typing import List
 
 from .planner import Hardware, Plan, evaluate
+from .published import SEQ, VOCAB, PaperRun
 from .report import GIB
 from .spec import MemorySpec
 from .step_time import A100, Device, layer_times
 
-#: Sequence length and padded vocabulary of every row (the paper's Section 6).
-SEQ, VOCAB = 2048, 51200
-
-
 @dataclass(frozen=True)
-class Row:
-    """One row of Tables 3 and 5."""
+class Row(PaperRun):
+    """One row of Tables 3 and 5 (sequence 2048 and vocabulary 51,200, as in Table 1)."""
 
-    params_b: float
-    heads: int
-    hidden: int
-    layers: int
-    tp: int
-    pp: int
-    gpus: int
-    global_batch: int
     full_s: float
     """Iteration time with full recompute (Table 5), seconds."""
     present_s: float
@@ -43,10 +32,6 @@ class Row:
     vpp: int = 1
     """Interleaved chunks per pipeline rank."""
     micro_batch: int = 1
-
-    @property
-    def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
 
     @property
     def speedup(self) -> float:
