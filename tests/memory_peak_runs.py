@@ -115,16 +115,17 @@ def _mark_step_phase(backend, tracker):
         setattr(engine, name, marked(getattr(engine, name)))
 
 
-def measure_peak(argv, vocab, seed):
+def measure_peak(argv, vocab, seed, family="gpt2"):
     """This rank's measured peak during the second of two training steps at ``argv``, what
-    was alive at that moment by kind, and the model's stage figures."""
-    from megatron.families import get_family
+    was alive at that moment by kind, and the model's stage figures; ``family`` a decoder
+    family's name or import path (its batch is GPT-2's)."""
+    from megatron.families import load_family
     from megatron.memory import predict, spec_from_run_config
     from megatron.training.backend_factory import build_backend
 
     before = Preexisting()  # an earlier layout's engine, which Python does not free
-    fam = get_family("gpt2")
-    cfg = run_config("gpt2", argv, vocab)
+    fam = load_family(family)
+    cfg = run_config(family, argv, vocab)
     setup(cfg)
     gen = torch.Generator().manual_seed(seed)
     # made as they are read (a data loader's few batches, not the whole step's in a list)
@@ -156,6 +157,6 @@ def measure_peak(argv, vocab, seed):
     return out
 
 
-def measure_peaks(layouts, vocab, seed):
+def measure_peaks(layouts, vocab, seed, family="gpt2"):
     """:func:`measure_peak` for each ``argv`` in ``layouts`` (one process per rank)."""
-    return [measure_peak(argv, vocab, seed) for argv in layouts]
+    return [measure_peak(argv, vocab, seed, family) for argv in layouts]

@@ -11,11 +11,12 @@ VOCAB = 256  # padded rows (divisible by tp up to 4)
 
 def run_config(family, argv, vocab=VOCAB):
     """A validated RunConfig of ``argv`` for this launch (no tokenizer files: the padded
-    vocabulary, ``vocab`` rows, is set directly)."""
+    vocabulary, ``vocab`` rows, is set directly); ``family`` a name or an import path
+    (``examples.llama.llama_model:LLAMA``)."""
     from megatron.config import build_run_config
-    from megatron.families import get_family
+    from megatron.families import load_family
 
-    cfg, _ = build_run_config(argv, get_family(family), world_size=dist.get_world_size(),
+    cfg, _ = build_run_config(argv, load_family(family), world_size=dist.get_world_size(),
                               rank=dist.get_rank(), check_files=False)
     return cfg.replace(padded_vocab_size=vocab, true_vocab_size=vocab - 3)
 
@@ -73,7 +74,7 @@ def _stage_input(cfg, model, inputs, gen):
     def hidden(s):
         return torch.randn(s // split, b, h, generator=gen).requires_grad_()
 
-    if cfg.family == "gpt2":
+    if cfg.family != "t5":  # a decoder's (hidden, mask)
         return hidden(cfg.batch.seq_length), inputs[2]
     enc, dec = hidden(cfg.t5.enc_seq_length), hidden(cfg.t5.dec_seq_length)
     return enc, inputs[2], dec, inputs[3], inputs[4]
@@ -108,16 +109,16 @@ def saved_bytes(cfg, model, inputs, labels, loss_fn, pipeline, gen):
 def measure_activations(family, layouts, seed):
     """For each ``argv`` in ``layouts``: (measured, predicted) activation bytes of one
     micro-batch on this rank, and the stage's in-flight count."""
-    from megatron.families import get_family
+    from megatron.families import load_family
     from megatron.memory import predict, spec_from_run_config
 
-    fam = get_family(family)
+    fam = load_family(family)
     out = []
     for argv in layouts:
         cfg = run_config(family, argv)
         setup(cfg)
         gen = torch.Generator().manual_seed(seed)
-        inputs, labels = (gpt2_batch if family == "gpt2" else t5_batch)(cfg, gen)
+        inputs, labels = (t5_batch if family == "t5" else gpt2_batch)(cfg, gen)
         pipeline = cfg.parallel.pp > 1
         model = fam.build_model(cfg, pipeline)
         model.train()

@@ -134,14 +134,20 @@ def test_missing_files_are_reported(tmp_path):
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*", "*.yaml"))),
                          ids=os.path.basename)
 def test_shipped_configs_parse(path, device):
+    import yaml
+
     from megatron.config.preflight import uses_deepspeed
 
     argv = ["--config", path, "--train-iters", "10"]
+    layout = yaml.safe_load(open(path)).get("parallel_config", {})  # e.g. 64 GPUs for 175B
+    world = max(8, layout.get("model_parallel", 1) * layout.get("pipeline_stage", 1))
     if device is WITHOUT_FP16:
-        full = parse_args(argv, world_size=8, rank=0, check_files=False, accelerator=WITH_FP16)
+        full = parse_args(argv, world_size=world, rank=0, check_files=False,
+                          accelerator=WITH_FP16)
         if full.fp16 and uses_deepspeed(full):  # a DeepSpeed engine would refuse it
             with pytest.raises(ConfigError, match="--fp16 is not supported.*use --bf16 or fp32"):
-                parse_args(argv, world_size=8, rank=0, check_files=False, accelerator=device)
+                parse_args(argv, world_size=world, rank=0, check_files=False,
+                           accelerator=device)
             return
-    args = parse_args(argv, world_size=8, rank=0, check_files=False, accelerator=device)
+    args = parse_args(argv, world_size=world, rank=0, check_files=False, accelerator=device)
     assert args.num_layers > 0 and args.global_batch_size > 0

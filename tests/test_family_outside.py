@@ -22,7 +22,7 @@ def _family(**changes):
     from llama_model import LLAMA
 
     return dataclasses.replace(LLAMA, name="mine", label="Mine", flops_per_step=my_flops,
-                               supports=frozenset({"pipeline"}), **changes)
+                               supports=frozenset({"pipeline"}), memory_model=None, **changes)
 
 
 def _captured(argv, family=None, **providers):

@@ -14,6 +14,7 @@ from harness import run_distributed
 from memory_runs import measure_activations, measure_states
 
 TOL = 0.05
+SELECTIVE = ["--recompute-granularity", "selective"]
 
 
 def _report(name, errors):
@@ -43,10 +44,17 @@ def _gpt2_layouts(micro):
                     "--sequence-parallel"],
             base + ["--bf16"],
             base[:-2] + ["--model-parallel-size", "2"],  # SDPA's math path on the CPU
-            base[:-2] + ["--bf16"]]
+            base[:-2] + ["--bf16"],
+            # selective recompute: q, k, v and the context kept, the core's s x s recomputed
+            base + ["--attention-backend", "unfused", "--attention-dropout", "0.1",
+                    "--model-parallel-size", "2", "--sequence-parallel"] + SELECTIVE,
+            base[:-2] + ["--bf16"] + SELECTIVE,  # the math path's core, recomputed
+            # block: the first of each stage's 2 layers keeps its input
+            base + ["--pipe-parallel-size", "2", "--recompute-granularity", "full",
+                    "--recompute-method", "block"]]
 
 
-@pytest.mark.slow  # ~10-15 s on 2 shared cores: 9 layouts x 4 ranks
+@pytest.mark.slow  # ~10-15 s on 2 shared cores: 14 layouts x 4 ranks
 def test_gpt2_activations_match_saved_tensors():
     micro = random.choice([1, 2, 3])
     seed = random.randrange(2**31)

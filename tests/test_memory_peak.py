@@ -1,8 +1,8 @@
 """The memory model's whole per-stage peak against the real peak of a training step (CPU,
 gloo), for 1F1B, interleaved, ZB-H1 and ZB-V pipelines, sequence parallelism, full
-recompute, bf16 with both of DeepSpeed's gradient accumulation dtypes, and DeepSpeed's
-engine without a pipeline
-(whose peak is its optimizer step).
+(uniform and block) and selective recompute, bf16 with both of DeepSpeed's gradient
+accumulation dtypes, and DeepSpeed's engine without a pipeline (whose peak is its
+optimizer step).
 
 Measured on each rank (tests/peak_tracker.py): every tensor storage alive at once, each
 counted once however many views share it, from the first op to the last of the second of
@@ -44,6 +44,7 @@ def _layouts(micro, ds_fp32_accumulation):
     interleaved = ["--virtual-pipeline-model-parallel-size", "2"]
     tp_sp = ["--model-parallel-size", "2", "--pipe-parallel-size", "2", "--sequence-parallel"]
     bf16 = ["--pipe-parallel-size", "2", "--bf16"]
+    selective = ["--recompute-granularity", "selective", "--attention-backend", "unfused"]
     return {"pp4 1F1B": _base(micro, 4) + ["--pipe-parallel-size", "4"],
             # full recompute: a group's activations come back, with its backward on top
             "tp2 pp2 SP 1F1B recompute": _base(micro, 4) + tp_sp + ["--checkpoint-activations"],
@@ -54,6 +55,9 @@ def _layouts(micro, ds_fp32_accumulation):
             "pp4 ZB-V": _base(micro, 8) + ["--pipe-parallel-size", "4",
                                            "--pipeline-schedule", "zbv"],
             "tp2 pp2 SP ZB-H1": _base(micro, 4) + tp_sp + ["--pipeline-schedule", "zb-h1"],
+            # selective recompute: the unfused path's s x s tensors come back in the backward
+            "tp2 pp2 SP 1F1B selective": _base(micro, 4, attention_dropout=0.1) + tp_sp +
+            selective,
             # DeepSpeed's BF16_Optimizer, bf16 accumulation; attention dropout: the CPU's
             # SDPA math path, which computes in fp32
             "bf16 pp2 dp2": _base(micro, 4, attention_dropout=0.1) + bf16,
@@ -86,13 +90,45 @@ def _table(names, results):
     return "\n".join([head] + [line for _, line in rows.values()])
 
 
-@pytest.mark.slow  # 40-90 s: seven engines built and stepped twice on 4 ranks
+def _more_layouts(micro):
+    """Selective recompute under ZB-H1 and block recompute interleaved (-m exhaustive)."""
+    tp_sp = ["--model-parallel-size", "2", "--pipe-parallel-size", "2", "--sequence-parallel"]
+    selective = ["--recompute-granularity", "selective", "--attention-backend", "unfused"]
+    return {"tp2 pp2 SP ZB-H1 selective": _base(micro, 4, attention_dropout=0.1) + tp_sp +
+            selective + ["--pipeline-schedule", "zb-h1"],
+            "pp4 v2 block": _base(micro, 8) + ["--pipe-parallel-size", "4",
+                                               "--virtual-pipeline-model-parallel-size", "2",
+                                               "--recompute-granularity", "full",
+                                               "--recompute-method", "block"]}
+
+
+@pytest.mark.exhaustive  # ~30 s: two more engines
+def test_more_recompute_layouts_match_the_real_peak():
+    _check_peaks(_more_layouts(random.choice([1, 2])))
+
+
+@pytest.mark.slow  # 50-100 s: ten engines built and stepped twice on 4 ranks
 def test_stage_peaks_match_the_real_peak_of_a_step(tmp_path):
     micro = random.choice([1, 2])
     ds_json = tmp_path / "ds_fp32_accumulation.json"
     ds_json.write_text(json.dumps({"zero_optimization": {"stage": 1},
                                    "data_types": {"grad_accum_dtype": "fp32"}}))
     layouts = _layouts(micro, str(ds_json))
+    results, without_transients = _check_peaks(layouts)
+    # the terms this test is for: without the transients and the step the model would miss
+    assert max(without_transients) > 2 * TOL, without_transients
+    # fp32 accumulation: the flat gradient buffer is 4 bytes a parameter, not 2
+    fp32_acc = [r for per in results for r in per if "--deepspeed_config" in r["argv"]]
+    params = [r["predicted"]["states"]["params"] for r in fp32_acc]
+    assert all(r["states"]["optimizer"] > 1.1 * (2 * n + 12 * n / 2)
+               for r, n in zip(fp32_acc, params)), fp32_acc
+    print(f"(micro-batch {micro})")
+
+
+def _check_peaks(layouts):
+    """Each layout's measured peaks against the model's on 4 ranks (see the module
+    docstring); prints the table; returns the per-rank results and each rank-layout's
+    ``measured / (states + activations + buffers) - 1``."""
     results = run_distributed(measure_peaks, 4, list(layouts.values()), VOCAB,
                               random.randrange(2**31), timeout=600)
     errors = {"peak": [], "step": [], "optimizer state": []}
@@ -117,17 +153,10 @@ def test_stage_peaks_match_the_real_peak_of_a_step(tmp_path):
             states = sum(pred["states"][k] for k in ("weight_bytes", "grad_bytes",
                                                      "optimizer_bytes"))
             without_transients.append(low / (states + pred["activations"] + pred["buffers"]) - 1)
-    # the terms this test is for: without the transients and the step the model would miss
-    assert max(without_transients) > 2 * TOL, without_transients
-    # fp32 accumulation: the flat gradient buffer is 4 bytes a parameter, not 2
-    fp32_acc = [r for per in results for r in per if "--deepspeed_config" in r["argv"]]
-    params = [r["predicted"]["states"]["params"] for r in fp32_acc]
-    assert all(r["states"]["optimizer"] > 1.1 * (2 * n + 12 * n / 2)
-               for r, n in zip(fp32_acc, params)), fp32_acc
     for what, values in errors.items():
         worst = max(values, key=abs)
-        print(f"{what} (micro-batch {micro}): {len(values)} rank-layouts, largest relative "
-              f"error {worst:+.2%}")
+        print(f"{what}: {len(values)} rank-layouts, largest relative error {worst:+.2%}")
     print(f"measured peak / (states + activations + buffers) - 1: up to "
           f"{max(without_transients):+.1%}")
     print(_table(list(layouts), results))
+    return results, without_transients

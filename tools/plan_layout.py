@@ -10,10 +10,12 @@ tokens per second per GPU at the global batch. The config's own layout is evalua
 same way, at the same global batch. ``--json`` writes only JSON on stdout (logs go to stderr).
 
     python tools/plan_layout.py --paper narayanan2021 [--json]
+    python tools/plan_layout.py --paper korthikanti2022 [--json]
 
 evaluates instead the layouts of Narayanan et al. 2021's Table 1 (GPT 1.7B-1T on A100s)
 with the A100 preset and prints predicted against published TFLOP/s per GPU
-(megatron/memory/published.py).
+(megatron/memory/published.py), or Korthikanti et al. 2022's Tables 3-5 (full recompute
+against sequence parallelism + selective recompute, megatron/memory/korthikanti.py).
 """
 import argparse
 import contextlib
@@ -44,11 +46,12 @@ def parse_bytes(text: str) -> int:
 def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a run config YAML (configs/); required unless --paper")
-    p.add_argument("--paper", choices=["narayanan2021"], default=None,
+    p.add_argument("--paper", choices=["narayanan2021", "korthikanti2022"], default=None,
                    help="evaluate a published table's own layouts instead (A100 preset)")
     p.add_argument("--family", default="gpt2",
-                   help="a registered model family with a memory model (gpt2, t5, or one "
-                        "registered by megatron.families.register)")
+                   help="the model family: a registered name (gpt2, t5, or one registered by "
+                        "megatron.families.register) or an import path package.module:OBJECT "
+                        "(a ModelFamily with a memory model; docs/memory.md)")
     p.add_argument("--gpus", type=int, default=None, help="required unless --paper")
     p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB")
     p.add_argument("--reserve", default="4GiB",
@@ -94,14 +97,15 @@ class _PlannedGPU:
 
 def _base(args):
     from megatron.config import build_run_config
-    from megatron.families import get_family
+    from megatron.families import load_family
     from megatron.memory.spec import spec_from_run_config
 
-    family = get_family(args.family)
+    family = load_family(args.family)
     if family.memory_model is None:
         raise ConfigError(f"family {family.name!r} has no memory model, so no layout can be "
-                          f"planned for it; set its memory_model ('gpt2' for a decoder-only "
-                          f"transformer) to describe it (docs/memory.md)")
+                          f"planned for it; set its memory_model ('decoder' for GPT-2-like "
+                          f"layers, or a megatron.memory.LayerDescription of its layers) to "
+                          f"describe it (docs/memory.md)")
     argv = ["--config", args.config, "--lr", "1e-4", "--train-iters", "1"]
     cfg, _ = build_run_config(argv, family, world_size=args.gpus, rank=0, check_files=False,
                               accelerator=_PlannedGPU())
@@ -152,8 +156,9 @@ def _config_plan(cfg, base, hw, batch, flops):
     return evaluate(spec, hw, flops), ""
 
 
-def _plan(args):
-    from megatron.memory.planner import Hardware, plan
+def _setup(args):
+    """``(cfg, family, base spec, hardware, global batch, step FLOPs)`` of the flags."""
+    from megatron.memory.planner import Hardware
 
     _check(args)
     cfg, family, base = _base(args)
@@ -163,31 +168,43 @@ def _plan(args):
                   intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
                   hbm_gbps=args.hbm_gbps, reserve=parse_bytes(args.reserve))
     batch = args.global_batch or cfg.batch.global_batch_size
-    flops = family.flops_per_step(cfg.replace(global_batch_size=batch))
-    mine, why = _config_plan(cfg, base, hw, batch, flops)
-    return hw, base, batch, plan(base, hw, batch, flops), mine, why
+    flops = family.flops_per_step(cfg.replace(global_batch_size=batch)) \
+        if family.flops_per_step else 1.0
+    return cfg, family, base, hw, batch, flops
 
 
-def _print(args, hw, base, batch, plans, mine, why):
+def _header(args, hw, base, batch, candidates, mine, why):
     from megatron.memory.report import GIB
 
-    print(f"{args.config}: {len(plans)} layouts fit on {args.gpus} {args.gpu.upper()} GPUs x "
+    print(f"{args.config}: {candidates} layouts on {args.gpus} {args.gpu.upper()} GPUs x "
           f"{hw.gpu_memory / GIB:.0f} GiB less {hw.reserve / GIB:.1f} GiB reserve "
           f"({hw.nodes} nodes), global batch {batch}, {base.dtype}, {hw.peak_tflops:g} TFLOP/s "
           f"peak, GEMMs at up to {hw.efficiency:.0%}")
     print("  config: the YAML's own layout at the same global batch" if mine else
           f"  config: not evaluated ({why})")
     print(f"  {'':6s} {'tok/s/GPU':>9s} {'s/step':>8s} {'TFLOP/s':>7s}  layout")
-    for label, p in ([("config", mine)] if mine else []) + [("", p) for p in plans[:args.top]]:
-        stages = " ".join(f"{s.peak / GIB:.1f}" for s in p.stages)
-        fits = "" if p.fits(hw.usable) else "  DOES NOT FIT"
-        print(f"  {label:6s} {p.tokens_per_gpu_s:9.0f} {p.step_time:8.3f} "
-              f"{p.tflops_per_gpu:7.1f}  {p.layout():66s} bubble {p.bubble:.2f}  "
-              f"peak/stage GiB: {stages}{fits}")
+    if mine:
+        _row("config", mine, hw)
+    sys.stdout.flush()  # the configured layout's row before the ranking runs
+
+
+def _row(label, p, hw):
+    from megatron.memory.report import GIB
+
+    peaks = [s.peak / GIB for s in p.stages]
+    stages = " ".join(f"{x:.1f}" for x in peaks) if len(peaks) <= 8 else \
+        (f"max {max(peaks):.1f} (stage {peaks.index(max(peaks))}), "
+         f"min {min(peaks):.1f} (stage {peaks.index(min(peaks))})")
+    fits = "" if p.fits(hw.usable) else "  DOES NOT FIT"
+    print(f"  {label:6s} {p.tokens_per_gpu_s:9.0f} {p.step_time:8.3f} "
+          f"{p.tflops_per_gpu:7.1f}  {p.layout():66s} bubble {p.bubble:.2f}  "
+          f"peak/stage GiB: {stages}{fits}")
 
 
 def _paper(args, real_stdout):
     """--paper: the published rows' own layouts, predicted against published."""
+    if args.paper == "korthikanti2022":
+        return _korthikanti(args, real_stdout)
     from megatron.memory.published import format_table, predict_table
 
     with contextlib.redirect_stdout(sys.stderr):
@@ -204,21 +221,61 @@ def _paper(args, real_stdout):
     return 0
 
 
+def _korthikanti(args, real_stdout):
+    """--paper korthikanti2022: Tables 3 and 5 (and Table 4's layer), both recompute modes."""
+    from megatron.memory import korthikanti as k
+
+    with contextlib.redirect_stdout(sys.stderr):
+        preds, layers = k.predict_table(), k.predict_layers()
+    if not args.json:
+        print("Korthikanti et al. 2022, Tables 3 and 5: full recompute against sequence "
+              "parallelism + selective recompute, through the planner's model (A100 preset)")
+        print(k.format_table(preds))
+        print()
+        print("Table 4: one 22B layer")
+        print(k.format_layers(layers))
+        return 0
+    json.dump({"rows": [{"params_b": p.row.params_b, "paper_full_s": p.row.full_s,
+                         "paper_present_s": p.row.present_s, "paper_mfu": p.row.mfu,
+                         "predicted_mfu": p.mfu, "predicted_speedup": p.speedup,
+                         "full": p.full.to_dict(), "present": p.present.to_dict()}
+                        for p in preds],
+               "layer_22b_ms": {v: {"paper": k.LAYER_22B[v], "predicted": t}
+                                for v, t in layers.items()}}, real_stdout, indent=1)
+    real_stdout.write("\n")
+    return 0
+
+
 def main(argv=None):
     args = _args(argv)
     # Only the answer on stdout: whatever an import or a library prints goes to stderr.
     real_stdout = sys.stdout
     if args.paper:
         return _paper(args, real_stdout)
+    from megatron.memory.planner import layouts, rank
+
     with contextlib.redirect_stdout(sys.stderr):
-        hw, base, batch, plans, mine, why = _plan(args)
+        cfg, family, base, hw, batch, flops = _setup(args)
+        mine, why = _config_plan(cfg, base, hw, batch, flops)
+        candidates = list(layouts(base, hw, batch))
     if not args.json:
-        _print(args, hw, base, batch, plans, mine, why)
+        _header(args, hw, base, batch, len(candidates), mine, why)
+    elif mine:
+        print(f"plan_layout: the config's layout: {mine.layout()}, "
+              f"{mine.tokens_per_gpu_s:.0f} tok/s/GPU; ranking {len(candidates)} layouts",
+              file=sys.stderr, flush=True)
+    with contextlib.redirect_stdout(sys.stderr):
+        plans = rank(candidates, hw, flops)
+    if not args.json:
+        print(f"  {len(plans)} of them fit; the fastest first:")
+        for p in plans[:args.top]:
+            _row("", p, hw)
         return 0
-    json.dump({"config": args.config, "gpu": args.gpu, "gpus": args.gpus, "nodes": hw.nodes,
-               "gpu_memory_bytes": hw.gpu_memory, "reserve_bytes": hw.reserve,
-               "usable_bytes": hw.usable, "global_batch": batch, "dtype": base.dtype,
-               "efficiency": hw.efficiency, "peak_tflops": hw.peak_tflops,
+    json.dump({"config": args.config, "family": family.name, "gpu": args.gpu,
+               "gpus": args.gpus, "nodes": hw.nodes, "gpu_memory_bytes": hw.gpu_memory,
+               "reserve_bytes": hw.reserve, "usable_bytes": hw.usable, "global_batch": batch,
+               "dtype": base.dtype, "efficiency": hw.efficiency,
+               "peak_tflops": hw.peak_tflops, "candidates": len(candidates),
                "config_layout": mine.to_dict() if mine else None,
                "config_layout_note": why, "layouts": [p.to_dict() for p in plans]},
               real_stdout, indent=1)

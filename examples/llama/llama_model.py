@@ -376,6 +376,18 @@ def flops_per_step(cfg: Any) -> float:
     return 3.0 * 2.0 * b * s * (c.num_layers * per_layer + h * c.vocab_size)
 
 
+def memory_description(cfg: Any):
+    """The memory model's description of these layers (the planner and the start-up check
+    read it; docs/memory.md): RMSNorm, SwiGLU, grouped-query SDPA attention with rotary
+    positions, no biases, no dropout, an output layer of its own."""
+    from megatron.memory import LayerDescription
+
+    return LayerDescription(norm="rmsnorm", mlp="swiglu", positions="rotary", bias=False,
+                            kv_heads=model_config(cfg).num_key_value_heads,
+                            tied_embeddings=False, dropout=False, attention="sdpa",
+                            mask_tensor=True, separate_projections=True)
+
+
 LLAMA = ModelFamily(
     name="llama", label="Llama", add_flags=add_flags, model_config=model_config,
     build_model=build_model, build_datasets=decoder_lm.build_datasets,
@@ -387,4 +399,5 @@ LLAMA = ModelFamily(
                    "hidden_dropout": 0.0},
     checked_settings=("num_key_value_heads", "rope_theta", "layernorm_epsilon"),
     compile_classes=(LlamaLayer,),
-    supports=frozenset(FEATURES))
+    # block recompute is not implemented here (its layers recompute as uniform groups of 1)
+    supports=frozenset(FEATURES) - {"recompute_block"}, memory_model=memory_description)

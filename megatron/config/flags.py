@@ -3,6 +3,7 @@
 Each ``add_*`` function adds one group. First spelling = CPM-Pretrain's, later ones =
 Megatron-LM v2 aliases. ``None`` defaults are filled in by validation (derived values).
 """
+from .recompute import add_recompute_flags
 
 
 def _bool_pair(group, name, default, help):
@@ -37,6 +38,7 @@ def add_model_args(parser):
                    help="recompute each block of layers in backward")
     g.add_argument("--checkpoint-num-layers", type=int, default=1,
                    help="layers per recomputed block")
+    add_recompute_flags(g)
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="decoders: a token attends only within its own document (documents end "

@@ -203,10 +203,19 @@ class ModelDims(Section):
     checkpoint_activations: bool
     """Recompute each group of ``checkpoint_num_layers`` layers in the backward."""
     checkpoint_num_layers: int
+    recompute_granularity: Optional[str]
+    """``full``, ``selective`` or None (megatron/config/recompute.py)."""
+    recompute_method: Optional[str]
+    """Full recompute's ``uniform`` or ``block``; None otherwise."""
+    recompute_num_layers: Optional[int]
+    """Full recompute's group size (uniform) or layers per stage or chunk (block)."""
     seed: int
     """Base of the per-layer initialisation seeds and of the data order."""
 
-    DEFAULTS: ClassVar[Dict[str, Any]] = {"padded_vocab_size": None, "true_vocab_size": None}
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"padded_vocab_size": None, "true_vocab_size": None,
+                                          "recompute_granularity": None,
+                                          "recompute_method": None,
+                                          "recompute_num_layers": None}
 
 
 @dataclass(frozen=True)

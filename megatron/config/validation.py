@@ -16,6 +16,7 @@ import torch
 
 from ..errors import ConfigError, DataError
 from . import preflight
+from .recompute import check_recompute
 
 _REQUIRED = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size",
@@ -81,9 +82,6 @@ def _model(args, problems):
             f"the {stacks} x --num-layers ({args.num_layers}) layers"
         problems.append(f"--pipe-parallel-size ({args.pipeline_model_parallel_size}) is larger "
                         f"than {layers}; every stage needs a layer")
-    if not 1 <= args.checkpoint_num_layers <= args.num_layers:
-        problems.append(f"--checkpoint-num-layers ({args.checkpoint_num_layers}) must be "
-                        f"between 1 and --num-layers ({args.num_layers})")
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
             problems.append(f"--{name.replace('_', '-')} must be in [0, 1)")
@@ -409,7 +407,7 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
     from .context_parallel import validate_context_parallel
     from .speed_flags import validate_speed
 
-    for check in (_parallel, _model, _virtual_pipeline, _pipeline_schedule, _batch, _optim, _data, _intervals,
+    for check in (_parallel, _model, check_recompute, _virtual_pipeline, _pipeline_schedule, _batch, _optim, _data, _intervals,
                   _faults, _split, _wandb,
                   _sequence_parallel, validate_context_parallel, validate_speed):
         check(args, problems)

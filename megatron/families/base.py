@@ -17,8 +17,12 @@ def _no_problems(*_):
 FEATURES: Dict[str, Tuple[str, Callable]] = {
     "sequence_parallel": ("--sequence-parallel",
                           lambda ns: bool(getattr(ns, "sequence_parallel", False))),
-    "checkpoint_activations": ("--checkpoint-activations",
+    "checkpoint_activations": ("--checkpoint-activations",  # = --recompute-granularity full
                                lambda ns: bool(getattr(ns, "checkpoint_activations", False))),
+    "selective_recompute": ("--recompute-granularity selective",
+                            lambda ns: getattr(ns, "recompute_granularity", None) == "selective"),
+    "recompute_block": ("--recompute-method block",
+                        lambda ns: getattr(ns, "recompute_method", None) == "block"),
     "virtual_pipeline": ("--virtual-pipeline-model-parallel-size",
                          lambda ns: (getattr(ns, "virtual_pipeline_model_parallel_size", None)
                                      or 1) > 1),
@@ -33,13 +37,16 @@ FEATURES: Dict[str, Tuple[str, Callable]] = {
 
 #: Features a family provides when the model config it builds from the run carries them
 #: switched on (the layers read them there): feature -> the model config's attribute
-#: (``model_config(cfg).sequence_parallel`` / ``.checkpoint_activations``; context
+#: (``model_config(cfg).sequence_parallel`` / ``.checkpoint_activations`` /
+#: ``.recompute_granularity`` / ``.recompute_method``; context
 #: parallelism and document masking: ``.token_layout``, the attention taking mpu's token
 #: layout, docs/new_model.md). The pipeline ones are provided by ``build_model(cfg,
 #: pipeline=True)`` itself, checked when it is built
 #: (:func:`megatron.training.backend_factory.check_pipeline_module`).
 FROM_MODEL_CONFIG = {"sequence_parallel": "sequence_parallel",
                      "checkpoint_activations": "checkpoint_activations",
+                     "selective_recompute": "recompute_granularity",
+                     "recompute_block": "recompute_method",
                      "context_parallel": "token_layout", "document_masking": "token_layout"}
 
 
@@ -142,16 +149,20 @@ class ModelFamily:
     :func:`megatron.model.compile.compile_layers` compiles for a per-layer comparison."""
     supports: Optional[FrozenSet[str]] = None
     """Optional generic features (:data:`FEATURES`: ``sequence_parallel``,
-    ``checkpoint_activations``, ``virtual_pipeline``, ``pipeline``, ``context_parallel``,
+    ``checkpoint_activations``, ``selective_recompute``, ``recompute_block``,
+    ``virtual_pipeline``, ``pipeline``, ``context_parallel``,
     ``document_masking``). None (the default): what
     the family provides: the pipeline ones through ``build_model(cfg, pipeline=True)`` (a
     ``PipelineModule`` with ``num_virtual_stages`` chunks, checked when it is built),
     sequence parallelism and recompute when ``model_config(cfg)`` carries them, context
     parallelism and document masking when it carries ``token_layout``. A declared
     set narrows that: a flag asking for a feature outside it is refused at start-up."""
-    memory_model: Optional[str] = None
+    memory_model: Any = None
     """The startup memory check's and tools/plan_layout.py's description of the model:
-    ``"gpt2"`` (a decoder-only transformer), ``"t5"``, or None (no memory model: said so)."""
+    ``"gpt2"`` / ``"decoder"`` / ``"encoder"`` (GPT-2's layers with the run's sizes),
+    ``"t5"`` / ``"encoder-decoder"``, a ``megatron.memory.LayerDescription`` of the family's
+    layers (or a function of the run configuration returning one), or None (no memory
+    model: said so); megatron/memory/describe.py."""
 
     def unsupported_flags(self, ns) -> list:
         """Messages for the flags of ``ns`` asking for features outside ``supports``."""
@@ -170,7 +181,9 @@ class ModelFamily:
         from ..config import saved_run_config
 
         flags = saved_run_config(saved, self).replace(compute_dtype=torch.float32,
-                                                      checkpoint_activations=False)
+                                                      checkpoint_activations=False,
+                                                      recompute_granularity=None,
+                                                      recompute_method=None)
         return self.model_config(flags, dropout=False)
 
     def forward_step(self, batch_fn: Callable) -> Callable:
@@ -205,6 +218,8 @@ def transformer_kwargs(cfg, dropout: bool = True) -> dict:
         attention_dropout=m.attention_dropout if dropout else 0.0,
         layernorm_epsilon=m.layernorm_epsilon, checkpoint_activations=m.checkpoint_activations,
         checkpoint_num_layers=m.checkpoint_num_layers,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
         masked_softmax_fusion=kernels.masked_softmax_fusion, compute_dtype=cfg.precision.dtype,
         seed=m.seed,
         # padded vocabulary rows get -inf logits; unknown (None) in some old checkpoints

@@ -22,6 +22,8 @@ def _module(where: str) -> Any:
         sys.path.insert(0, os.path.dirname(path))  # its own imports of modules beside it
         spec.loader.exec_module(module)
         return module
+    if os.getcwd() not in sys.path:  # a tool run as tools/x.py: the working directory too
+        sys.path.insert(0, os.getcwd())
     try:
         return importlib.import_module(where)
     except ImportError as exc:

@@ -87,6 +87,23 @@ def cpu_math_path(spec: MemorySpec) -> bool:
     return spec.attention == "sdpa" and spec.device == "cpu" and spec.attention_dropout > 0
 
 
+def selective(spec: MemorySpec, mask_needs_grad: bool = False) -> bool:
+    """Selective recompute applies: asked for, and the attention core keeps ``s x s``
+    tensors (the unfused path; SDPA only through PyTorch's math path on the CPU), the rule
+    the model itself follows (megatron/model/recompute.py ``core_keeps_scores``).
+
+    Args:
+        spec: the run.
+        mask_needs_grad: the additive mask carries a gradient (T5's self-attention bias).
+    """
+    if spec.recompute != "selective":
+        return False
+    from ..model.recompute import core_keeps_scores
+
+    return core_keeps_scores(spec.attention, spec.device, spec.attention_dropout,
+                             mask_needs_grad)
+
+
 def attention_core(spec: MemorySpec, shape: Shape) -> int:
     """Scores-to-context bytes of one attention (the dense layer's input included).
 
@@ -124,17 +141,29 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     s, h, f, t, e = spec.seq, spec.hidden, spec.ffn, spec.tp, spec.e
     proj = spec.heads * spec.kv_channels
     tokens = s * b
-    total = 2 * norm_bytes(spec, tokens)
-    total += 2 * tokens * h * e // sp_divisor(spec)  # QKV and fc1 inputs (shards under SP)
-    if not (cpu_math_path(spec) and spec.e < 4):  # there only its fp32 copies are kept
-        total += 3 * tokens * proj * e // t  # q, k, v
-    total += attention_core(spec, Shape(s, s, b))
-    total += 2 * tokens * f * e // t  # GeLU input and output (fc2's input)
+    total = 2 * norm_bytes(spec, tokens, spec.norm_stats)
+    # QKV and fc1 inputs (shards under SP): one tensor each; separate q, k, v (gate, up)
+    # linears under autocast each cast a copy of their own
+    copies = 2 + (2 + spec.gated if spec.autocast and spec.separate_projections else 0)
+    total += copies * tokens * h * e // sp_divisor(spec)
+    recomputed = selective(spec)
+    if recomputed or not (cpu_math_path(spec) and spec.e < 4):  # there: its fp32 copies
+        total += 3 * tokens * proj * e // t  # q, k, v (the checkpoint's inputs, selective)
+    if recomputed:  # the core's output (the dense layer's input); the rest comes back
+        total += tokens * proj * e // t
+    else:
+        total += attention_core(spec, Shape(s, s, b))
+    if spec.positions == "rotary":  # the fp32 cos and sin the rotation multiplies by
+        total += 2 * s * spec.kv_channels * 4
+    if spec.mask_tensor and spec.attention == "sdpa":  # the additive [1, 1, s, s] mask
+        total += s * s * e
+    # GeLU input and output (fc2's input); SwiGLU: gate and up outputs, SiLU, the product
+    total += (4 if spec.gated else 2) * tokens * f * e // t
     drop_dtype = spec.residual_bytes if spec.bias else e  # the bias add promotes it
     residual = tokens * h // sp_divisor(spec)
     total += 2 * dropout_bytes(spec, residual, drop_dtype, spec.hidden_dropout)
     if spec.autocast:
-        total += (3 * h * proj + proj * h + 2 * h * f) // t * e
+        total += (h * spec.qkv_width + proj * h + (3 if spec.gated else 2) * h * f) // t * e
     return total
 
 
@@ -148,6 +177,30 @@ def recompute_input(spec: MemorySpec, tokens: int) -> int:
     return tokens * spec.hidden * spec.residual_bytes // sp_divisor(spec)
 
 
+def full_recompute(spec: MemorySpec, n: int, layer: int, kept: int, mask: int):
+    """``(saved bytes, recompute peak)`` of ``n`` layers of ``layer`` bytes each: under full
+    recompute, uniform: each group of ``recompute_num_layers`` keeps its input (``kept``),
+    one group's activations come back at a time; block: the first ``recompute_num_layers``
+    layers (of this stage or chunk) keep their input, one comes back at a time, the rest
+    keep everything. A recomputed group also keeps the mask it was given (``mask`` bytes,
+    one tensor for all).
+
+    Args:
+        spec: the run.
+        n: layers of the stage or chunk.
+        layer: bytes one layer saves without recompute.
+        kept: bytes a recomputed group keeps (its input).
+        mask: bytes of the mask a checkpoint keeps.
+    """
+    if spec.recompute != "full" or not n:
+        return n * layer, 0
+    k = spec.recompute_num_layers
+    if spec.recompute_method == "block":
+        recomputed = min(k, n)
+        return recomputed * kept + mask + (n - recomputed) * layer, layer
+    return -(-n // k) * kept + mask, min(k, n) * layer
+
+
 def gpt2_embedding(spec: MemorySpec, b: int) -> int:
     """Word and position lookups (their int64 ids) and the embedding dropout's mask.
 
@@ -156,7 +209,8 @@ def gpt2_embedding(spec: MemorySpec, b: int) -> int:
         b: samples per micro-batch.
     """
     tokens = spec.seq * b
-    ids = 2 * tokens * 8  # token ids (local ids under tp) and position ids
+    # token ids (local ids under tp) and, for a position table, position ids
+    ids = (2 if spec.positions == "learned" else 1) * tokens * 8
     if spec.tp > 1:
         ids += tokens  # VocabParallelEmbedding's out-of-range mask
     drop = dropout_bytes(spec, tokens * spec.hidden // sp_divisor(spec), spec.residual_bytes,
@@ -200,18 +254,15 @@ def gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
     """
     b, tokens = spec.micro_batch, spec.seq * spec.micro_batch
     n = layers.encoder_layers
-    if spec.recompute == "full" and n:
-        k = spec.recompute_num_layers
-        groups = -(-n // k)
-        body = groups * recompute_input(spec, tokens) + spec.seq * spec.seq  # + bool mask
-        peak = min(k, n) * gpt2_layer(spec, b)
-    else:
-        body, peak = n * gpt2_layer(spec, b), 0
+    # a recomputed group keeps the [1, 1, s, s] mask it was given (on a pipeline stage the
+    # one the engine received: report.py then does not count it again)
+    body, peak = full_recompute(spec, n, gpt2_layer(spec, b), recompute_input(spec, tokens),
+                                spec.seq * spec.seq)
     total = body
     if layers.embedding:
         total += gpt2_embedding(spec, b)
     if layers.final_norm:
-        total += norm_bytes(spec, tokens)
+        total += norm_bytes(spec, tokens, spec.norm_stats)
     if layers.head:
         total += output_and_loss(spec, b, spec.seq)
     return Activations(total, peak)

@@ -15,8 +15,12 @@ Each figure is counted against all of the micro-batch's saved bytes: what the ba
 has already freed when it gets there (the head's softmax before the layers, the layers
 before the embedding) is subtracted.
 """
+from typing import NamedTuple
+
 from .activations import (Activations, Shape, attention_core, cpu_math_path, dropout_bytes,
-                          gpt2_embedding, norm_bytes, output_and_loss, sp_divisor)
+                          gpt2_embedding, gpt2_layer, norm_bytes, output_and_loss,
+                          recompute_input, selective, sp_divisor)
+from .deferred import deferred_bytes
 from .spec import MemorySpec
 from .stages import StageLayers
 
@@ -65,29 +69,53 @@ def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1) -> int:
     h, e, r, c = spec.hidden, spec.e, spec.residual_bytes, sp_divisor(spec)
     tokens = shape.sq * shape.b
     proj, f = spec.heads * spec.kv_channels // spec.tp, spec.ffn // spec.tp
+    qkv = spec.qkv_width // spec.tp
     sp = spec.sequence_parallel and spec.tp > 1
-    wg = weight_grad_bytes(spec)
+    # a zero-bubble input pass makes no weight gradient and keeps each GEMM's input and
+    # output gradient for the weight pass (megatron/memory/deferred.py)
+    zb = zero_bubble(spec)
+    wg = 0 if zb else weight_grad_bytes(spec)
     # row-parallel GEMMs read the dropout's product (under SP: the all-gathered gradient)
     row_dy = tokens * h * r if sp or spec.hidden_dropout > 0 else 0
     # column-parallel GEMMs: the input gradient (under SP: and the re-gathered input)
     col_dx = tokens * h * e * (2 if sp else 1)
     drop = dropout_bytes(spec, tokens * h // c, r if spec.bias else e, spec.hidden_dropout)
     inner = fc1_outputs * tokens * f * e
-    qkv_saved = 0 if cpu_math_path(spec) and e < 4 else 3 * tokens * proj * e
-    parts = (  # (working set, saved bytes it frees)
-        (row_dy + tokens * f * e + f * h * wg, drop + tokens * f * e),  # fc2, its input
-        (2 * inner, inner),  # the activation's backward, its input
+    recomputed = selective(spec)
+    qkv_saved = 0 if cpu_math_path(spec) and e < 4 and not recomputed else \
+        3 * tokens * proj * e
+    core = attention_core(spec, shape)
+    # selective recompute: the core's tensors come back for its backward, only the
+    # context was kept
+    core_work = attention_backward(spec, shape) + (core if recomputed else 0)
+    core_kept = tokens * proj * e if recomputed else core
+    gemm_in = 0 if zb else 1  # a GEMM input is freed by its backward, or kept (zb)
+    held = tokens * e if zb else 0  # per unit of width: a GEMM's output gradient, kept
+    parts = (  # (working set, saved bytes it frees, bytes it leaves held)
+        (row_dy + tokens * f * e + f * h * wg, drop + gemm_in * tokens * f * e,
+         held * h),  # fc2, its input
+        (2 * inner, inner, 0),  # the activation's backward, its input
         (inner + col_dx + fc1_outputs * f * h * wg,
-         tokens * h * e // c + norm_bytes(spec, tokens) + drop),  # fc1, LN2, dropout
-        (row_dy + tokens * proj * e + proj * h * wg, 0),  # dense
-        (attention_backward(spec, shape), attention_core(spec, shape) + qkv_saved),
-        (6 * tokens * proj * e, 0),  # q, k, v gradients and the split's concatenation
-        (3 * tokens * proj * e + col_dx + 3 * proj * h * wg, 0))  # QKV
+         gemm_in * tokens * h * e // c + norm_bytes(spec, tokens, spec.norm_stats) + drop,
+         held * fc1_outputs * f),  # fc1, LN2, dropout
+        (row_dy + tokens * proj * e + proj * h * wg, 0, held * h),  # dense
+        (core_work, core_kept - (1 - gemm_in) * tokens * proj * e + qkv_saved, 0),
+        (6 * tokens * proj * e, 0, 0),  # q, k, v gradients and the split's concatenation
+        (tokens * qkv * e + col_dx + qkv * h * wg, 0, held * qkv))  # QKV
     most = freed = 0
-    for working, frees in parts:
+    for working, frees, holds in parts:
         most = max(most, working - freed)
-        freed += frees
+        freed += frees - holds
     return tokens * h * r // c + most
+
+
+def zero_bubble(spec: MemorySpec) -> bool:
+    """A zero-bubble schedule splits the backward (input pass, weight pass later).
+
+    Args:
+        spec: the run.
+    """
+    return spec.pp > 1 and spec.pipeline_schedule in ("zb-h1", "zbv")
 
 
 def head_backward(spec: MemorySpec, b: int, s: int) -> int:
@@ -121,14 +149,75 @@ def gpt2_embedding_backward(spec: MemorySpec, b: int) -> int:
     if spec.sequence_parallel and spec.tp > 1:
         grad += spec.seq * b * spec.hidden * spec.residual_bytes  # all-gathered
     param = 4 if spec.backend == "ddp" or spec.dtype == "fp32" else spec.e
-    table = max(spec.vocab // spec.tp, spec.max_positions) * spec.hidden * param
+    positions = spec.max_positions if spec.positions == "learned" else 0
+    table = max(spec.vocab // spec.tp, positions) * spec.hidden * param
     return max(2 * spec.seq * b * spec.hidden * spec.residual_bytes // sp_divisor(spec),
                grad + table)
 
 
-def gpt2_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> int:
+class Transient(NamedTuple):
+    """A chunk's backward transient (bytes beyond what was alive before it)."""
+
+    any: int
+    """On any backward of the step."""
+    first: int
+    """On the chunk's first backward of the step, counting the gradients its earlier parts
+    made by the worst moment (later backwards find them made already)."""
+
+
+def _grad_bytes(spec: MemorySpec, **parts) -> int:
+    """Gradient bytes a backward makes for the parts named (``StageLayers`` fields); 0 where
+    the gradients live through the step (counted with the states) or a zero-bubble weight
+    pass makes them."""
+    from .grad_timing import grads_freed_each_step
+    from .model_states import model_states
+
+    if not grads_freed_each_step(spec) or zero_bubble(spec):
+        return 0
+    layers = dict(stage=0, embedding=False, encoder_layers=0, decoder_layers=0,
+                  encoder_norm=False, final_norm=False, head=False)
+    layers.update(parts)
+    return model_states(spec, StageLayers(**layers)).grad_bytes
+
+
+def _deferred_layer(spec: MemorySpec, b: int) -> int:
+    """What a zero-bubble input pass of one GPT-2 layer leaves for its weight pass (0 for
+    the other schedules)."""
+    if not zero_bubble(spec):
+        return 0
+    return deferred_bytes(spec, StageLayers(0, False, 1, 0, False, False, False))
+
+
+def _layer_points(spec: MemorySpec, n: int, lb: int, act: Activations, b: int, made: int):
+    """``(working set, gradients made before)`` at the first and the last of ``n`` layers'
+    backwards (each is linear in the layers done: the worst is at one end): the layers run
+    last to first, each freeing what it saved (a recomputed group: its input) and making
+    its weight gradients; under block recompute the stage's last layers keep everything
+    and run first, the first ones come back after them."""
+    # a layer's backward frees what it saved, less (zero bubble) what the weight pass needs
+    layer = gpt2_layer(spec, b) - _deferred_layer(spec, b)
+    grads = _grad_bytes(spec, encoder_layers=1)
+    kept_input = recompute_input(spec, spec.seq * b)
+    if spec.recompute != "full":
+        return [(lb, made), (lb - (n - 1) * layer, made + (n - 1) * grads)]
+    k = spec.recompute_num_layers
+    if spec.recompute_method == "uniform":
+        groups = -(-n // k)
+        return [(act.recompute_peak + lb, made),
+                (act.recompute_peak + lb - (groups - 1) * kept_input,
+                 made + (n - min(k, n)) * grads)]
+    again = min(k, n)
+    kept = n - again
+    points = [(lb, made), (lb - max(kept - 1, 0) * layer, made + max(kept - 1, 0) * grads)]
+    done = kept * layer  # freed by the time the recomputed layers come back
+    return points + [(layer + lb - done, made + kept * grads),
+                     (layer + lb - done - (again - 1) * kept_input, made + (n - 1) * grads)]
+
+
+def gpt2_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> Transient:
     """The most bytes one micro-batch's backward on ``layers`` holds beyond all of its
-    saved activations (a recomputed group's activations included).
+    saved activations (a recomputed group's activations included), on any backward and on
+    the chunk's first of the step (:class:`Transient`).
 
     Args:
         spec: the run.
@@ -136,21 +225,27 @@ def gpt2_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> in
         act: its activations (:func:`~megatron.memory.activations.gpt2_stage`).
     """
     b, tokens = spec.micro_batch, spec.seq * spec.micro_batch
-    out, head = 0, 0
+    points, head, made = [(0, 0)], 0, 0  # (working set, gradients made before it)
     if layers.head:
-        out = head_backward(spec, b, spec.seq)
-        head = output_and_loss(spec, b, spec.seq)
+        points.append((head_backward(spec, b, spec.seq), 0))
+        head = output_and_loss(spec, b, spec.seq) - (deferred_bytes(spec, StageLayers(
+            0, False, 0, 0, False, False, True)) if zero_bubble(spec) else 0)
+        made = _grad_bytes(spec, head=True)
     if layers.final_norm:
-        head += norm_bytes(spec, tokens)
-    if layers.encoder_layers:
-        shape = Shape(spec.seq, spec.seq, b)
-        out = max(out, act.recompute_peak + layer_backward(spec, shape) - head)
+        head += norm_bytes(spec, tokens, spec.norm_stats)
+        made += _grad_bytes(spec, final_norm=True)
+    n = layers.encoder_layers
+    if n:
+        lb = layer_backward(spec, Shape(spec.seq, spec.seq, b), 2 if spec.gated else 1) - head
+        points += _layer_points(spec, n, lb, act, b, made)
+        made += n * _grad_bytes(spec, encoder_layers=1)
     if layers.embedding:
-        out = max(out, gpt2_embedding_backward(spec, b) - (act.saved - gpt2_embedding(spec, b)))
-    return out
+        freed = act.saved - gpt2_embedding(spec, b) - n * _deferred_layer(spec, b)
+        points.append((gpt2_embedding_backward(spec, b) - freed, made))
+    return Transient(max(w for w, _ in points), max(w + g for w, g in points))
 
 
-def t5_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> int:
+def t5_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> Transient:
     """:func:`gpt2_backward` for a T5 stage: the head over the decoder's tokens, the larger
     of an encoder and a decoder layer (not measured on the engine: docs/memory.md).
 
@@ -164,9 +259,9 @@ def t5_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> int:
     if layers.head:
         out = head_backward(spec, b, spec.dec_seq)
         head = output_and_loss(spec, b, spec.dec_seq)
-    gated = 2 if spec.ff_type == "gated-gelu" else 1
+    gated = 2 if spec.gated else 1
     for count, s in ((layers.encoder_layers, spec.seq), (layers.decoder_layers, spec.dec_seq)):
         if count:
             layer = layer_backward(spec, Shape(s, max(s, spec.seq), b), gated)
             out = max(out, act.recompute_peak + layer - head)
-    return out
+    return Transient(out, out)

@@ -92,6 +92,9 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
     from ..utils import print_rank_0
     from .spec import memory_model_of, spec_from_run_config
 
+    line = recompute_line(cfg, mpu.get_device().type)
+    if line:
+        print_rank_0(line)
     if memory_model_of(cfg) is None:
         who = (f"the {cfg.family!r} model family" if cfg.family else
                "a model built by a model_provider")
@@ -121,3 +124,24 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
     for line in lines:
         if line.startswith("WARNING"):
             print(line, flush=True)  # every rank, as the refusal would be
+
+
+def recompute_line(cfg, device_type: str) -> Optional[str]:
+    """The start-up line saying what the run recomputes (None without recompute): under
+    selective recompute, whether its attention keeps ``s x s`` tensors to recompute.
+
+    Args:
+        cfg: the run configuration.
+        device_type: ``cuda`` or ``cpu``.
+    """
+    from ..config.recompute import describe
+    from ..model.attention import resolve_attention_backend
+    from ..model.recompute import core_keeps_scores
+    from .spec import memory_model_of
+
+    m = cfg.model
+    backend = resolve_attention_backend(cfg.kernels.attention_backend)
+    keeps = core_keeps_scores(backend, device_type, m.attention_dropout,
+                              mask_needs_grad=memory_model_of(cfg) == "t5")
+    return describe(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
+                    keeps, backend)

@@ -25,11 +25,12 @@ def _attention_and_mlp(spec: MemorySpec, tokens: int, kv_tokens: int = 0) -> int
     encoder positions (Q, KV, projection) and the MLP of one layer."""
     h, t = spec.hidden, spec.tp
     proj, f = spec.heads * spec.kv_channels // t, spec.ffn // t
-    total = _linear(spec, tokens, h, 3 * proj, True) + _linear(spec, tokens, proj, h, False)
+    total = _linear(spec, tokens, h, spec.qkv_width // t, True) + \
+        _linear(spec, tokens, proj, h, False)
     if kv_tokens:
         total += _linear(spec, tokens, h, proj, True) + _linear(spec, tokens, proj, h, False)
         total += _linear(spec, kv_tokens, h, 2 * proj, True)
-    gates = 2 if getattr(spec, "ff_type", "") == "gated-gelu" else 1
+    gates = 2 if spec.gated else 1
     total += _linear(spec, tokens, h, gates * f, True)  # gated: two GEMMs, one input
     return total + _linear(spec, tokens, f, h, False)
 
@@ -40,8 +41,8 @@ def gemm_weight_params(spec: MemorySpec, layers: StageLayers) -> int:
     tied word embedding). Their gradients appear at the chunk's first weight pass; the
     rest (norms, biases, embedding lookups) at its first input pass."""
     h, t, f, proj = spec.hidden, spec.tp, spec.ffn, spec.heads * spec.kv_channels
-    gates = 2 if getattr(spec, "ff_type", "") == "gated-gelu" else 1
-    enc = (4 * h * proj + (gates + 1) * h * f) // t
+    gates = 2 if spec.gated else 1
+    enc = (h * spec.qkv_width + proj * h + (gates + 1) * h * f) // t
     dec = enc + 4 * h * proj // t  # cross-attention: q, kv, projection
     total = layers.encoder_layers * enc + layers.decoder_layers * dec
     return total + (spec.vocab // t * h if layers.head else 0)
@@ -65,3 +66,21 @@ def deferred_bytes(spec: MemorySpec, layers: StageLayers) -> int:
         tokens = dec if spec.family == "t5" else enc
         total += _linear(spec, tokens, spec.hidden, spec.vocab // spec.tp, True)
     return total
+
+
+def largest_weight_grad(spec: MemorySpec, layers: StageLayers, grad_bytes: int) -> int:
+    """Bytes of the largest weight gradient a zero-bubble weight pass of ``layers`` makes
+    at once (its GEMM's result before it is added into ``.grad``).
+
+    Args:
+        spec: the run.
+        layers: the chunk.
+        grad_bytes: bytes per element of a gradient.
+    """
+    h, t, f = spec.hidden, spec.tp, spec.ffn
+    gates = 2 if spec.gated else 1
+    largest = max(gates * f * h, spec.qkv_width * h) // t if layers.encoder_layers or \
+        layers.decoder_layers else 0
+    if layers.head:
+        largest = max(largest, spec.vocab // t * h)
+    return largest * grad_bytes

@@ -52,9 +52,15 @@ class ModelStates:
 
 def _gpt2_layer_params(spec: MemorySpec) -> int:
     h, f, t, proj = spec.hidden, spec.ffn, spec.tp, spec.heads * spec.kv_channels
-    weights = (3 * h * proj + proj * h + 2 * h * f) // t
-    biases = (3 * proj + f) // t + 2 * h if spec.bias else 0
-    return weights + biases + 4 * h  # two LayerNorms (weight and bias)
+    mlp_in = (2 if spec.gated else 1) * f  # fc1, or SwiGLU's gate and up
+    weights = (h * spec.qkv_width + proj * h + mlp_in * h + f * h) // t
+    biases = (spec.qkv_width + mlp_in) // t + 2 * h if spec.bias else 0
+    return weights + biases + 2 * _norm_params(spec)  # two norms
+
+
+def _norm_params(spec: MemorySpec) -> int:
+    """A norm's parameters: LayerNorm's weight and bias, RMSNorm's weight."""
+    return spec.hidden * (1 if spec.norm == "rmsnorm" else 2)
 
 
 def _t5_layer_params(spec: MemorySpec, decoder: bool) -> int:
@@ -74,12 +80,16 @@ def stage_params(spec: MemorySpec, layers: StageLayers) -> int:
     h, t = spec.hidden, spec.tp
     word = spec.vocab // t * h
     if spec.family == "gpt2":
-        embedding = word + spec.max_positions * h  # learned positions, replicated
+        positions = spec.max_positions * h if spec.positions == "learned" else 0
+        embedding = word + positions  # learned positions, replicated
         count = layers.encoder_layers * _gpt2_layer_params(spec)
+        if not spec.tie_embeddings:  # an output layer of its own
+            return count + embedding * layers.embedding + word * layers.head + \
+                _norm_params(spec) * layers.final_norm
         # the head's tied copy is another module only on another rank (ZB-V's rank 0 and a
         # serial model hold both uses of one embedding)
         count += embedding * (layers.embedding or (layers.head and spec.pp > 1))
-        return count + 2 * h * layers.final_norm
+        return count + _norm_params(spec) * layers.final_norm
     count = layers.encoder_layers * _t5_layer_params(spec, False)
     count += layers.decoder_layers * _t5_layer_params(spec, True)
     bias_table = spec.num_buckets * spec.heads // t
@@ -93,7 +103,8 @@ def stage_params(spec: MemorySpec, layers: StageLayers) -> int:
 def _no_grad_params(spec: MemorySpec, layers: StageLayers) -> int:
     """Parameters that never receive a gradient: the position table of GPT-2's tied
     embedding copy on the last pipeline stage (only the word embedding is used there)."""
-    if spec.family == "gpt2" and layers.head and spec.pp > 1 and not layers.embedding:
+    if spec.family == "gpt2" and layers.head and spec.pp > 1 and not layers.embedding and \
+            spec.tie_embeddings and spec.positions == "learned":
         return spec.max_positions * spec.hidden
     return 0
 
@@ -139,8 +150,8 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
 
 def _largest_param(spec: MemorySpec, layers: StageLayers) -> int:
     """Elements of the stage's largest parameter tensor on one tensor-parallel rank."""
-    proj, t = spec.heads * spec.kv_channels, spec.tp
-    largest = max(spec.ffn * spec.hidden, 3 * proj * spec.hidden) // t \
+    t = spec.tp
+    largest = max(spec.ffn * spec.hidden, spec.qkv_width * spec.hidden) // t \
         if layers.encoder_layers or layers.decoder_layers else spec.hidden
     if layers.embedding or layers.head:
         largest = max(largest, spec.vocab // t * spec.hidden)

@@ -8,168 +8,30 @@ tensor-parallel collectives, the pipeline's bubble and p2p, the data-parallel gr
 reduction and the optimizer step, each a roofline with stated constants.
 """
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Iterator, List, Optional
 
-from .report import StageMemory, predict
+from .plans import Hardware, Plan, plan_of
+from .ranking import fitting_plans
+from .report import predict
 from .spec import MemorySpec
-from .stages import stage_layers
-from .step_time import Device, StepTime, step_time
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """The cluster the plan is for."""
-
-    gpus: int
-    gpu_memory: int
-    """Bytes per GPU."""
-    nodes: int = 1
-    peak_tflops: float = 989.0
-    """Per-GPU dense 16-bit peak (H100 SXM)."""
-    efficiency: float = 0.75
-    """Share of the peak a large GEMM reaches (:class:`~.step_time.Device`)."""
-    intra_gbps: float = 450.0
-    """Intra-node collective bandwidth per GPU, GB/s (NVLink 4)."""
-    inter_gbps: float = 50.0
-    """Inter-node bandwidth per GPU, GB/s (400 Gb/s InfiniBand)."""
-    hbm_gbps: float = 3350.0
-    """HBM bandwidth, GB/s (H100 SXM)."""
-    reserve: int = 0
-    """Bytes of each GPU not available to tensors (CUDA context, NCCL, fragmentation)."""
-
-    @property
-    def per_node(self) -> int:
-        return self.gpus // self.nodes
-
-    @property
-    def usable(self) -> int:
-        """Bytes the predicted peak must stay under."""
-        return self.gpu_memory - self.reserve
-
-    def device(self) -> Device:
-        return Device(peak_tflops=self.peak_tflops, hbm_gbps=self.hbm_gbps,
-                      gemm_efficiency=self.efficiency, intra_gbps=self.intra_gbps,
-                      inter_gbps=self.inter_gbps)
-
-    @classmethod
-    def of(cls, dev: Device, gpus: int, gpu_memory: int, nodes: int = 1,
-           reserve: int = 0) -> "Hardware":
-        """A cluster of ``dev`` GPUs (e.g. :data:`~.step_time.A100`). :meth:`device` gives
-        back ``dev``: a ``dev`` whose other constants are not the defaults is refused.
-
-        Args:
-            dev: the GPU and link constants.
-            gpus: GPUs in all.
-            gpu_memory: bytes per GPU.
-            nodes: nodes (GPUs per node = gpus / nodes).
-            reserve: bytes of each GPU tensors cannot use.
-        """
-        hw = cls(gpus=gpus, gpu_memory=gpu_memory, nodes=nodes, peak_tflops=dev.peak_tflops,
-                 efficiency=dev.gemm_efficiency, intra_gbps=dev.intra_gbps,
-                 inter_gbps=dev.inter_gbps, hbm_gbps=dev.hbm_gbps, reserve=reserve)
-        if hw.device() != dev:
-            raise ValueError(f"Hardware carries the peak, HBM, link speeds and GEMM efficiency "
-                             f"of a Device, the other constants are the defaults: {dev}")
-        return hw
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One layout and its predictions."""
-
-    spec: MemorySpec
-    stages: List[StageMemory]
-    time: StepTime
-    comm_bytes: int
-    """Bytes one rank sends per step (all groups)."""
-    step_flops: float
-    """Model FLOPs of the step (no recompute)."""
-    gpus: int
-
-    @property
-    def step_time(self) -> float:
-        """Seconds."""
-        return self.time.total
-
-    @property
-    def bubble(self) -> float:
-        return self.time.bubble
-
-    @property
-    def tokens_per_gpu_s(self) -> float:
-        s = self.spec
-        tokens = s.micro_batch * s.num_micro_batches * s.dp * s.seq
-        return tokens / self.step_time / self.gpus
-
-    @property
-    def tflops_per_gpu(self) -> float:
-        """Model TFLOP/s per GPU (recompute not counted)."""
-        return self.step_flops / self.step_time / self.gpus / 1e12
-
-    @property
-    def peak(self) -> int:
-        return max(s.peak for s in self.stages)
-
-    def fits(self, usable: int) -> bool:
-        return self.peak <= usable
-
-    def layout(self) -> str:
-        s = self.spec
-        schedule = f" {s.pipeline_schedule}" if s.pp > 1 else ""
-        return (f"tp={s.tp} pp={s.pp}{schedule} dp={s.dp} mb={s.micro_batch} "
-                f"m={s.num_micro_batches} recompute={s.recompute} zero={s.zero_stage} "
-                f"sp={int(s.sequence_parallel)}")
-
-    def to_dict(self) -> dict:
-        s, t = self.spec, self.time
-        return {"tp": s.tp, "pp": s.pp, "dp": s.dp, "micro_batch": s.micro_batch,
-                "pipeline_schedule": s.pipeline_schedule if s.pp > 1 else None, "vpp": s.vpp,
-                "num_micro_batches": s.num_micro_batches, "recompute": s.recompute,
-                "zero_stage": s.zero_stage, "sequence_parallel": s.sequence_parallel,
-                "peak_bytes": self.peak, "stage_peak_bytes": [x.peak for x in self.stages],
-                "step_time_s": t.total, "tokens_per_gpu_s": self.tokens_per_gpu_s,
-                "model_tflops_per_gpu": self.tflops_per_gpu,
-                "compute_time_s": t.compute, "tp_comm_time_s": t.tp_comm,
-                "pipeline_time_s": t.pp, "dp_comm_time_s": t.dp_comm,
-                "optimizer_time_s": t.optimizer, "comm_bytes": self.comm_bytes,
-                "bubble": t.bubble}
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _ring(bytes_: float, n: int) -> float:
-    return 2 * (n - 1) / n * bytes_ if n > 1 else 0.0
-
-
-def _comm_bytes(spec: MemorySpec, stages: List[StageMemory]) -> int:
-    """Bytes one rank sends per step: tp collectives, dp gradient reduction, pp sends."""
-    tokens = spec.micro_batch * (spec.seq + spec.dec_seq)
-    act = tokens * spec.hidden * spec.e
-    layers = spec.num_layers * (2 if spec.family == "t5" else 1) / spec.pp
-    per_layer = 4 + (1 if spec.sequence_parallel else 0)  # SP: the backward's re-gathers
-    tp_bytes = _ring(act, spec.tp) * per_layer * layers * spec.num_micro_batches
-    grad_bytes = max(s.states.params for s in stages) * (4 if spec.backend == "ddp" else spec.e)
-    dp_bytes = _ring(grad_bytes, spec.dp)
-    pp_bytes = 2 * act / spec.tp * spec.num_micro_batches if spec.pp > 1 else 0
-    return int(tp_bytes + dp_bytes + pp_bytes)
-
-
-def evaluate(spec: MemorySpec, hw: Hardware, step_flops: float) -> Plan:
+def evaluate(spec: MemorySpec, hw: Hardware, step_flops: float,
+             reference: bool = False) -> Plan:
     """Predicted memory and step time of one layout.
 
     Args:
         spec: the layout.
         hw: the cluster.
         step_flops: model FLOPs of one step (the family's count for the global batch).
+        reference: walk tds's lowered action lists (:func:`~.report.predict`).
     """
-    stages = predict(spec)
-    parts = [(x.encoder_layers, x.decoder_layers, x.head) for x in stage_layers(spec)]
-    params = max(s.states.params for s in stages)
-    time = step_time(spec, hw.device(), hw.per_node, parts, params)
-    return Plan(spec, stages, time, _comm_bytes(spec, stages), step_flops, spec.world)
+    return plan_of(spec, predict(spec, reference), hw, step_flops)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def layouts(base: MemorySpec, hw: Hardware, global_batch: int) -> Iterator[MemorySpec]:
@@ -182,7 +44,8 @@ def layouts(base: MemorySpec, hw: Hardware, global_batch: int) -> Iterator[Memor
     """
     stacks = 2 if base.family == "t5" else 1
     for tp in _divisors(hw.gpus):
-        if tp > min(8, hw.per_node) or base.heads % tp or base.vocab % tp:
+        if tp > min(8, hw.per_node) or base.heads % tp or base.vocab % tp or \
+                (base.kv_heads or base.heads) % tp:
             continue
         for pp in _divisors(hw.gpus // tp):
             if pp > base.num_layers * stacks:
@@ -198,28 +61,42 @@ def layouts(base: MemorySpec, hw: Hardware, global_batch: int) -> Iterator[Memor
 
 def _schedules(base, pp):
     """``(schedule, vpp)`` candidates: none without a pipeline; 1F1B and ZB-H1; interleaved
-    (v = 2) and ZB-V where the layers split into 2 pp equal chunks."""
+    with every v that divides the layers per stage; ZB-V where the layers split into 2 pp
+    equal chunks."""
     if pp == 1:
         return [("", 1)]
     layers = base.num_layers * (2 if base.family == "t5" else 1)
-    two_chunks = [("interleaved", 2), ("zbv", 2)] if layers % (2 * pp) == 0 else []
-    return [("1f1b", 1), ("zb-h1", 1)] + two_chunks
+    per_stage = layers // pp if layers % pp == 0 else 0
+    interleaved = [("interleaved", v) for v in range(2, per_stage + 1) if per_stage % v == 0]
+    zbv = [("zbv", 2)] if layers % (2 * pp) == 0 else []
+    return [("1f1b", 1), ("zb-h1", 1)] + interleaved + zbv
+
+
+def _recomputes(base):
+    """none and full; selective where it recomputes something (the attention core keeps
+    ``s x s`` tensors; the model describes it for GPT-2)."""
+    from .activations import selective
+
+    keeps = base.family == "gpt2" and selective(replace(base, recompute="selective"))
+    return ("none", "full", "selective") if keeps else ("none", "full")
 
 
 def _variants(base, tp, pp, dp, mb, m):
-    for (schedule, vpp), recompute in itertools.product(_schedules(base, pp), ("none", "full")):
+    for (schedule, vpp), recompute in itertools.product(_schedules(base, pp), _recomputes(base)):
         for zero in (0, 1) if pp > 1 else (0, 1, 2):
             for sp in (False, True) if tp > 1 else (False,):
                 if zero and dp == 1:
                     continue
                 backend = "engine" if pp > 1 or zero or base.backend == "engine" else "ddp"
                 yield replace(base, tp=tp, pp=pp, dp=dp, micro_batch=mb, num_micro_batches=m,
-                              recompute=recompute, zero_stage=zero, sequence_parallel=sp,
+                              recompute=recompute, recompute_method="uniform",
+                              recompute_num_layers=1, zero_stage=zero, sequence_parallel=sp,
                               backend=backend, vpp=vpp, schedule=schedule)
 
 
 def plan(base: MemorySpec, hw: Hardware, global_batch: int, step_flops: float,
-         keep: Optional[Callable[[MemorySpec], bool]] = None) -> List[Plan]:
+         keep: Optional[Callable[[MemorySpec], bool]] = None,
+         reference: bool = False) -> List[Plan]:
     """Layouts whose peak fits in ``hw.usable``, most tokens per second per GPU first.
 
     Args:
@@ -228,9 +105,37 @@ def plan(base: MemorySpec, hw: Hardware, global_batch: int, step_flops: float,
         global_batch: samples per step (kept fixed across layouts).
         step_flops: the family's model FLOPs of one step.
         keep: optional filter on the candidate layouts.
+        reference: the slow path: every candidate evaluated in full, one by one, on tds's
+            lowered action lists (what the fast ranking, :mod:`.ranking`, is checked
+            against).
     """
-    plans = [evaluate(s, hw, step_flops) for s in layouts(base, hw, global_batch)
-             if keep is None or keep(s)]
-    # equal throughput (ZeRO-1 moves as many bytes as DDP): the smaller peak first
-    return sorted((p for p in plans if p.fits(hw.usable)),
-                  key=lambda p: (-p.tokens_per_gpu_s, p.step_time, p.peak))
+    candidates = [s for s in layouts(base, hw, global_batch) if keep is None or keep(s)]
+    return rank(candidates, hw, step_flops, reference)
+
+
+def rank(candidates: List[MemorySpec], hw: Hardware, step_flops: float,
+         reference: bool = False) -> List[Plan]:
+    """The layouts of ``candidates`` that fit in ``hw.usable``, most tokens per second per
+    GPU first (:func:`plan`'s ranking, for candidates already listed).
+
+    Args:
+        candidates: layouts (:func:`layouts`).
+        hw: the cluster.
+        step_flops: the family's model FLOPs of one step.
+        reference: the slow path (see :func:`plan`).
+    """
+    if reference:
+        plans = [p for p in (evaluate(s, hw, step_flops, reference=True) for s in candidates)
+                 if p.fits(hw.usable)]
+    else:
+        plans = fitting_plans(candidates, hw, step_flops)
+    return sort_plans(plans)
+
+
+def sort_plans(plans: List[Plan]) -> List[Plan]:
+    """Most tokens per second per GPU first; equal throughput (ZeRO-1 moves as many bytes
+    as DDP): the shorter step, then the smaller peak."""
+    return sorted(plans, key=lambda p: (-p.tokens_per_gpu_s, p.step_time, p.peak))
+
+
+__all__ = ["Hardware", "Plan", "evaluate", "layouts", "plan", "plan_of", "rank", "sort_plans"]

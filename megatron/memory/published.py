@@ -23,8 +23,8 @@ SEQ, VOCAB = 2048, 51200
 
 
 @dataclass(frozen=True)
-class PublishedRow:
-    """One row of Table 1 and the settings its authors' script ran it with."""
+class PaperRun:
+    """A published run's model and layout (a row of a paper's table)."""
 
     params_b: float
     """Parameters, billions (the paper's column)."""
@@ -35,16 +35,22 @@ class PublishedRow:
     pp: int
     gpus: int
     global_batch: int
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+@dataclass(frozen=True)
+class PublishedRow(PaperRun):
+    """One row of Table 1 and the settings its authors' script ran it with."""
+
     tflops: float
     """Published achieved TFLOP/s per GPU."""
     micro_batch: int
     """``MBS`` of run_table_1.sh."""
     layers_per_chunk: Optional[int] = None
     """``--num-layers-per-virtual-pipeline-stage`` (interleaved schedule); None: 1F1B."""
-
-    @property
-    def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
 
     @property
     def vpp(self) -> int:
@@ -115,7 +121,7 @@ def row_spec(row: PublishedRow) -> MemorySpec:
         micro_batch=row.micro_batch, num_micro_batches=per_replica // row.micro_batch,
         tp=row.tp, pp=row.pp, dp=row.dp, vpp=row.vpp, recompute="full", dtype="fp16",
         backend="ddp" if row.pp == 1 else "engine", attention="unfused",
-        hidden_dropout=0.1, attention_dropout=0.1, max_positions=SEQ)
+        hidden_dropout=0.1, attention_dropout=0.1, max_positions=SEQ, fused_elementwise=True)
 
 
 @dataclass(frozen=True)
@@ -181,5 +187,5 @@ def format_table(preds: List[RowPrediction]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["NARAYANAN_2021", "PublishedRow", "RowPrediction", "eq2_params", "eq3_flops",
+__all__ = ["NARAYANAN_2021", "PaperRun", "PublishedRow", "RowPrediction", "eq2_params", "eq3_flops",
            "format_table", "predict_row", "predict_table", "row_spec"]

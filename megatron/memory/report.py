@@ -1,18 +1,13 @@
 """The per-stage prediction: the larger of the micro-batches' peak (model states +
 in-flight activations + buffers + the largest transient, less the gradients not yet
 allocated then) and the optimizer step's (model states + the step's temporaries)."""
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import List, Optional
 
-from .activations import gpt2_stage
-from .backward import gpt2_backward, t5_backward
-from .grad_timing import grads_freed_each_step, late_grads, with_grads_peaks
-from .model_states import ModelStates, model_states, step_bytes
-from .deferred import deferred_bytes, gemm_weight_params
-from .schedule import activation_peaks, in_flight, rank_chunks
+from .chunks import chunk_bytes, rank_grad_bytes, rank_states, stage_layout
+from .model_states import ModelStates
 from .spec import MemorySpec
-from .stages import chunk_layers, rank_layers, stage_layers
-from .t5_activations import t5_stage
+from .walk import RankPeaks, peaks, rank_walks
 
 GIB = 2 ** 30
 
@@ -31,13 +26,15 @@ class StageMemory:
     """DDP gradient buckets; the pipeline's stage outputs and received masks held for the
     backward."""
     transient: int
-    """The largest short-lived working set: 16-bit logits next to their fp32 copy while the
-    loss runs, or a backward's gradients in flight (megatron/memory/backward.py: the
-    logits' gradient, a layer's GEMM gradients, under SP its re-gathered input, a
-    recomputed group's activations)."""
+    """What short-lived working sets add at their worst moment beyond the most activation
+    and gradient bytes alive at once: a backward's gradients in flight
+    (megatron/memory/backward.py: the logits' gradient, a layer's GEMM gradients, under SP
+    its re-gathered input, a recomputed group's activations) on what was alive before it,
+    or the 16-bit logits next to their fp32 copy while the loss runs (megatron/memory/
+    walk.py weighs each moment of the schedule)."""
     activation_peak: Optional[int] = None
-    """Interleaved: the most bytes alive at once, each chunk charged its own bytes (the
-    head and the embedding in the chunks that hold them); None: per micro-batch x count."""
+    """The most activation bytes alive at once, each chunk charged its own bytes (the head
+    and the embedding in the chunks that hold them); None: per micro-batch x count."""
     late_grads: int = 0
     """Gradient bytes not yet allocated when the activations peak (the engine frees them
     after each step; the rank peaks before its first backward: megatron/memory/
@@ -74,87 +71,53 @@ class StageMemory:
         return out
 
 
-def _hidden_out(spec: MemorySpec) -> int:
-    """Bytes of one micro-batch's stage output (what a pipeline stage sends and keeps)."""
-    tokens = spec.micro_batch * (spec.seq + (spec.dec_seq if spec.family == "t5" else 0))
-    return tokens * spec.hidden * spec.residual_bytes // (spec.tp if spec.sequence_parallel
-                                                          else 1)
-
-
-def _received_masks(spec: MemorySpec) -> int:
-    """Bytes of the bool masks one micro-batch brings to a stage with its hidden states
-    (GPT-2: ``[1, 1, s, s]``; T5: encoder, decoder and cross masks per sample), kept with
-    the received inputs until the backward."""
-    if spec.family == "gpt2":
-        return spec.seq * spec.seq
-    se, sd = spec.seq, spec.dec_seq
-    return spec.micro_batch * (se * se + sd * sd + sd * se)
-
-
-def _pipeline_buffers(spec: MemorySpec, layers, count: int) -> int:
-    """What the engine keeps per in-flight micro-batch beyond the saved activations: the
-    output of each chunk but the last (until its backward) and the masks each chunk but
-    the first received. ``count`` is in chunks when interleaved (each rank holds ``vpp``)."""
-    if spec.pp == 1:
-        return 0
-    v = spec.vpp
-    outputs = count * (v - 1) // v if layers.head else count
-    masks = count * (v - 1) // v if layers.stage == 0 else count
-    return outputs * _hidden_out(spec) + masks * _received_masks(spec)
-
-
-def _loss_forward(spec: MemorySpec) -> int:
-    """16-bit logits next to their fp32 copy (which becomes the kept softmax) while the loss
-    runs; fp32 logits become the softmax themselves (the loss works in place)."""
-    tokens = spec.micro_batch * (spec.dec_seq if spec.family == "t5" else spec.seq)
-    return tokens * spec.vocab // spec.tp * (spec.e if spec.e < 4 else 0)
-
-
-def predict(spec: MemorySpec) -> List[StageMemory]:
+def predict(spec: MemorySpec, reference: bool = False) -> List[StageMemory]:
     """Predicted memory of every pipeline stage (one entry per stage).
 
     Args:
         spec: the run (:func:`~megatron.memory.spec.spec_from_run_config`).
+        reference: walk tds's lowered action lists rather than this module's orders (the
+            slow path the planner's ranking is checked against).
 
     Raises:
         ConfigError: a spec the model does not describe.
     """
     spec.check()
-    schedule = spec.pipeline_schedule
-    counts = in_flight(spec.pp, spec.num_micro_batches, spec.vpp, schedule)
-    stage_fn, backward_fn = (gpt2_stage, gpt2_backward) if spec.family == "gpt2" else \
-        (t5_stage, t5_backward)
-    parts = chunk_layers(spec) if spec.vpp > 1 else stage_layers(spec)
-    chunks_of = rank_chunks(spec.pp, spec.vpp, schedule)  # each rank's global chunks
-    stages = [rank_layers(parts, r, mine) for r, mine in enumerate(chunks_of)] \
-        if schedule == "zbv" else stage_layers(spec)  # a loop: the stages' own partition
-    acts = [stage_fn(spec, part) for part in parts]
-    backwards = [backward_fn(spec, part, act) for part, act in zip(parts, acts)]
-    saved = tuple(act.saved for act in acts)
-    peaks = [None] * spec.pp
-    if spec.vpp > 1 or schedule in ("zb-h1", "zbv"):
-        deferred = tuple(deferred_bytes(spec, part) for part in parts)
-        peaks = activation_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved, schedule,
-                                 deferred)
-    grads = tuple(model_states(spec, part).grad_bytes for part in parts)
-    gemm = tuple(0 if schedule not in ("zb-h1", "zbv") else
-                 min(g, gemm_weight_params(spec, part) * g // max(1, model_states(spec, part).params))
-                 for g, part in zip(grads, parts))
-    timing = with_grads_peaks(spec.pp, spec.num_micro_batches, spec.vpp, saved, grads,
-                              schedule, gemm) if grads_freed_each_step(spec) else None
-    out = []
-    for layers, count, peak, mine in zip(stages, counts, peaks, chunks_of):
-        states = model_states(spec, layers)
-        per_micro_batch = sum(acts[c].saved for c in mine) // spec.vpp
-        buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
-        buffers += _pipeline_buffers(spec, layers, count)
-        transient = max(max(backwards[c] for c in mine),
-                        _loss_forward(spec) if layers.head else 0)
-        late = min(states.grad_bytes, late_grads(spec, timing, sum(grads[c] for c in mine),
-                                                 layers.stage)) if timing else 0
-        out.append(StageMemory(layers.stage, states, per_micro_batch, count, buffers,
-                               transient, peak, late, step_bytes(spec, layers, states)))
-    return out
+    layout = stage_layout(spec)
+    saved, cb = chunk_bytes(spec, layout.parts)
+    walks = rank_walks(spec.pipeline_schedule if spec.pp > 1 else "", spec.pp, spec.vpp,
+                       spec.num_micro_batches, reference)
+    saved_only = replace(cb, saved=saved)
+    states = rank_states(spec)
+    return [stage_memory(spec, r, saved, peaks(walk, cb), peaks(walk, saved_only).activations,
+                         states) for r, walk in enumerate(walks)]
+
+
+def stage_memory(spec: MemorySpec, r: int, saved, rank: RankPeaks, saved_peak: int,
+                 states_steps=None) -> StageMemory:
+    """Pipeline rank ``r``'s :class:`StageMemory` from its walk's peaks.
+
+    Args:
+        spec: the run.
+        r: the pipeline rank.
+        saved: per global chunk, the bytes one micro-batch saves (without what the engine
+            keeps beside them).
+        rank: the rank's peaks with the engine's outputs and masks
+            (:func:`~megatron.memory.walk.peaks`).
+        saved_peak: the rank's most saved bytes at once, without them.
+        states_steps: :func:`~megatron.memory.chunks.rank_states` of ``spec`` (given by a
+            caller that asks for every rank).
+    """
+    layout = stage_layout(spec)
+    layers, mine = layout.stages[r], layout.chunks_of[r]
+    states, step = (states_steps or rank_states(spec))[r]
+    buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
+    buffers += rank.activations - saved_peak  # stage outputs and received masks
+    rank_grads = rank_grad_bytes(spec, mine)
+    late = min(states.grad_bytes, rank.activations + rank_grads - rank.with_grads)
+    return StageMemory(layers.stage, states, sum(saved[c] for c in mine) // spec.vpp,
+                       rank.in_flight, buffers, rank.with_transient - rank.with_grads,
+                       saved_peak, late, step)
 
 
 def format_stage(stage: StageMemory, pp: int) -> str:

@@ -4,7 +4,7 @@
 :func:`spec_from_run_config` (the start-up check) or varied with ``dataclasses.replace``
 (the layout planner), so the model never needs a process group, a tokenizer or a device.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..errors import ConfigError
@@ -48,7 +48,12 @@ class MemorySpec:
     when vpp > 1."""
     sequence_parallel: bool = False
     recompute: str = "none"
-    """``none`` or ``full`` (--checkpoint-activations: each group of layers keeps its input)."""
+    """``none``, ``full`` (--recompute-granularity full / --checkpoint-activations) or
+    ``selective`` (the attention core, where it keeps ``s x s`` tensors)."""
+    recompute_method: str = "uniform"
+    """Full recompute: ``uniform`` (each group of ``recompute_num_layers`` layers keeps its
+    input) or ``block`` (the first ``recompute_num_layers`` layers of each stage or chunk
+    keep their input, the others everything)."""
     recompute_num_layers: int = 1
     dtype: str = "fp32"
     backend: str = "ddp"
@@ -65,14 +70,58 @@ class MemorySpec:
     ff_type: str = "relu"
     """T5's feed-forward (``relu`` or ``gated-gelu``)."""
     tie_embeddings: bool = True
+    """The output layer is the word embedding (GPT-2, T5 v1.0) rather than a weight of its
+    own."""
+    norm: str = "layernorm"
+    """``layernorm`` (weight, bias, two fp32 statistics per row) or ``rmsnorm`` (weight, one
+    statistic)."""
+    mlp: str = "gelu"
+    """``gelu`` (fc1, GeLU, fc2) or ``swiglu`` (gate and up GEMMs of one input, SiLU, their
+    product, down: Llama's)."""
+    kv_heads: int = 0
+    """Key / value heads (grouped-query attention); 0: as many as ``heads``."""
+    positions: str = "learned"
+    """``learned``: GPT-2's position table beside the word embedding; ``rotary`` (each layer
+    keeps its fp32 cos and sin) / ``none``: no table."""
+    mask_tensor: bool = False
+    """The layers hand SDPA the causal mask as a tensor, which it keeps per layer as an
+    additive mask in the compute dtype (GPT-2 uses ``is_causal``: none)."""
+    separate_projections: bool = False
+    """q, k, v (and a gated MLP's gate and up) are separate linear layers, each casting its
+    own copy of their input under autocast (GPT-2: one fused QKV, one fc1)."""
     num_buckets: int = 32
     vocab_padded: bool = True
     """The output layer's rows include padding beyond the tokenizer's vocabulary: their
     logits are filled with -inf in place on a view, so the backward copies the logits'
     gradient once more (autograd's CopySlices)."""
+    fused_elementwise: bool = False
+    """The step runs Megatron-LM's fused bias-dropout-add and bias-GeLU kernels (the
+    published tables' runs): each layer moves ``10 e h + 2 h`` bytes per token around
+    its GEMMs (+ ``2 e f / t``) instead of this project's separate bias, dropout and
+    residual ops' ``16 e h`` (+ ``4 e f / t``); step time only (megatron/memory/step_time.py)."""
     grad_accum: str = ""
     """DeepSpeed's ``data_types.grad_accum_dtype`` (``fp32``, ``bf16``, ``fp16``; empty: the
     weights' dtype): the dtype of the BF16_Optimizer's flat gradient buffer."""
+
+    @property
+    def kv_proj(self) -> int:
+        """Width of the key (and of the value) projection."""
+        return (self.kv_heads or self.heads) * self.kv_channels
+
+    @property
+    def qkv_width(self) -> int:
+        """Width of the query, key and value projections together."""
+        return self.heads * self.kv_channels + 2 * self.kv_proj
+
+    @property
+    def gated(self) -> bool:
+        """Two ``ffn``-wide GEMMs of the MLP's input (SwiGLU, T5's gated GeLU)."""
+        return self.mlp == "swiglu" or (self.family == "t5" and self.ff_type == "gated-gelu")
+
+    @property
+    def norm_stats(self) -> int:
+        """fp32 statistics a norm keeps per row (LayerNorm 2, RMSNorm 1)."""
+        return 1 if self.norm == "rmsnorm" else 2
 
     @property
     def e(self) -> int:
@@ -106,8 +155,18 @@ class MemorySpec:
             problems.append(f"family {self.family!r}: the memory model knows gpt2 and t5")
         if self.dtype not in DTYPE_BYTES:
             problems.append(f"dtype {self.dtype!r}: choose one of {sorted(DTYPE_BYTES)}")
-        if self.recompute not in ("none", "full"):
-            problems.append(f"recompute {self.recompute!r}: choose none or full")
+        if self.recompute not in ("none", "full", "selective"):
+            problems.append(f"recompute {self.recompute!r}: choose none, full or selective")
+        if self.recompute_method not in ("uniform", "block") or self.recompute_num_layers < 1:
+            problems.append(f"recompute method {self.recompute_method!r} with "
+                            f"{self.recompute_num_layers} layers: choose uniform or block and "
+                            f"at least 1 layer")
+        if self.family == "t5" and (self.recompute == "selective" or
+                                    self.recompute_method == "block" and
+                                    self.recompute == "full"):
+            problems.append("T5 with selective or block recompute: the model describes T5's "
+                            "uniform full recompute only (not measured otherwise)")
+        problems += self._layer_problems()
         if self.attention not in ("sdpa", "unfused"):
             problems.append(f"attention {self.attention!r}: choose sdpa or unfused")
         if self.zero_stage not in (0, 1, 2):
@@ -121,6 +180,20 @@ class MemorySpec:
         problems += self._grad_accum_problems()
         if problems:
             raise ConfigError("memory model: " + "; ".join(problems))
+
+    def _layer_problems(self):
+        problems = []
+        for name, value, choices in (("norm", self.norm, ("layernorm", "rmsnorm")),
+                                     ("mlp", self.mlp, ("gelu", "swiglu")),
+                                     ("positions", self.positions, ("learned", "rotary",
+                                                                    "none"))):
+            if value not in choices:
+                problems.append(f"{name} {value!r}: choose one of {', '.join(choices)}")
+        kv = self.kv_heads or self.heads
+        if self.heads % kv or kv % self.tp:
+            problems.append(f"{kv} key/value heads must divide the {self.heads} heads and "
+                            f"split over tp={self.tp}")
+        return problems
 
     @property
     def accum_bytes(self) -> int:
@@ -193,17 +266,38 @@ def _grad_accum(cfg) -> str:
     return name
 
 
+def _recompute(m) -> dict:
+    """The recompute fields of a run's model section (a saved configuration without the
+    granularity: --checkpoint-activations' full, uniform)."""
+    granularity = m.recompute_granularity or ("full" if m.checkpoint_activations else None)
+    if granularity == "full":
+        method = m.recompute_method or "uniform"
+        count = m.recompute_num_layers or m.checkpoint_num_layers
+        return dict(recompute="full", recompute_method=method, recompute_num_layers=count)
+    return dict(recompute=granularity or "none")
+
+
 def _backend(cfg) -> str:
     return "engine" if cfg.parallel.pp > 1 or cfg.parallel.deepspeed else "ddp"
 
 
 def memory_model_of(cfg) -> Optional[str]:
-    """The memory description of a run's model: its family's ``memory_model`` (``gpt2``,
-    ``t5`` or None); a configuration without a family object (a saved one) by its name."""
+    """The kind of memory model of a run's model (``gpt2``: a decoder- or encoder-only
+    description; ``t5``; None: none) from its family's ``memory_model``
+    (:mod:`~megatron.memory.describe`); a configuration without a family object (a saved
+    one) by its name."""
+    described = _described(cfg)
+    return described[0] if described else None
+
+
+def _described(cfg):
+    """:func:`~megatron.memory.describe.describe` of the run's family (None: none)."""
+    from .describe import describe
+
     family = getattr(cfg, "model_family", None)
     if family is not None:
-        return family.memory_model
-    return cfg.family if cfg.family in ("gpt2", "t5") else None
+        return describe(family.memory_model, cfg)
+    return (cfg.family, {}) if cfg.family in ("gpt2", "t5") else None
 
 
 def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int] = None
@@ -223,12 +317,17 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
                           "files or the planner's --vocab-size")
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.precision.name]
     extra = {"seq": cfg.batch.seq_length}
-    kind = memory_model_of(cfg) or "gpt2"
+    kind, layer = _described(cfg) or ("gpt2", {})
     if kind == "t5":
-        t5 = getattr(cfg, cfg.family)
-        extra = dict(seq=t5.enc_seq_length, dec_seq=t5.dec_seq_length, ff_type=t5.t5_ff,
-                     tie_embeddings=not t5.untie_embeddings,
-                     num_buckets=t5.relative_attention_num_buckets)
+        try:
+            t5 = getattr(cfg, cfg.family)
+            extra = dict(seq=t5.enc_seq_length, dec_seq=t5.dec_seq_length, ff_type=t5.t5_ff,
+                         tie_embeddings=not t5.untie_embeddings,
+                         num_buckets=t5.relative_attention_num_buckets)
+        except AttributeError as exc:
+            raise ConfigError(f"memory model: the encoder-decoder description reads T5's "
+                              f"settings (encoder and decoder lengths, feed-forward, buckets), "
+                              f"which the {cfg.family!r} family lacks ({exc})") from None
     from ..model.attention import resolve_attention_backend
 
     backend = _backend(cfg)
@@ -239,8 +338,7 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp, vpp=p.vpp,
         schedule=p.pipeline_schedule if p.pp > 1 else "",
         sequence_parallel=p.sequence_parallel,
-        recompute="full" if m.checkpoint_activations else "none",
-        recompute_num_layers=m.checkpoint_num_layers, dtype=dtype, backend=backend,
+        **_recompute(m), dtype=dtype, backend=backend,
         zero_stage=_zero_stage(cfg) if backend == "engine" else 0,  # DDP ignores the flag
         attention=resolve_attention_backend(k.attention_backend),
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
@@ -248,5 +346,6 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         device=device or ("cuda" if p.dist_backend == "nccl" else "cpu"),
         vocab_padded=m.true_vocab_size is None or m.true_vocab_size < rows,
         grad_accum=_grad_accum(cfg) if backend == "engine" else "", **extra)
+    spec = replace(spec, **layer)  # the family's description of its layers
     spec.check()
     return spec

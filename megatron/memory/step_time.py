@@ -6,11 +6,19 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
   ``sat(d) = d / (d + gemm_half)``: a thin dimension (few tokens in a micro-batch, a narrow
   tensor-parallel shard) leaves tensor cores idle; never faster than moving the operands
   through HBM, never shorter than ``kernel_floor``. Backward = 2 x forward (input and
-  weight gradients); full recompute runs the forward once more.
-- **Attention** (scores and context): ``4 b s^2 P / t`` FLOPs forward at ``attention_efficiency``.
-- **Elementwise** (norms, dropouts, residuals, GeLU, bias adds): bytes moved at HBM speed;
-  the unfused attention path also moves its ``[b, a/t, s, s]`` scores and probabilities
-  (written, softmax, dropout, read by the context bmm) through HBM, which SDPA does not.
+  weight gradients).
+- **Attention** (scores and context): ``4 b s^2 P / t`` FLOPs forward at
+  ``attention_efficiency``; backward 2 x.
+- **Elementwise** (norms, dropouts, residuals, GeLU, bias adds): bytes moved at HBM speed,
+  this project's ops (or Megatron-LM's fused kernels, ``fused_elementwise``); the unfused
+  attention path also moves its ``[b, a/t, s, s]`` scores and probabilities (written,
+  softmax, dropout, read by the context bmm) through HBM, which SDPA does not. The backward
+  moves them once more (each op reads its saved input and the incoming gradient and
+  writes one gradient: about the forward's bytes; Korthikanti et al. 2022's Table 4
+  layer times, docs/memory.md).
+- **Recompute**: full runs the recomputed layers' forward once more (with its half of
+  the tensor-parallel collectives); selective the attention core's forward (where it keeps
+  ``s x s`` tensors).
 - **Tensor parallel**: per layer 2 all-reduces forward and 2 backward (ring
   ``2 (t - 1) / t`` of ``s b h e``); under SP reduce-scatters and all-gathers of the same
   total plus the backward's re-gather of the QKV / fc1 input shards; not overlapped.
@@ -25,8 +33,9 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
 - **Optimizer**: the Adam step's bytes (weights, gradients, moments, masters) at HBM speed.
 """
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
+from .activations import selective
 from .spec import MemorySpec
 
 
@@ -92,26 +101,46 @@ def _bw(span: int, per_node: int, dev: Device) -> float:
     return dev.intra_gbps if span <= per_node else dev.inter_gbps
 
 
-def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int, cross: bool) -> float:
-    """Compute seconds of one layer's forward on one rank (one micro-batch)."""
+def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int,
+                   cross: bool) -> Tuple[float, float]:
+    """``(matmul, memory)`` seconds of one layer's forward on one rank (one micro-batch): the
+    GEMMs and the attention core's FLOPs, and the HBM-bound elementwise work (norms,
+    dropouts, residuals, GeLU; the unfused attention's scores)."""
     h, t, e, f = spec.hidden, spec.tp, spec.e, spec.ffn
     proj = spec.heads * spec.kv_channels
-    gated = 2 if spec.family == "t5" and spec.ff_type == "gated-gelu" else 1
+    gated = 2 if spec.gated else 1
     b = spec.micro_batch
-    time = gemm_time(tokens, 3 * proj // t, h, e, dev) + gemm_time(tokens, h, proj // t, e, dev)
+    time = gemm_time(tokens, spec.qkv_width // t, h, e, dev) + \
+        gemm_time(tokens, h, proj // t, e, dev)
     time += gemm_time(tokens, gated * f // t, h, e, dev) + gemm_time(tokens, h, f // t, e, dev)
-    sq = tokens // b
-    attn = 4.0 * b * sq * sq * proj / t
-    if cross:  # decoder: cross-attention's projections and core
+    if cross:  # decoder: cross-attention's projections (its core: _core_forward)
         enc = s_kv * b
         time += gemm_time(tokens, proj // t, h, e, dev) + gemm_time(enc, 2 * proj // t, h, e, dev)
         time += gemm_time(tokens, h, proj // t, e, dev)
-        attn += 4.0 * b * sq * s_kv * proj / t
-    time += attn / (dev.peak_tflops * 1e12 * dev.attention_efficiency)
     c = t if spec.sequence_parallel else 1
-    elementwise = tokens * e * (16 * h / c + 4 * f / t)  # norms, dropouts, residuals, GeLU
-    elementwise += _score_bytes(spec, sq, sq) + (_score_bytes(spec, sq, s_kv) if cross else 0)
-    return time + elementwise / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
+    # norms, dropouts, residuals, GeLU: this project's ops read and write each once;
+    # Megatron-LM's fused bias-dropout-add (1-byte mask) and bias-GeLU kernels less
+    elementwise = tokens * (e * 10 * h + 2 * h) / c + tokens * e * 2 * f / t \
+        if spec.fused_elementwise else tokens * e * (16 * h / c + 4 * f / t)
+    core_matmul, core_memory = _core_forward(spec, dev, tokens, s_kv, cross)
+    return time + core_matmul, \
+        elementwise / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency) + core_memory
+
+
+def _core_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int,
+                  cross: bool) -> Tuple[float, float]:
+    """``(matmul, memory)`` seconds of one layer's attention core forward (scores, softmax,
+    dropout, context; the decoder's cross-attention core too): what selective recompute
+    runs again."""
+    b, proj, t = spec.micro_batch, spec.heads * spec.kv_channels, spec.tp
+    sq = tokens // b
+    attn = 4.0 * b * sq * sq * proj / t
+    scores = _score_bytes(spec, sq, sq)
+    if cross:
+        attn += 4.0 * b * sq * s_kv * proj / t
+        scores += _score_bytes(spec, sq, s_kv)
+    return attn / (dev.peak_tflops * 1e12 * dev.attention_efficiency), \
+        scores / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
 
 
 def _score_bytes(spec: MemorySpec, sq: int, skv: int) -> float:
@@ -152,25 +181,87 @@ class StepTime:
     """Idle share of the pipeline part."""
 
 
+def _per_layer(spec: MemorySpec, dev: Device, per_node: int, decoder: bool):
+    """``(compute, tp comm, forward, forward comm)`` seconds of one layer (a T5 decoder layer
+    when ``decoder``) and one micro-batch: forward and backward (two GEMMs per forward GEMM,
+    the elementwise bytes once more: each op reads its saved input and the gradient and
+    writes one gradient), selective recompute's attention core; what full recompute would
+    run again is the forward and its half of the collectives."""
+    b = spec.micro_batch
+    tokens = (spec.dec_seq if decoder else spec.seq) * b
+    matmul, memory = _layer_forward(spec, dev, tokens, spec.seq, decoder)
+    forward = matmul + memory
+    tp = _tp_comm(spec, dev, tokens, per_node)
+    compute = forward + 2 * matmul + memory
+    if selective(spec):  # the attention core once more (where it keeps s x s)
+        compute += sum(_core_forward(spec, dev, tokens, spec.seq, decoder))
+    return compute, tp, forward, tp / 2
+
+
 def _stage_times(spec: MemorySpec, dev: Device, layers_per_stage: List[tuple],
                  per_node: int):
     """Per stage: (compute, tp comm) seconds of one micro-batch, forward + backward."""
-    b = spec.micro_batch
+    kinds = [_per_layer(spec, dev, per_node, decoder) if any(
+        stage[decoder] for stage in layers_per_stage) else None for decoder in (0, 1)]
+    tokens = (spec.dec_seq if spec.family == "t5" else spec.seq) * spec.micro_batch
+    head_time = 3 * gemm_time(tokens, spec.vocab // spec.tp, spec.hidden, spec.e, dev)
     out = []
-    passes = 4 if spec.recompute == "full" else 3  # forward, 2 x backward (+ recompute)
-    for enc, dec, head in layers_per_stage:
+    for stage in layers_per_stage:
         comp = comm = 0.0
-        for n, tokens, s_kv, cross in ((enc, spec.seq * b, spec.seq, False),
-                                       (dec, spec.dec_seq * b, spec.seq, True)):
+        for decoder in (0, 1):
+            n = stage[decoder]
             if n:
-                comp += n * passes * _layer_forward(spec, dev, tokens, s_kv, cross)
-                tp = _tp_comm(spec, dev, tokens, per_node)
-                comm += n * tp * (1.5 if spec.recompute == "full" else 1)
-        if head:
-            tokens = (spec.dec_seq if spec.family == "t5" else spec.seq) * b
-            comp += 3 * gemm_time(tokens, spec.vocab // spec.tp, spec.hidden, spec.e, dev)
+                compute, tp, forward, forward_tp = kinds[decoder]
+                again = recomputed_layers(spec, n, stage[0] + stage[1])
+                comp += n * compute + again * forward
+                comm += n * tp + again * forward_tp
+        if stage[2]:
+            comp += head_time
         out.append((comp, comm))
     return out
+
+
+def layer_times(spec: MemorySpec, dev: Device, per_node: int) -> Tuple[float, float]:
+    """``(forward, backward)`` seconds of one GPT layer and one micro-batch with its
+    tensor-parallel collectives, the backward with what recompute runs again (every layer
+    recomputed under full recompute): the terms :func:`step_time` adds up.
+
+    Args:
+        spec: the layout.
+        dev: device and link constants.
+        per_node: GPUs per node.
+    """
+    tokens = spec.seq * spec.micro_batch
+    matmul, memory = _layer_forward(spec, dev, tokens, spec.seq, False)
+    act = tokens * spec.hidden * spec.e
+    bw = _bw(spec.tp, per_node, dev)
+    forward_comm = 2 * _collective(act, spec.tp, bw, dev, ring=2.0)
+    backward_comm = _tp_comm(spec, dev, tokens, per_node) - forward_comm
+    forward = matmul + memory + forward_comm
+    backward = 2 * matmul + memory + backward_comm
+    if selective(spec):
+        backward += sum(_core_forward(spec, dev, tokens, spec.seq, False))
+    elif spec.recompute == "full":
+        backward += forward
+    return forward, backward
+
+
+def recompute_fraction(spec: MemorySpec, stage_layers: int) -> float:
+    """Share of a stage's ``stage_layers`` transformer layers that full recompute runs
+    again: all (uniform); block: ``recompute_num_layers`` of each of the stage's ``vpp``
+    chunks (equal chunks assumed)."""
+    if spec.recompute != "full" or not stage_layers:
+        return 0.0
+    if spec.recompute_method == "uniform":
+        return 1.0
+    per_chunk = stage_layers / spec.vpp
+    return min(spec.recompute_num_layers, per_chunk) / per_chunk
+
+
+def recomputed_layers(spec: MemorySpec, n: int, stage_layers: int) -> float:
+    """Of ``n`` layers of one kind on a stage of ``stage_layers``, how many full recompute
+    runs again (:func:`recompute_fraction`)."""
+    return n * recompute_fraction(spec, stage_layers)
 
 
 def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: List[tuple],
@@ -202,7 +293,7 @@ def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: Li
     dp_bw = _bw(spec.tp * spec.dp, per_node, dev)
     dp = _collective(grad_bytes, spec.dp, dp_bw, dev, ring=2.0)
     if spec.backend == "ddp" and spec.pp == 1:  # buckets overlap the last backward
-        dp = max(0.0, dp - stages[0][0] * 2 / (4 if spec.recompute == "full" else 3))
+        dp = max(0.0, dp - stages[0][0] * 2 / (3 + recompute_fraction(spec, spec.num_layers)))
     adam_bytes = 16 + 12 if spec.e == 4 else 2 + 16 + 12 + 2  # read p g m v, write p m v
     shard = spec.dp if spec.zero_stage else 1
     opt = params_per_rank * adam_bytes / shard / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)

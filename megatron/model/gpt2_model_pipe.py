@@ -14,6 +14,7 @@ from tds.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from .. import mpu
 from .language_model import Embedding, masked_lm_loss, parallel_lm_logits
+from .recompute import apply_block_recompute, block_count
 from .transformer import ParallelTransformerLayer, make_layer_norm
 
 TIED_WEIGHT = "word_embeddings.weight"
@@ -76,7 +77,8 @@ class GPT2ModelPipe(PipelineModule):
 
     Args:
         config: :class:`TransformerConfig` (``checkpoint_activations`` /
-            ``checkpoint_num_layers`` set the recompute interval).
+            ``checkpoint_num_layers`` set the recompute interval; block recompute marks
+            the first ``recompute_num_layers`` layers of each chunk).
         vocab_size: padded vocabulary size.
         max_position_embeddings: learned positions.
         topology: DeepSpeed topology (pp x dp x tp), matching mpu's groups.
@@ -96,6 +98,7 @@ class GPT2ModelPipe(PipelineModule):
                          activation_checkpoint_func=mpu.checkpoint,
                          checkpointable_layers=["ParallelTransformerLayerPipe"],
                          num_virtual_stages=num_virtual_stages, placement=placement)
+        apply_block_recompute(self, block_count(config), (ParallelTransformerLayerPipe,))
         # the mask slot: a bool mask, or the int token layout (context parallelism)
         self._input_type = ["float", "int" if config.token_layout else "bool"]
         self._input_grad = [True, False]

@@ -29,6 +29,7 @@ from .attention import (
 from .fused_layer_norm import MixedFusedRMSNorm
 from .fused_softmax import AttnMaskType, FusedScaleMaskSoftmax
 from .language_model import parallel_lm_logits
+from .recompute import core_attention, recompute_core
 from .transformer import ModelRunOptions, attention_mask_func
 from .utils import init_method_normal, init_rng
 
@@ -202,6 +203,8 @@ class T5Attention(nn.Module):
         self.scale_mask_softmax = FusedScaleMaskSoftmax.for_dtype(
             config.compute_dtype, AttnMaskType.padding, config.masked_softmax_fusion,
             attention_mask_func, scale=None)
+        # selective recompute; self-attention's relative bias needs a gradient
+        self.recompute_core = recompute_core(config, mask_needs_grad=not cross)
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.attention_backend = resolve_attention_backend(config.attention_backend)
 
@@ -236,7 +239,9 @@ class T5Attention(nn.Module):
             q, k, v = self._split_heads(self.query_key_value(hidden)[0], 3)
             if kv_cache is not None:
                 k, v = kv_cache.update(layer, k, v)  # [sk, b, np, hn] so far
-        return self.dense(self._attend(q, k, v, mask, position_bias))[0]
+        context = core_attention(self._attend, self.recompute_core and kv_cache is None,
+                                 self.training, q, k, v, mask, position_bias)
+        return self.dense(context)[0]
 
     def _attend(self, q, k, v, mask, position_bias):  # [s, b, np, hn] -> [sq, b, np * hn]
         if self.attention_backend == "sdpa":  # bias + mask: one additive float mask

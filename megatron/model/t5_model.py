@@ -17,6 +17,7 @@ from .attention import attention_dtype, fold_mask, resolve_attention_backend
 from .fused_softmax import causal_exclusion
 from .kv_cache import KVCache
 from .language_model import lm_loss
+from .recompute import block_count, run_layers
 from .t5_layers import (
     RelativePositionBias,
     T5DecoderLayer,
@@ -130,8 +131,9 @@ class T5Stack(nn.Module):
         elif kv_cache is not None:
             for layer in self.layers:
                 hidden = layer(hidden, mask, bias, *cross, kv_cache=kv_cache)
-        else:
-            hidden = self._run(0, len(self.layers))(hidden, mask, bias, *cross)
+        else:  # block recompute: the stack's first layers keep only their input
+            hidden = run_layers(self.layers, block_count(self.config), self.training,
+                                hidden, mask, bias, *cross)
         return mpu.sequence_parallel_dropout(self.dropout, self.final_layernorm(hidden),
                                              self.config.sequence_parallel)
 

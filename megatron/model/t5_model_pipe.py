@@ -27,6 +27,7 @@ from tds.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from .. import mpu
 from .language_model import masked_lm_loss
+from .recompute import apply_block_recompute, block_count
 from .t5_layers import (
     RelativePositionBias,
     T5DecoderLayer,
@@ -186,6 +187,8 @@ class T5ModelPipe(PipelineModule):
                          activation_checkpoint_func=mpu.checkpoint,
                          checkpointable_layers=["T5EncoderLayerPipe", "T5DecoderLayerPipe"],
                          num_virtual_stages=num_virtual_stages, placement=placement)
+        apply_block_recompute(self, block_count(config), (T5EncoderLayerPipe,
+                                                          T5DecoderLayerPipe))
         self._bias_groups = []  # (bias module, group of the stages holding its copies)
         for stack in STACKS:
             self._build_shared_bias(config, stack, biases[stack])

@@ -23,6 +23,7 @@ from .attention import (
 )
 from .fused_layer_norm import MixedFusedLayerNorm
 from .fused_softmax import AttnMaskType, FusedScaleMaskSoftmax
+from .recompute import block_count, core_attention, recompute_core, run_layers
 from .utils import init_method_normal, init_rng, scaled_init_method_normal
 
 
@@ -36,6 +37,13 @@ class ModelRunOptions:
     checkpoint_activations: bool = False
     """Recompute each group of ``checkpoint_num_layers`` layers in the backward."""
     checkpoint_num_layers: int = 1
+    recompute_granularity: Optional[str] = None
+    """``full``, ``selective`` or None (megatron/config/recompute.py); full + uniform is
+    ``checkpoint_activations``."""
+    recompute_method: Optional[str] = None
+    """Full recompute's ``uniform`` or ``block``."""
+    recompute_num_layers: Optional[int] = None
+    """Block: layers at the start of each stage or chunk that keep only their input."""
     masked_softmax_fusion: bool = True
     """Allow the fused masked-softmax kernel (``--[no-]masked-softmax-fusion``)."""
     compute_dtype: torch.dtype = torch.float32
@@ -124,6 +132,7 @@ class ParallelSelfAttention(nn.Module):
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.cp_comm_type = config.cp_comm_type
+        self.recompute_core = recompute_core(config)  # selective recompute
         self.dense = mpu.RowParallelLinear(
             projection, config.hidden_size, bias=config.bias, input_is_parallel=True,
             init_method=scaled_init_method_normal(std, config.num_layers),
@@ -142,17 +151,21 @@ class ParallelSelfAttention(nn.Module):
         if mpu.is_token_layout(attention_mask):  # context parallelism / document masking
             context = mpu.context_parallel_attention(q, k, v, attention_mask, scale=self.scale,
                                                      comm_type=self.cp_comm_type)
-        elif self.attention_backend == "sdpa":
-            context = sdpa_attention(q, k, v, scale=self.scale, causal=True,
-                                     mask=_extra_mask(attention_mask),
-                                     dropout_p=self.attention_dropout.p if self.training else 0.0,
-                                     per_rank_dropout=self.tp_size > 1)
         else:
-            context = bmm_attention(q, k, v, self.scale_mask_softmax, self.attention_dropout,
-                                    mask=attention_mask,
-                                    per_rank_dropout=self.tp_size > 1)  # [sq, b, np * hn]
+            context = core_attention(self._core, self.recompute_core and kv_cache is None,
+                                     self.training, q, k, v, attention_mask)  # [sq, b, np*hn]
         output, _ = self.dense(context)
         return output  # [sq, b, h]
+
+    def _core(self, q, k, v, attention_mask):
+        """Scores, softmax, dropout and context: ``[s, b, np, hn]`` -> ``[sq, b, np * hn]``."""
+        if self.attention_backend == "sdpa":
+            return sdpa_attention(q, k, v, scale=self.scale, causal=True,
+                                  mask=_extra_mask(attention_mask),
+                                  dropout_p=self.attention_dropout.p if self.training else 0.0,
+                                  per_rank_dropout=self.tp_size > 1)
+        return bmm_attention(q, k, v, self.scale_mask_softmax, self.attention_dropout,
+                             mask=attention_mask, per_rank_dropout=self.tp_size > 1)
 
 
 def _extra_mask(attention_mask):
@@ -220,6 +233,9 @@ class ParallelTransformer(nn.Module):
             step = self.config.checkpoint_num_layers
             for start in range(0, len(self.layers), step):
                 hidden = mpu.checkpoint(self._run(start, start + step), hidden, attention_mask)
+        elif kv_cache is None:  # block recompute: the first layers keep only their input
+            hidden = run_layers(self.layers, block_count(self.config), self.training,
+                                hidden, attention_mask)
         else:
             for layer in self.layers:
                 hidden = layer(hidden, attention_mask, kv_cache)

@@ -3,7 +3,7 @@ tds's engine."""
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
 # the partition PipelineModule applies, for code that predicts a stage's layers
-from deepspeed.runtime.utils import partition_balanced
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from .contract import StageContract, contract_of
 from .engine import PipelineEngine
@@ -11,4 +11,4 @@ from .module import PipelineModule
 
 __all__ = ["LayerSpec", "PipelineEngine", "PipelineModule", "PipeModelDataParallelTopology",
            "ProcessTopology", "StageContract", "TiedLayerSpec", "contract_of",
-           "partition_balanced"]
+           "partition_balanced", "partition_uniform"]

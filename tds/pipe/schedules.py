@@ -35,11 +35,14 @@ def one_f_one_b(pp_size: int, num_micro_batches: int) -> List[List[Action]]:
         pp_size: pipeline ranks p.
         num_micro_batches: micro-batches per step m (any m >= 1).
     """
+    return lower(_one_f_one_b_steps(pp_size, num_micro_batches), pp_size, 1)
+
+
+def _one_f_one_b_steps(pp_size: int, num_micro_batches: int):
     _check_sizes(pp_size, 1, num_micro_batches)
     m = num_micro_batches
-    steps = [_alternate([(r, i) for i in range(m)], [(r, i) for i in range(m)],
-                        min(pp_size - r - 1, m)) for r in range(pp_size)]
-    return lower(steps, pp_size, 1)
+    return [_alternate([(r, i) for i in range(m)], [(r, i) for i in range(m)],
+                       min(pp_size - r - 1, m)) for r in range(pp_size)]
 
 
 def interleaved_groups(pp_size: int, num_micro_batches: int) -> List[int]:
@@ -95,15 +98,18 @@ def interleaved_1f1b(pp_size: int, vpp_size: int, num_micro_batches: int) -> Lis
         vpp_size: model chunks per rank v.
         num_micro_batches: micro-batches per step m (any m >= 1).
     """
+    return lower(_interleaved_steps(pp_size, vpp_size, num_micro_batches), pp_size, vpp_size)
+
+
+def _interleaved_steps(pp_size: int, vpp_size: int, num_micro_batches: int):
     _check_sizes(pp_size, vpp_size, num_micro_batches)
     p, v, m = pp_size, vpp_size, num_micro_batches
     if p == 1 and v > 1:
         raise ValueError("pipeline schedule: interleaving needs pp_size >= 2 (with one rank "
                          "the chunks are simply consecutive layers); use vpp_size=1")
-    steps = [_alternate(interleaved_order(p, v, m, r, backward=False),
-                        interleaved_order(p, v, m, r, backward=True),
-                        interleaved_warmup(p, v, m, r), paired=True) for r in range(p)]
-    return lower(steps, p, v)
+    return [_alternate(interleaved_order(p, v, m, r, backward=False),
+                       interleaved_order(p, v, m, r, backward=True),
+                       interleaved_warmup(p, v, m, r), paired=True) for r in range(p)]
 
 
 def zb_h1(pp_size: int, num_micro_batches: int) -> List[List[Action]]:
@@ -120,6 +126,10 @@ def zb_h1(pp_size: int, num_micro_batches: int) -> List[List[Action]]:
         pp_size: pipeline ranks p.
         num_micro_batches: micro-batches per step m.
     """
+    return lower(_zb_h1_steps(pp_size, num_micro_batches), pp_size, 1)
+
+
+def _zb_h1_steps(pp_size: int, num_micro_batches: int):
     _check_sizes(pp_size, 1, num_micro_batches)
     p, m, steps = pp_size, num_micro_batches, []
     for r in range(p):
@@ -132,7 +142,7 @@ def zb_h1(pp_size: int, num_micro_batches: int) -> List[List[Action]]:
                 while len(pending) > r:
                     order.append(pending.pop(0))
         steps.append(order + pending)
-    return lower(steps, p, 1)
+    return steps
 
 
 def zbv(pp_size: int, num_micro_batches: int) -> List[List[Action]]:
@@ -196,6 +206,27 @@ def build_schedule(name: str, pp_size: int, vpp_size: int,
                "interleaved": lambda: interleaved_1f1b(p, v, m), "zbv": lambda: zbv(p, m)}
     placement = Placement.v_shape(p) if name == "zbv" else Placement.loop(p, v)
     return actions[name](), placement
+
+
+def compute_orders(name: str, pp_size: int, vpp_size: int,
+                   num_micro_batches: int) -> List[List[Compute]]:
+    """Each rank's computations in the order ``build_schedule(name, ...)`` runs them, without
+    the communication (what a memory or cost model walks; ``lower`` keeps this order).
+
+    Args:
+        name, pp_size, vpp_size, num_micro_batches: as for :func:`build_schedule`.
+    """
+    p, v, m = pp_size, vpp_size, num_micro_batches
+    if name == "zbv":
+        _check_sizes(p, 2, m)
+        from .schedule_zbv import best_zbv_order
+
+        steps = best_zbv_order(p, m)
+    else:
+        steps = {"1f1b": lambda: _one_f_one_b_steps(p, m), "zb-h1": lambda: _zb_h1_steps(p, m),
+                 "interleaved": lambda: _interleaved_steps(p, v, m)}[name]()
+    return [[a for step in order for a in (step if isinstance(step, tuple) else (step,))]
+            for order in steps]
 
 
 def peak_bound(name: str, pp_size: int, vpp_size: int, num_micro_batches: int,
