@@ -72,6 +72,10 @@ def _worker(fn, rank, world_size, port, log_path, result_q, env, threads, args, 
                               timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=600))
+        # gloo's set-up is no barrier: a rank whose fn fails at once would exit and close its
+        # connections while a slower peer still builds its mesh (that peer then fails in
+        # init_process_group, not with the error under test)
+        dist.barrier()
         result = fn(*args, **kwargs)
         # By value: the queue's pickler would pass a tensor as a handle to this process's
         # shared memory, which the parent can no longer open once this rank has exited.

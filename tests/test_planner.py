@@ -56,9 +56,9 @@ def test_text_header_names_the_gpu_preset(capsys):
     gpu = random.choice(sorted(tool.PRESETS))
     args = SimpleNamespace(config="x.yaml", gpus=8, gpu=gpu, top=1)
     hw = Hardware(gpus=8, gpu_memory=80 * GIB)
-    tool._print(args, hw, SimpleNamespace(dtype="bf16"), 64, [], None, "none")
+    tool._header(args, hw, SimpleNamespace(dtype="bf16"), 64, 17, None, "none")
     header = capsys.readouterr().out.splitlines()[0]
-    assert f"layouts fit on 8 {gpu.upper()} GPUs x 80 GiB" in header, header
+    assert f"17 layouts on 8 {gpu.upper()} GPUs x 80 GiB" in header, header
 
 
 def _spec(**changes):

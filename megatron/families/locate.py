@@ -49,8 +49,8 @@ def import_family(spec: str) -> Any:
         if not hasattr(found, part):
             raise ConfigError(f"--family {spec}: {where} has no {attribute!r}")
         found = getattr(found, part)
-    if callable(found) and not isinstance(found, ModelFamily):
-        found = found()  # a factory, as register() takes
+    if callable(found) and not isinstance(found, (ModelFamily, type)):
+        found = found()  # a factory function, as register() takes (a class is not one)
     if not isinstance(found, ModelFamily):
         raise ConfigError(f"--family {spec}: {attribute} is not a megatron.families."
                           f"ModelFamily (its type: {type(found).__name__})")
