@@ -219,10 +219,8 @@ class _TracedGatherLinearDeferred(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, weight, bias, group, slot):
-        total = _all_gather_first_dim(shard.contiguous(), group)  # [s, b, in]
-        ctx.group, ctx.slot, ctx.has_bias = group, slot, bias is not None
-        ctx.save_for_backward(shard, weight)
-        return torch.nn.functional.linear(total, weight, bias)  # [s, b, out/t]
+        ctx.slot = slot
+        return _TracedGatherLinear.forward(ctx, shard, weight, bias, group)
 
     @staticmethod
     def backward(ctx, grad_output):

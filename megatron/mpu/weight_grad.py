@@ -260,6 +260,16 @@ def mm_weight_grad(grad, mat1, weight_col_major_t):
     return mat1.t().mm(grad).t()
 
 
+def _save_and_multiply(ctx, mat1, weight, bias):
+    """The forward of both deferrable Functions: ``mat1 @ weight.t() (+ bias)`` as
+    ``aten::linear`` runs it (``addmm`` / ``mm``), keeping ``mat1`` and ``weight``."""
+    ctx.weight_col_major_t = _is_col_major(weight.t())
+    ctx.save_for_backward(mat1, weight)
+    if bias is None:
+        return mat1.mm(weight.t())  # [n, out]
+    return torch.addmm(bias, mat1, weight.t())
+
+
 class LinearWithDeferredWeightGrad(torch.autograd.Function):
     """``mat1 @ W^T (+ b)`` on 2-D ``mat1``, whose weight GEMM a WeightGradStore can defer.
 
@@ -277,11 +287,7 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
         # does not take param (the leaf behind a cast weight) for an input
         ctx.target = target
         ctx.bias_shape = None if bias is None else bias.shape
-        ctx.weight_col_major_t = _is_col_major(weight.t())
-        ctx.save_for_backward(mat1, weight)
-        if bias is None:
-            return mat1.mm(weight.t())  # [n, out]
-        return torch.addmm(bias, mat1, weight.t())
+        return _save_and_multiply(ctx, mat1, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):  # grad: [n, out]
@@ -354,11 +360,7 @@ class _TracedDeferredLinear(torch.autograd.Function):
     def forward(ctx, mat1, weight, bias, slot):
         # mat1: [n, in]; weight: [out, in] (the compute-dtype copy of the slot's parameter)
         ctx.slot, ctx.has_bias = slot, bias is not None
-        ctx.weight_col_major_t = _is_col_major(weight.t())
-        ctx.save_for_backward(mat1, weight)
-        if bias is None:
-            return mat1.mm(weight.t())  # [n, out]
-        return torch.addmm(bias, mat1, weight.t())
+        return _save_and_multiply(ctx, mat1, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):  # grad: [n, out]
