@@ -19,7 +19,8 @@ pytestmark = pytest.mark.xdist_group("slurm")
 
 CLUSTER = os.path.join(REPO, "tests", "slurm_cluster.sh")
 # Derived by the sbatch script from Slurm's variables: must not leak in from the test env.
-DERIVED = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CHECKPOINT_PATH")
+DERIVED = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CHECKPOINT_PATH", "LOG_DIR",
+           "TENSORBOARD_DIR")  # slurm_launch derives these from RUN_DIR
 
 
 @pytest.fixture(scope="module")
