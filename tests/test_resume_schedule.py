@@ -75,3 +75,26 @@ def test_a_changed_train_iters_prints_the_new_rate_or_keeps_the_checkpoints(gpt2
     for it in range(at + 1, later + 1):
         assert math.isclose(_logged_lr(kept, it), _cosine(it, first), rel_tol=1e-3), it
     assert "> resume:" not in changed.split("> training from")[1]  # said once, at the load
+
+
+def test_a_checkpoint_with_only_a_step_count_resumes_on_the_flags_schedule(capsys):
+    """A Megatron-LM checkpoint's reader carries ``{"num_steps": n}`` only: the resume takes the
+    step count and the flags' schedule, with or without --use-checkpoint-lr-scheduler (which
+    then says it has nothing to keep)."""
+    import random
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron.learning_rates import AnnealingLR
+    from megatron.training.schedule_change import resume_schedule
+
+    steps, decay = random.randint(3, 9), random.randint(12, 40)
+    for keep in (False, True):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = AnnealingLR(optimizer, MAX_LR, MIN_LR, WARMUP, decay, "cosine")
+        cfg = SimpleNamespace(optim=SimpleNamespace(use_checkpoint_lr_scheduler=keep))
+        resume_schedule(scheduler, {"lr_scheduler": {"num_steps": steps}}, cfg)
+        assert scheduler.num_steps == steps
+        assert math.isclose(optimizer.param_groups[0]["lr"], _cosine(steps, decay), rel_tol=1e-12)
+        assert ("nothing to keep" in capsys.readouterr().out) == keep

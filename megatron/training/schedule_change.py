@@ -55,6 +55,15 @@ def resume_schedule(scheduler: Any, state: Dict[str, Any], cfg: Any) -> None:
     """
     saved = state["lr_scheduler"]
     keep_saved = cfg.optim.use_checkpoint_lr_scheduler
+    if not all(key in saved for key in SCHEDULE_KEYS):
+        # A foreign checkpoint (Megatron-LM's reader) records the step count only: the
+        # schedule is the flags', and there is no checkpoint schedule to keep or compare.
+        scheduler.load_state_dict({"num_steps": saved["num_steps"]})
+        if keep_saved:
+            print_rank_0("> resume: the checkpoint records no learning-rate schedule (only "
+                         "its step count): --use-checkpoint-lr-scheduler has nothing to keep; "
+                         "the schedule follows the flags")
+        return
     differs = schedule_differs(saved, scheduler.state_dict())
     scheduler.load_state_dict(saved, use_saved_schedule=keep_saved)
     if not differs:
