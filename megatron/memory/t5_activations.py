@@ -89,6 +89,22 @@ def t5_layer(spec: MemorySpec, decoder: bool) -> int:
     return total + _weights(spec, decoder)
 
 
+def _recomputed_masks(spec: MemorySpec, enc: bool, dec: bool) -> int:
+    """The masks the recomputed groups are given and keep. T5Model (pp = 1) folds each
+    stack's bias and padding mask once (megatron/model/attention.py ``fold_mask``): the
+    additive ``[b, a/t, s, s]`` self-attention masks and the ``[b, 1, s_dec, s]`` cross mask
+    in the compute dtype, plus the bool conditions the fold's ``where`` keeps for the bias's
+    gradient. A pipeline stage passes the fp32 bias ``[a/t, s, s]`` and the bool masks on
+    and each layer folds its own."""
+    b, e, heads = spec.micro_batch, spec.e, spec.heads // spec.tp
+    se, sd = spec.seq, spec.dec_seq
+    if spec.pp > 1:
+        return heads * 4 * (se ** 2 * enc + sd ** 2 * dec) + \
+            b * (se ** 2 * enc + sd * (sd + se) * dec)
+    folded = b * heads * (se ** 2 * enc + sd ** 2 * dec) * e + b * sd * se * e * dec
+    return folded + b * (se ** 2 * enc + sd ** 2 * dec)  # + the where's bool conditions
+
+
 def t5_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
     """Activation bytes of one micro-batch on one rank of ``layers``' T5 stage.
 
@@ -106,11 +122,7 @@ def t5_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
         total += -(-n_dec // k) * recompute_input(spec, dec_tokens)
         if n_dec:  # the encoder output every decoder group reads (one storage)
             total += recompute_input(spec, enc_tokens)
-        # each stack's bias, computed outside the recomputed groups and saved by them
-        heads = spec.heads // spec.tp
-        total += heads * 4 * (spec.seq ** 2 * (n_enc > 0) + spec.dec_seq ** 2 * (n_dec > 0))
-        total += b * (spec.seq ** 2 * (n_enc > 0) + spec.dec_seq * (spec.dec_seq + spec.seq)
-                      * (n_dec > 0))  # the bool masks
+        total += _recomputed_masks(spec, n_enc > 0, n_dec > 0)
         peak = k * max(t5_layer(spec, False) if n_enc else 0,
                        t5_layer(spec, True) if n_dec else 0)
     else:
