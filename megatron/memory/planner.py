@@ -75,7 +75,7 @@ def _context_parallel(base: MemorySpec, tp: int, gpus: int):
     for cp in _divisors(gpus)[1:]:
         for comm in ("p2p", "a2a"):
             spec = replace(base, tp=tp, cp=cp, cp_comm=comm, sequence_parallel=False)
-            if not spec._cp_problems():
+            if not spec.cp_problems():
                 out.append((cp, comm))
     return out
 

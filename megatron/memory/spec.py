@@ -5,7 +5,7 @@
 (the layout planner), so the model never needs a process group, a tokenizer or a device.
 """
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import List, Optional
 
 from ..errors import ConfigError
 
@@ -201,7 +201,7 @@ class MemorySpec:
             problems.append("tp, pp, dp, cp, vpp and the micro-batch size must be >= 1")
         if self.heads % self.tp:
             problems.append(f"{self.heads} heads do not split over tp={self.tp}")
-        problems += self._cp_problems()
+        problems += self.cp_problems()
         problems += self._grad_accum_problems()
         if problems:
             raise ConfigError("memory model: " + "; ".join(problems))
@@ -220,8 +220,9 @@ class MemorySpec:
                             f"split over tp={self.tp}")
         return problems
 
-    def _cp_problems(self):
-        """What context parallelism allows (megatron/config/context_parallel.py's rules)."""
+    def cp_problems(self) -> List[str]:
+        """What context parallelism allows (megatron/config/context_parallel.py's rules):
+        the problems of this spec's cp, empty when it is allowed (the planner's filter)."""
         if self.cp_comm not in ("p2p", "all_gather", "a2a"):
             return [f"cp_comm {self.cp_comm!r}: choose p2p, all_gather or a2a"]
         if self.cp == 1:
