@@ -132,7 +132,7 @@ def backward_extra(spec: MemorySpec, tokens: int) -> int:
         spec: the run (cp > 1).
         tokens: the rank's tokens (``s / cp x b``).
     """
-    q, q4, k, k4, lse = _units(spec, tokens)
+    _, q4, _, k4, lse = _units(spec, tokens)
     if spec.cp_comm == "a2a":
         return _a2a_backward(spec, tokens)
     base = q4 + lse  # dq in fp32, rowsum(dout * out)
