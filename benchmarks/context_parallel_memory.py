@@ -13,7 +13,13 @@ the mask slot, as a cp run's batch gives it; cp 1 runs the same way: causal SDPA
   tiles, gradients), minus what was alive before (the parameters);
 - ``step``: the median wall time of a forward + backward over ``--reps`` repetitions.
 
-Ratios are against cp 1 measured in the same run. Absolute times are of this CPU only.
+The backward starts from a random gradient of the blocks' output (what a head would give
+back). Next to each measurement, the memory model's prediction (megatron/memory: the
+blocks' saved bytes and their peak, ``saved + the backward's working set``, or the
+forward's with the ring's buffers where larger) and the step-time model's per-rank work
+relative to cp 1 (its compute terms on a device whose links cost nothing: this CPU's gloo
+transfers are not modelled). Ratios are against cp 1 measured in the same run. Absolute
+times are of this CPU only.
 
     python benchmarks/context_parallel_memory.py [--seq 2048 4096 8192 16384] [--cp 1 2 4]
 """
@@ -79,17 +85,19 @@ def _saved_bytes(blocks, hidden, layout):
 def _peak_bytes(blocks, hidden, layout):
     from peak_tracker import LivePeak
 
+    grad = torch.randn_like(hidden)
     with LivePeak() as tracker:
-        _forward(blocks, hidden, layout).sum().backward()
+        _forward(blocks, hidden, layout).backward(grad)
     return tracker.peak - tracker.baseline
 
 
 def _step_seconds(blocks, hidden, layout, reps):
     times = []
+    grad = torch.randn_like(hidden)
     for _ in range(reps):
         dist.barrier()
         start = time.perf_counter()
-        _forward(blocks, hidden, layout).sum().backward()
+        _forward(blocks, hidden, layout).backward(grad)
         dist.barrier()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -135,6 +143,33 @@ def measure(cp, opts):
     return {seq: tuple(max(r[seq][i] for r in per_rank) for i in range(3)) for seq in opts.seq}
 
 
+def _spec(seq, cp, opts):
+    from megatron.memory.spec import MemorySpec
+
+    return MemorySpec(family="gpt2", num_layers=opts.layers, hidden=opts.hidden,
+                      heads=opts.heads, kv_channels=opts.hidden // opts.heads,
+                      ffn=4 * opts.hidden, vocab=opts.hidden, seq=seq, max_positions=seq,
+                      micro_batch=1, num_micro_batches=1, cp=cp, dtype="fp32", device="cpu",
+                      attention_dropout=0.0, hidden_dropout=0.0)
+
+
+def predict(seq, cp, opts):
+    """``(saved, peak, work)``: the memory model's bytes of the blocks on one rank and the
+    step-time model's seconds of their forward and backward on a device with free links
+    (only ratios between them mean anything here)."""
+    from megatron.memory.chunks import part_bytes
+    from megatron.memory.stages import StageLayers
+    from megatron.memory.step_time import Device, step_time
+
+    spec = _spec(seq, cp, opts)
+    part = part_bytes(spec, StageLayers(0, False, opts.layers, 0, False, False, False))
+    peak = part.saved + max(part.transient_first, part.forward)
+    dev = Device(peak_tflops=1.0, hbm_gbps=50.0, intra_gbps=1e9, inter_gbps=1e9,
+                 latency_s=0.0, kernel_floor_s=0.0)
+    work = step_time(spec, dev, 8, [(opts.layers, 0, False)], 0).compute
+    return part.saved, peak, work
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
@@ -153,18 +188,22 @@ def main(argv=None):
           f"{opts.heads} heads, fp32, micro-batch 1")
     figures = {cp: measure(cp, opts) for cp in opts.cp}
     base = figures[opts.cp[0]]
-    print("| seq | cp | saved MiB/rank | peak MiB/rank | step s | saved vs cp 1 | peak vs cp 1 "
-          "| step vs cp 1 |")
+    print("| seq | cp | saved MiB/rank (model) | peak MiB/rank (model) | step s | saved vs cp 1 "
+          "| peak vs cp 1 (model) | step vs cp 1 (model) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    mib = 2**20
     for seq in opts.seq:
+        p1 = predict(seq, opts.cp[0], opts)
         for cp in opts.cp:
             saved, peak, step = figures[cp][seq]
-            b = base[seq]
-            print(f"| {seq} | {cp} | {saved / 2**20:.1f} | {peak / 2**20:.1f} | {step:.3f} | "
-                  f"{saved / b[0]:.3f} | {peak / b[1]:.3f} | {step / b[2]:.2f} |")
+            b, p = base[seq], predict(seq, cp, opts)
+            print(f"| {seq} | {cp} | {saved / mib:.1f} ({p[0] / mib:.1f}) | {peak / mib:.1f} "
+                  f"({p[1] / mib:.1f}) | {step:.3f} | {saved / b[0]:.3f} | {peak / b[1]:.3f} "
+                  f"({p[1] / p1[1]:.3f}) | {step / b[2]:.2f} ({p[2] / p1[2]:.2f}) |")
     if opts.json:
         with open(opts.json, "w") as handle:
-            json.dump({str(cp): {str(s): v for s, v in f.items()} for cp, f in figures.items()},
+            json.dump({str(cp): {str(s): {"measured": v, "predicted": predict(s, cp, opts)}
+                                 for s, v in f.items()} for cp, f in figures.items()},
                       handle, indent=1)
 
 

@@ -25,7 +25,8 @@ def setup(cfg):
     """mpu groups of ``cfg``'s layout (replacing the previous layout's), seeds, tds comm."""
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp)
+    mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp,
+                                  context_parallel_size=cfg.parallel.cp)
     torch.manual_seed(cfg.model.seed)
     mpu.model_parallel_cuda_manual_seed(cfg.model.seed)
     import tds
@@ -39,12 +40,18 @@ def setup(cfg):
 
 
 def gpt2_batch(cfg, gen):
-    """Fresh random ``(inputs, labels)`` of one micro-batch, the same on every rank."""
+    """Fresh random ``(inputs, labels)`` of one micro-batch, the same on every rank (under
+    context parallelism: this rank's chunks, with the token layout in the mask slot, as
+    the decoder's batch function cuts them)."""
+    from megatron.families.base import uses_token_layout
+    from megatron.families.decoder_lm import _layout_batch
     from megatron.model.utils import get_ltor_masks_and_position_ids
 
     b, s = cfg.batch.micro_batch_size, cfg.batch.seq_length
     text = torch.randint(0, cfg.model.true_vocab_size, (b, s + 1), generator=gen)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    if uses_token_layout(cfg):
+        return _layout_batch(cfg, tokens, labels, 0, False)
     mask, loss_mask, pos = get_ltor_masks_and_position_ids(tokens, 0, False)
     return (tokens, pos, mask), (labels, loss_mask)
 

@@ -111,6 +111,13 @@ def test_startup_check_prints_or_steps_aside(capsys):
     startup_memory_check(cfg("--pipe-parallel-size", "2"))
     out = capsys.readouterr().out
     assert out.count("predicted peak") == 2 and "stage 1/2" in out, out
+    # context parallelism: predicted and checked as at cp 1, the figures the model's
+    startup_memory_check(cp2 := cfg("--context-parallel-size", "2", "--pipe-parallel-size", "2",
+                                    "--attention-dropout", "0", world=8))
+    out = capsys.readouterr().out
+    assert out.count("predicted peak") == 2 and "no prediction" not in out, out
+    for stage in predict(spec_from_run_config(cp2, device="cpu")):
+        assert f"stage {stage.stage}/2: predicted peak {stage.peak / 2**30:.2f} GiB" in out
     startup_memory_check(cfg("--deepspeed", "--zero-stage", "3"))
     assert "no prediction" in capsys.readouterr().out
     ddp = spec_from_run_config(cfg("--zero-stage", "1"), device="cpu")

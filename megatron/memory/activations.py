@@ -18,7 +18,10 @@ t5_layers.py):
 - SDPA (the default) keeps the query/key/value projection, its output and the fp32
   log-sum-exp: no ``s x s`` term; the unfused path keeps the softmax output, its
   per-row flags, the dropout mask and the dropped probabilities;
-- a dropout mask is 1 byte on CUDA, the dropped tensor's dtype on the CPU.
+- a dropout mask is 1 byte on CUDA, the dropped tensor's dtype on the CPU;
+- under context parallelism every per-token count is of the rank's ``s / cp`` tokens, and
+  the attention (megatron/mpu/ring_attention.py, cp_attention.py) keeps what SDPA keeps
+  of them: q, k, v, its output and the fp32 log-sum-exp (:func:`ring_core`).
 """
 from dataclasses import dataclass
 
@@ -96,7 +99,7 @@ def selective(spec: MemorySpec, mask_needs_grad: bool = False) -> bool:
         spec: the run.
         mask_needs_grad: the additive mask carries a gradient (T5's self-attention bias).
     """
-    if spec.recompute != "selective":
+    if spec.recompute != "selective" or spec.ring:  # cp: the core is never recomputed
         return False
     from ..model.recompute import core_keeps_scores
 
@@ -114,6 +117,8 @@ def attention_core(spec: MemorySpec, shape: Shape) -> int:
     e, t, a = spec.e, spec.tp, spec.heads
     proj = a * spec.kv_channels
     scores = a * shape.b * shape.sq * shape.sk // t
+    if spec.ring:
+        return ring_core(spec, shape.sq * shape.b)
     if cpu_math_path(spec):
         # PyTorch's CPU kernel has no dropout: its math path keeps scaled queries,
         # transposed keys, softmax, mask and dropped probabilities; for 16-bit inputs
@@ -131,6 +136,38 @@ def attention_core(spec: MemorySpec, shape: Shape) -> int:
     return total + context  # the context is re-laid out for the dense layer (a copy)
 
 
+def ring_core(spec: MemorySpec, tokens: int) -> int:
+    """What the context-parallel attention keeps beyond q, k and v for ``tokens`` local
+    tokens: ``p2p`` / ``all_gather``: its output (the dense layer's input, one tensor: the
+    ring's accumulator is laid out sequence first) and the fp32 log-sum-exp; ``a2a``: SDPA's
+    output and log-sum-exp over the whole sequence of ``heads / cp`` heads (the same bytes)
+    and the output all-to-all'd back (the dense layer's input).
+
+    Args:
+        spec: the run (cp > 1).
+        tokens: the rank's tokens (``s / cp x b``).
+    """
+    proj = spec.heads * spec.kv_channels // spec.tp
+    kept = tokens * proj * spec.e + tokens * spec.heads // spec.tp * 4
+    if spec.cp_comm == "a2a":  # and the two int64 [s] orders its index_selects keep
+        kept += tokens * proj * spec.e + 16 * spec.seq
+    return kept
+
+
+def qkv_kept(spec: MemorySpec, tokens: int) -> int:
+    """Bytes of the q, k and v an attention keeps for ``tokens`` tokens on this rank: the
+    query width three times (SDPA's keys and values repeated to every query head), or
+    under the ring (p2p, all_gather) the projections' own widths.
+
+    Args:
+        spec: the run.
+        tokens: the rank's tokens.
+    """
+    width = spec.qkv_width if spec.ring and spec.cp_comm != "a2a" else \
+        3 * spec.heads * spec.kv_channels
+    return tokens * width * spec.e // spec.tp
+
+
 def gpt2_layer(spec: MemorySpec, b: int) -> int:
     """Bytes one GPT-2 layer saves for one micro-batch of ``b`` samples (no recompute).
 
@@ -138,7 +175,7 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
         spec: the run.
         b: samples per micro-batch.
     """
-    s, h, f, t, e = spec.seq, spec.hidden, spec.ffn, spec.tp, spec.e
+    s, h, f, t, e = spec.seq_local, spec.hidden, spec.ffn, spec.tp, spec.e
     proj = spec.heads * spec.kv_channels
     tokens = s * b
     total = 2 * norm_bytes(spec, tokens, spec.norm_stats)
@@ -148,15 +185,18 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     total += copies * tokens * h * e // sp_divisor(spec)
     recomputed = selective(spec)
     if recomputed or not (cpu_math_path(spec) and spec.e < 4):  # there: its fp32 copies
-        total += 3 * tokens * proj * e // t  # q, k, v (the checkpoint's inputs, selective)
+        # q, k, v (the checkpoint's inputs, selective); SDPA's k and v repeated to every
+        # query head, the ring's not (grouped-query attention travels with its kv heads)
+        total += qkv_kept(spec, tokens)
     if recomputed:  # the core's output (the dense layer's input); the rest comes back
         total += tokens * proj * e // t
     else:
         total += attention_core(spec, Shape(s, s, b))
     if spec.positions == "rotary":  # the fp32 cos and sin the rotation multiplies by
-        total += 2 * s * spec.kv_channels * 4
-    if spec.mask_tensor and spec.attention == "sdpa":  # the additive [1, 1, s, s] mask
-        total += s * s * e
+        # (under cp at each token's own position: [s / cp, b, 1, d])
+        total += 2 * s * spec.kv_channels * 4 * (b if spec.ring else 1)
+    if spec.mask_tensor and spec.attention == "sdpa" and not spec.ring:
+        total += s * s * e  # the additive [1, 1, s, s] mask (cp: the token layout instead)
     # GeLU input and output (fc2's input); SwiGLU: gate and up outputs, SiLU, the product
     total += (4 if spec.gated else 2) * tokens * f * e // t
     drop_dtype = spec.residual_bytes if spec.bias else e  # the bias add promotes it
@@ -164,6 +204,26 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     total += 2 * dropout_bytes(spec, residual, drop_dtype, spec.hidden_dropout)
     if spec.autocast:
         total += (h * spec.qkv_width + proj * h + (3 if spec.gated else 2) * h * f) // t * e
+    return total
+
+
+def attention_half(spec: MemorySpec, b: int) -> int:
+    """What a layer has saved by the end of its attention core (the first norm, the q, k, v
+    projections' input and output, the core's kept tensors, rotary's tables): with
+    :func:`gpt2_layer` less it, what the layer saves after its attention.
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+    """
+    s = spec.seq_local
+    tokens = s * b
+    copies = 1 + (2 if spec.autocast and spec.separate_projections else 0)
+    total = norm_bytes(spec, tokens, spec.norm_stats) + \
+        copies * tokens * spec.hidden * spec.e // sp_divisor(spec)
+    total += qkv_kept(spec, tokens) + attention_core(spec, Shape(s, s, b))
+    if spec.positions == "rotary":
+        total += 2 * s * spec.kv_channels * 4 * (b if spec.ring else 1)
     return total
 
 
@@ -208,7 +268,7 @@ def gpt2_embedding(spec: MemorySpec, b: int) -> int:
         spec: the run.
         b: samples per micro-batch.
     """
-    tokens = spec.seq * b
+    tokens = spec.seq_local * b
     # token ids (local ids under tp) and, for a position table, position ids
     ids = (2 if spec.positions == "learned" else 1) * tokens * 8
     if spec.tp > 1:
@@ -252,17 +312,30 @@ def gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
         spec: the run.
         layers: the stage (:func:`~megatron.memory.stages.stage_layers`).
     """
-    b, tokens = spec.micro_batch, spec.seq * spec.micro_batch
+    b, tokens = spec.micro_batch, spec.seq_local * spec.micro_batch
     n = layers.encoder_layers
     # a recomputed group keeps the [1, 1, s, s] mask it was given (on a pipeline stage the
-    # one the engine received: report.py then does not count it again)
+    # one the engine received: report.py then does not count it again); cp: the layout
     body, peak = full_recompute(spec, n, gpt2_layer(spec, b), recompute_input(spec, tokens),
-                                spec.seq * spec.seq)
+                                gpt2_mask_bytes(spec))
     total = body
     if layers.embedding:
         total += gpt2_embedding(spec, b)
     if layers.final_norm:
         total += norm_bytes(spec, tokens, spec.norm_stats)
     if layers.head:
-        total += output_and_loss(spec, b, spec.seq)
+        total += output_and_loss(spec, b, spec.seq_local)
     return Activations(total, peak)
+
+
+def gpt2_mask_bytes(spec: MemorySpec) -> int:
+    """The mask a decoder's layers are given: the bool ``[1, 1, s, s]`` causal mask, or
+    under context parallelism the int64 token layout ``[1, b, s / cp]`` (position ids;
+    megatron/mpu/context_parallel.py).
+
+    Args:
+        spec: the run.
+    """
+    if spec.ring:
+        return 8 * spec.micro_batch * spec.seq_local
+    return spec.seq * spec.seq

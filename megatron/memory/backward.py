@@ -17,8 +17,9 @@ before the embedding) is subtracted.
 """
 from typing import NamedTuple
 
+from . import ring
 from .activations import (Activations, Shape, attention_core, cpu_math_path, dropout_bytes,
-                          gpt2_embedding, gpt2_layer, norm_bytes, output_and_loss,
+                          gpt2_embedding, gpt2_layer, norm_bytes, output_and_loss, qkv_kept,
                           recompute_input, selective, sp_divisor)
 from .deferred import deferred_bytes
 from .spec import MemorySpec
@@ -81,15 +82,8 @@ def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1) -> int:
     col_dx = tokens * h * e * (2 if sp else 1)
     drop = dropout_bytes(spec, tokens * h // c, r if spec.bias else e, spec.hidden_dropout)
     inner = fc1_outputs * tokens * f * e
-    recomputed = selective(spec)
-    qkv_saved = 0 if cpu_math_path(spec) and e < 4 and not recomputed else \
-        3 * tokens * proj * e
-    core = attention_core(spec, shape)
-    # selective recompute: the core's tensors come back for its backward, only the
-    # context was kept
-    core_work = attention_backward(spec, shape) + (core if recomputed else 0)
-    core_kept = tokens * proj * e if recomputed else core
     gemm_in = 0 if zb else 1  # a GEMM input is freed by its backward, or kept (zb)
+    core_part, grads_part = _core_parts(spec, shape, gemm_in)
     held = tokens * e if zb else 0  # per unit of width: a GEMM's output gradient, kept
     parts = (  # (working set, saved bytes it frees, bytes it leaves held)
         (row_dy + tokens * f * e + f * h * wg, drop + gemm_in * tokens * f * e,
@@ -99,14 +93,39 @@ def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1) -> int:
          gemm_in * tokens * h * e // c + norm_bytes(spec, tokens, spec.norm_stats) + drop,
          held * fc1_outputs * f),  # fc1, LN2, dropout
         (row_dy + tokens * proj * e + proj * h * wg, 0, held * h),  # dense
-        (core_work, core_kept - (1 - gemm_in) * tokens * proj * e + qkv_saved, 0),
-        (6 * tokens * proj * e, 0, 0),  # q, k, v gradients and the split's concatenation
+        core_part,  # the attention core
+        grads_part,  # q, k, v gradients and the split's concatenation
         (tokens * qkv * e + col_dx + qkv * h * wg, 0, held * qkv))  # QKV
     most = freed = 0
     for working, frees, holds in parts:
         most = max(most, working - freed)
         freed += frees - holds
     return tokens * h * r // c + most
+
+
+def _core_parts(spec: MemorySpec, shape: Shape, gemm_in: int):
+    """The attention core's and the q, k, v gradients' ``(working set, frees, holds)``
+    rows of :func:`layer_backward` (``gemm_in``: 0 when the dense layer's input, the
+    core's output, stays for a zero-bubble weight pass)."""
+    e, tokens = spec.e, shape.sq * shape.b
+    proj = spec.heads * spec.kv_channels // spec.tp
+    recomputed = selective(spec)
+    qkv_saved = 0 if cpu_math_path(spec) and e < 4 and not recomputed else \
+        qkv_kept(spec, tokens)
+    core = attention_core(spec, shape)
+    if spec.ring:  # the output's gradient and the ring's buffers (megatron/memory/ring.py)
+        work = tokens * proj * e + ring.backward_extra(spec, tokens)
+        qkv = tokens * spec.qkv_width // spec.tp  # q, k, v and their gradients' widths
+        # dq and the travelling dK, dV come back in fp32 and are cast to the inputs' dtype
+        grads = qkv * (4 + e) if e < 4 else 2 * qkv * e
+        return (work, core - (1 - gemm_in) * tokens * proj * e + qkv_saved, 0), \
+            (max(grads, 2 * qkv * e), 0, 0)
+    # selective recompute: the core's tensors come back for its backward, only the
+    # context was kept
+    work = attention_backward(spec, shape) + (core if recomputed else 0)
+    kept = tokens * proj * e if recomputed else core
+    return (work, kept - (1 - gemm_in) * tokens * proj * e + qkv_saved, 0), \
+        (6 * tokens * proj * e, 0, 0)
 
 
 def zero_bubble(spec: MemorySpec) -> bool:
@@ -145,13 +164,14 @@ def gpt2_embedding_backward(spec: MemorySpec, b: int) -> int:
         spec: the run.
         b: samples per micro-batch.
     """
-    grad = spec.seq * b * spec.hidden * spec.residual_bytes // sp_divisor(spec)
+    s = spec.seq_local
+    grad = s * b * spec.hidden * spec.residual_bytes // sp_divisor(spec)
     if spec.sequence_parallel and spec.tp > 1:
-        grad += spec.seq * b * spec.hidden * spec.residual_bytes  # all-gathered
+        grad += s * b * spec.hidden * spec.residual_bytes  # all-gathered
     param = 4 if spec.backend == "ddp" or spec.dtype == "fp32" else spec.e
     positions = spec.max_positions if spec.positions == "learned" else 0
     table = max(spec.vocab // spec.tp, positions) * spec.hidden * param
-    return max(2 * spec.seq * b * spec.hidden * spec.residual_bytes // sp_divisor(spec),
+    return max(2 * s * b * spec.hidden * spec.residual_bytes // sp_divisor(spec),
                grad + table)
 
 
@@ -197,7 +217,7 @@ def _layer_points(spec: MemorySpec, n: int, lb: int, act: Activations, b: int, m
     # a layer's backward frees what it saved, less (zero bubble) what the weight pass needs
     layer = gpt2_layer(spec, b) - _deferred_layer(spec, b)
     grads = _grad_bytes(spec, encoder_layers=1)
-    kept_input = recompute_input(spec, spec.seq * b)
+    kept_input = recompute_input(spec, spec.seq_local * b)
     if spec.recompute != "full":
         return [(lb, made), (lb - (n - 1) * layer, made + (n - 1) * grads)]
     k = spec.recompute_num_layers
@@ -224,11 +244,12 @@ def gpt2_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> Tr
         layers: the stage or chunk.
         act: its activations (:func:`~megatron.memory.activations.gpt2_stage`).
     """
-    b, tokens = spec.micro_batch, spec.seq * spec.micro_batch
+    b, s = spec.micro_batch, spec.seq_local
+    tokens = s * b
     points, head, made = [(0, 0)], 0, 0  # (working set, gradients made before it)
     if layers.head:
-        points.append((head_backward(spec, b, spec.seq), 0))
-        head = output_and_loss(spec, b, spec.seq) - (deferred_bytes(spec, StageLayers(
+        points.append((head_backward(spec, b, s), 0))
+        head = output_and_loss(spec, b, s) - (deferred_bytes(spec, StageLayers(
             0, False, 0, 0, False, False, True)) if zero_bubble(spec) else 0)
         made = _grad_bytes(spec, head=True)
     if layers.final_norm:
@@ -236,7 +257,7 @@ def gpt2_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> Tr
         made += _grad_bytes(spec, final_norm=True)
     n = layers.encoder_layers
     if n:
-        lb = layer_backward(spec, Shape(spec.seq, spec.seq, b), 2 if spec.gated else 1) - head
+        lb = layer_backward(spec, Shape(s, s, b), 2 if spec.gated else 1) - head
         points += _layer_points(spec, n, lb, act, b, made)
         made += n * _grad_bytes(spec, encoder_layers=1)
     if layers.embedding:

@@ -102,10 +102,6 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
                      f"fit check (a family describes its model with memory_model='gpt2' for "
                      f"a decoder-only transformer; docs/memory.md)")
         return
-    if getattr(cfg.parallel, "cp", 1) > 1:  # until the model knows cp: no false refusal
-        print_rank_0("> memory model: no prediction at --context-parallel-size > 1 (the "
-                     "model does not describe context parallelism yet), so no fit check")
-        return
     device = mpu.get_device()
     try:
         spec = spec_from_run_config(cfg, device=device.type)

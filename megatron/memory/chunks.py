@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Tuple
 
-from .activations import gpt2_stage
+from .activations import gpt2_mask_bytes, gpt2_stage
 from .backward import gpt2_backward, t5_backward
 from .deferred import deferred_bytes, gemm_weight_params, largest_weight_grad
 from .grad_timing import grads_freed_each_step
@@ -92,7 +92,7 @@ def part_bytes(spec: MemorySpec, part: StageLayers) -> PartBytes:
     per_param = 4 if spec.backend == "ddp" or spec.dtype == "fp32" else spec.e
     return PartBytes(act.saved, deferred_bytes(spec, part) if zb else act.saved, grads, gemm,
                      transient.any, transient.first,
-                     _loss_forward(spec) if part.head else 0,
+                     _forward_transient(spec, part, act.saved),
                      largest_weight_grad(spec, part, per_param) if zb else 0)
 
 
@@ -123,12 +123,15 @@ def rank_grad_bytes(spec: MemorySpec, mine) -> int:
 
 def rank_states(spec: MemorySpec) -> Tuple[Tuple[ModelStates, int], ...]:
     """Per pipeline rank ``(model states, the optimizer step's temporaries)``: neither
-    depends on the micro-batch, the recompute, sequence parallelism or the schedule's order
-    (computed once per the rest)."""
+    depends on the micro-batch, the recompute, sequence parallelism, the schedule's order
+    or how the gradients' group splits into data and context ranks (computed once per the
+    rest)."""
     schedule = "zbv" if spec.pp > 1 and spec.pipeline_schedule == "zbv" else ""
+    # context parallelism changes the states only as a larger data-parallel group
     return _rank_states(replace(spec, micro_batch=1, num_micro_batches=1, recompute="none",
                                 recompute_method="uniform", recompute_num_layers=1,
-                                sequence_parallel=False, schedule=schedule))
+                                sequence_parallel=False, schedule=schedule,
+                                dp=spec.grad_ranks, cp=1, cp_comm="p2p"))
 
 
 @lru_cache(maxsize=4096)
@@ -147,17 +150,18 @@ def schedule_is_zero_bubble(spec: MemorySpec) -> bool:
 
 def _hidden_out(spec: MemorySpec) -> int:
     """Bytes of one micro-batch's stage output (what a pipeline stage sends and keeps)."""
-    tokens = spec.micro_batch * (spec.seq + (spec.dec_seq if spec.family == "t5" else 0))
+    tokens = spec.micro_batch * (spec.seq_local + (spec.dec_seq if spec.family == "t5" else 0))
     return tokens * spec.hidden * spec.residual_bytes // (spec.tp if spec.sequence_parallel
                                                           else 1)
 
 
 def _received_masks(spec: MemorySpec) -> int:
     """Bytes of the bool masks one micro-batch brings to a stage with its hidden states
-    (GPT-2: ``[1, 1, s, s]``; T5: encoder, decoder and cross masks per sample), kept with
-    the received inputs until the backward."""
+    (GPT-2: ``[1, 1, s, s]``, under context parallelism the token layout; T5: encoder,
+    decoder and cross masks per sample), kept with the received inputs until the
+    backward."""
     if spec.family == "gpt2":
-        return spec.seq * spec.seq
+        return gpt2_mask_bytes(spec)
     se, sd = spec.seq, spec.dec_seq
     return spec.micro_batch * (se * se + sd * sd + sd * se)
 
@@ -175,10 +179,29 @@ def _chunk_buffers(spec: MemorySpec, chunk: int) -> int:
         _received_masks(spec) * (chunk != 0 and not saved_mask)
 
 
+def _forward_transient(spec: MemorySpec, part: StageLayers, saved: int) -> int:
+    """What a chunk's forward holds at its worst moment beyond its saved bytes once it is
+    done: the loss's 16-bit logits (:func:`_loss_forward`), or under context parallelism
+    the ring's buffers in its last layer's attention (megatron/memory/ring.py), less what
+    that layer's MLP, the final norm and the head save after it (full recompute: the
+    layer's attention half is alive while it runs, then only its input is kept)."""
+    loss = _loss_forward(spec) if part.head else 0
+    if not spec.ring or not part.encoder_layers:
+        return loss
+    from .activations import attention_half, gpt2_layer
+    from .ring import forward_extra
+
+    b = spec.micro_batch
+    layer, half = gpt2_layer(spec, b), attention_half(spec, b)
+    last = saved - gpt2_stage(spec, replace(part, head=False, final_norm=False)).saved
+    after = layer - half if spec.recompute != "full" else -half
+    return max(loss, forward_extra(spec, spec.seq_local * b) - after - last)
+
+
 def _loss_forward(spec: MemorySpec) -> int:
     """16-bit logits next to their fp32 copy (which becomes the kept softmax) while the loss
     runs; fp32 logits become the softmax themselves (the loss works in place)."""
-    tokens = spec.micro_batch * (spec.dec_seq if spec.family == "t5" else spec.seq)
+    tokens = spec.micro_batch * (spec.dec_seq if spec.family == "t5" else spec.seq_local)
     return tokens * spec.vocab // spec.tp * (spec.e if spec.e < 4 else 0)
 
 

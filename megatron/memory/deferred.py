@@ -59,7 +59,7 @@ def deferred_bytes(spec: MemorySpec, layers: StageLayers) -> int:
     if spec.pipeline_schedule not in ("zb-h1", "zbv"):
         return 0
     b = spec.micro_batch
-    enc, dec = spec.seq * b, (spec.dec_seq if spec.family == "t5" else 0) * b
+    enc, dec = spec.seq_local * b, (spec.dec_seq if spec.family == "t5" else 0) * b
     total = layers.encoder_layers * _attention_and_mlp(spec, enc)
     total += layers.decoder_layers * _attention_and_mlp(spec, dec, kv_tokens=enc)
     if layers.head:

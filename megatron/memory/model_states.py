@@ -18,7 +18,9 @@ ZeRO-2 (engine)              w         w / dp  (4 master + 8) / dp
 a pipeline without ZeRO and under ZeRO-1 with ``data_types.grad_accum_dtype: fp32``; its
 flat buffer accumulates in that dtype (``a`` = 2 for bf16, the default, 4 for fp32) and
 covers the whole stage, not a 1 / dp share. The last pipeline stage's tied embedding copy
-carries GPT-2's position table, which gets no gradient there.
+carries GPT-2's position table, which gets no gradient there. ``dp`` is the group the
+gradients are reduced over: data x context parallel (``MemorySpec.grad_ranks``), which
+DeepSpeed is given as its data-parallel group under context parallelism.
 
 What exists only while the gradients are reduced and the optimizer steps, when the
 activations are gone, is :func:`step_bytes`.
@@ -136,7 +138,7 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
     if spec.backend == "ddp" or spec.dtype == "fp32" and not spec.zero_stage:
         return ModelStates(n, 4 * n, 4 * g, 8 * n)
     w = 4 if spec.dtype == "fp32" else 2
-    partition = -(-n // spec.dp)  # ceil: DeepSpeed pads the flat buffer to dp parts
+    partition = -(-n // spec.grad_ranks)  # ceil: DeepSpeed pads the flat buffer to dp parts
     if bf16_optimizer(spec):
         # a whole flat gradient buffer in the accumulation dtype (bf16 unless the JSON's
         # data_types.grad_accum_dtype says fp32) and the fp32 master + moments over dp; the
@@ -144,7 +146,7 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
         return ModelStates(n, w * n, w * g, spec.accum_bytes * n + 12 * partition)
     if spec.zero_stage == 0:
         return ModelStates(n, w * n, w * g, 12 * n)
-    grads = w * g if spec.zero_stage == 1 else w * -(-g // spec.dp)
+    grads = w * g if spec.zero_stage == 1 else w * -(-g // spec.grad_ranks)
     return ModelStates(n, w * n, grads, 12 * partition)
 
 
@@ -179,7 +181,7 @@ def step_bytes(spec: MemorySpec, layers: StageLayers, states: ModelStates) -> in
         states: its model states (:func:`model_states`).
     """
     n = states.params
-    partition = -(-n // spec.dp)
+    partition = -(-n // spec.grad_ranks)
     flat = bf16_optimizer(spec) or spec.zero_stage > 0  # the optimizer steps flat partitions
     adam = 2 * 4 * (partition if flat else _largest_param(spec, layers)) \
         if spec.device == "cpu" else 0

@@ -1,4 +1,4 @@
-"""Every (tp, pp, dp, micro-batch, recompute, ZeRO, SP) layout that fits, ranked by
+"""Every (tp, cp, pp, dp, micro-batch, recompute, ZeRO, SP) layout that fits, ranked by
 predicted tokens per second per GPU at the global batch the user gives.
 
 Memory per stage from :func:`~megatron.memory.report.predict`, held against the GPU's
@@ -6,6 +6,12 @@ memory less a reserve (CUDA context, NCCL, allocator fragmentation). Step time f
 :mod:`.step_time`: shape-dependent GEMM efficiency, attention, elementwise traffic,
 tensor-parallel collectives, the pipeline's bubble and p2p, the data-parallel gradient
 reduction and the optimizer step, each a roofline with stated constants.
+
+Context parallelism (cp) is a candidate dimension where the run allows it (a decoder, the
+sequence cut into ``2 cp`` chunks, no attention dropout; docs/scale_out.md): its ranks sit
+between tensor and data parallelism in the grid, so tp x cp <= a node's GPUs is preferred
+by the links' speeds, not required. The ring (p2p) always; Ulysses (a2a) where each
+context-parallel rank gets whole heads.
 """
 import itertools
 from dataclasses import replace
@@ -47,16 +53,31 @@ def layouts(base: MemorySpec, hw: Hardware, global_batch: int) -> Iterator[Memor
         if tp > min(8, hw.per_node) or base.heads % tp or base.vocab % tp or \
                 (base.kv_heads or base.heads) % tp:
             continue
-        for pp in _divisors(hw.gpus // tp):
-            if pp > base.num_layers * stacks:
-                continue
-            dp = hw.gpus // (tp * pp)
-            if global_batch % dp:
-                continue
-            for mb in (1, 2, 4, 8, 16, 32):
-                if (global_batch // dp) % mb:
+        for cp, comm in _context_parallel(base, tp, hw.gpus // tp):
+            for pp in _divisors(hw.gpus // (tp * cp)):
+                if pp > base.num_layers * stacks:
                     continue
-                yield from _variants(base, tp, pp, dp, mb, global_batch // (dp * mb))
+                dp = hw.gpus // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                for mb in (1, 2, 4, 8, 16, 32):
+                    if (global_batch // dp) % mb:
+                        continue
+                    yield from _variants(replace(base, cp=cp, cp_comm=comm), tp, pp, dp, mb,
+                                         global_batch // (dp * mb))
+
+
+def _context_parallel(base: MemorySpec, tp: int, gpus: int):
+    """``(cp, comm)`` candidates on ``gpus`` GPUs per tensor-parallel group: cp 1; each
+    ``cp`` dividing them that the run allows (:meth:`MemorySpec.check`'s rules) with the
+    ring, and with Ulysses' all-to-all where the heads split."""
+    out = [(1, "p2p")]
+    for cp in _divisors(gpus)[1:]:
+        for comm in ("p2p", "a2a"):
+            spec = replace(base, tp=tp, cp=cp, cp_comm=comm, sequence_parallel=False)
+            if not spec.cp_problems():
+                out.append((cp, comm))
+    return out
 
 
 def _schedules(base, pp):
@@ -85,7 +106,7 @@ def _variants(base, tp, pp, dp, mb, m):
     for (schedule, vpp), recompute in itertools.product(_schedules(base, pp), _recomputes(base)):
         for zero in (0, 1) if pp > 1 else (0, 1, 2):
             for sp in (False, True) if tp > 1 else (False,):
-                if zero and dp == 1:
+                if zero and dp * base.cp == 1 or sp and base.seq_local % tp:
                     continue
                 backend = "engine" if pp > 1 or zero or base.backend == "engine" else "ddp"
                 yield replace(base, tp=tp, pp=pp, dp=dp, micro_batch=mb, num_micro_batches=m,

@@ -115,13 +115,17 @@ class Plan:
         if s.recompute == "full" and (s.recompute_method, s.recompute_num_layers) != \
                 ("uniform", 1):
             recompute += f"/{s.recompute_method}{s.recompute_num_layers}"
-        return (f"tp={s.tp} pp={s.pp}{schedule} dp={s.dp} mb={s.micro_batch} "
+        cp = f" cp={s.cp}" + (f"/{s.cp_comm}" if s.cp_comm != "p2p" else "") \
+            if s.cp > 1 else ""
+        return (f"tp={s.tp}{cp} pp={s.pp}{schedule} dp={s.dp} mb={s.micro_batch} "
                 f"m={s.num_micro_batches} recompute={recompute} zero={s.zero_stage} "
                 f"sp={int(s.sequence_parallel)}")
 
     def to_dict(self) -> dict:
         s, t = self.spec, self.time
-        return {"tp": s.tp, "pp": s.pp, "dp": s.dp, "micro_batch": s.micro_batch,
+        return {"tp": s.tp, "pp": s.pp, "dp": s.dp, "cp": s.cp,
+                "cp_comm_type": s.cp_comm if s.cp > 1 else None,
+                "micro_batch": s.micro_batch,
                 "pipeline_schedule": s.pipeline_schedule if s.pp > 1 else None, "vpp": s.vpp,
                 "num_micro_batches": s.num_micro_batches, "recompute": s.recompute,
                 "recompute_method": s.recompute_method if s.recompute == "full" else None,
@@ -132,6 +136,7 @@ class Plan:
                 "step_time_s": t.total, "tokens_per_gpu_s": self.tokens_per_gpu_s,
                 "model_tflops_per_gpu": self.tflops_per_gpu,
                 "compute_time_s": t.compute, "tp_comm_time_s": t.tp_comm,
+                "cp_comm_time_s": t.cp_comm,
                 "pipeline_time_s": t.pp, "dp_comm_time_s": t.dp_comm,
                 "optimizer_time_s": t.optimizer, "comm_bytes": self.comm_bytes,
                 "bubble": t.bubble}
@@ -142,16 +147,33 @@ def _ring(bytes_: float, n: int) -> float:
 
 
 def _comm_bytes(spec: MemorySpec, stages: List[StageMemory]) -> int:
-    """Bytes one rank sends per step: tp collectives, dp gradient reduction, pp sends."""
-    tokens = spec.micro_batch * (spec.seq + spec.dec_seq)
+    """Bytes one rank sends per step: tp collectives, dp x cp gradient reduction, pp
+    sends, the context-parallel exchange (p2p: ``cp - 1`` key / value blocks forward, as
+    many again with their fp32 gradients backward; all_gather and a2a: their
+    collectives' ring bytes)."""
+    tokens = spec.micro_batch * (spec.seq_local + spec.dec_seq)
     act = tokens * spec.hidden * spec.e
     layers = spec.num_layers * (2 if spec.family == "t5" else 1) / spec.pp
     per_layer = 4 + (1 if spec.sequence_parallel else 0)  # SP: the backward's re-gathers
     tp_bytes = _ring(act, spec.tp) * per_layer * layers * spec.num_micro_batches
     grad_bytes = max(s.states.params for s in stages) * (4 if spec.backend == "ddp" else spec.e)
-    dp_bytes = _ring(grad_bytes, spec.dp)
+    dp_bytes = _ring(grad_bytes, spec.grad_ranks)
     pp_bytes = 2 * act / spec.tp * spec.num_micro_batches if spec.pp > 1 else 0
-    return int(tp_bytes + dp_bytes + pp_bytes)
+    return int(tp_bytes + dp_bytes + pp_bytes +
+               _cp_bytes(spec, tokens) * layers * spec.num_micro_batches)
+
+
+def _cp_bytes(spec: MemorySpec, tokens: int) -> float:
+    """Bytes one rank sends in one layer's context-parallel attention, forward + backward,
+    for ``tokens`` local tokens."""
+    cp = spec.cp
+    if cp == 1:
+        return 0.0
+    kv = 2 * tokens * spec.kv_proj / spec.tp * spec.e
+    if spec.cp_comm != "a2a":  # all_gather's ring moves as many bytes as p2p's sends
+        return (cp - 1) * (2 * kv + kv * 4 / spec.e)
+    q = tokens * spec.heads * spec.kv_channels / spec.tp * spec.e
+    return 2 * (cp - 1) / cp * (2 * q + kv)
 
 
 def plan_of(spec: MemorySpec, stages: List[StageMemory], hw: Hardware,

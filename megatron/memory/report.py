@@ -111,7 +111,7 @@ def stage_memory(spec: MemorySpec, r: int, saved, rank: RankPeaks, saved_peak: i
     layout = stage_layout(spec)
     layers, mine = layout.stages[r], layout.chunks_of[r]
     states, step = (states_steps or rank_states(spec))[r]
-    buffers = states.grad_bytes if spec.backend == "ddp" and spec.dp > 1 else 0
+    buffers = states.grad_bytes if spec.backend == "ddp" and spec.grad_ranks > 1 else 0
     buffers += rank.activations - saved_peak  # stage outputs and received masks
     rank_grads = rank_grad_bytes(spec, mine)
     late = min(states.grad_bytes, rank.activations + rank_grads - rank.with_grads)

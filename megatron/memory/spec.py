@@ -5,7 +5,7 @@
 (the layout planner), so the model never needs a process group, a tokenizer or a device.
 """
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import List, Optional
 
 from ..errors import ConfigError
 
@@ -41,6 +41,12 @@ class MemorySpec:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
+    """Context-parallel size (``--context-parallel-size``): each sequence is split across
+    ``cp`` ranks, ``seq / cp`` tokens each (docs/scale_out.md); the weights are replicated
+    over them and the gradients reduced over data x context (:attr:`grad_ranks`)."""
+    cp_comm: str = "p2p"
+    """``--cp-comm-type``: ``p2p`` (the ring), ``all_gather`` or ``a2a`` (Ulysses)."""
     vpp: int = 1
     """Model chunks per pipeline rank (interleaved schedule; ZB-V: 2)."""
     schedule: str = ""
@@ -130,7 +136,25 @@ class MemorySpec:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def seq_local(self) -> int:
+        """Tokens of a sequence on one rank (``seq / cp``; T5: the encoder's, cp 1)."""
+        return self.seq // self.cp
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks a weight's gradient is reduced over (data x context parallel: the data
+        parallel group DeepSpeed and DDP are given); ZeRO partitions over them."""
+        return self.dp * self.cp
+
+    @property
+    def ring(self) -> bool:
+        """The attention is context-parallel (megatron/mpu/cp_attention.py): whatever
+        ``--attention-backend`` says, no ``s x s`` tensor is kept, nothing for selective
+        recompute, and the pipeline passes the token layout instead of the mask."""
+        return self.cp > 1
 
     @property
     def autocast(self) -> bool:
@@ -173,10 +197,11 @@ class MemorySpec:
             problems.append(f"ZeRO stage {self.zero_stage}: the model covers 0, 1 and 2")
         if self.zero_stage and self.backend != "engine":
             problems.append("ZeRO needs the DeepSpeed engine (--deepspeed or pp > 1)")
-        if min(self.tp, self.pp, self.dp, self.vpp, self.micro_batch) < 1:
-            problems.append("tp, pp, dp, vpp and the micro-batch size must be >= 1")
+        if min(self.tp, self.pp, self.dp, self.cp, self.vpp, self.micro_batch) < 1:
+            problems.append("tp, pp, dp, cp, vpp and the micro-batch size must be >= 1")
         if self.heads % self.tp:
             problems.append(f"{self.heads} heads do not split over tp={self.tp}")
+        problems += self.cp_problems()
         problems += self._grad_accum_problems()
         if problems:
             raise ConfigError("memory model: " + "; ".join(problems))
@@ -193,6 +218,30 @@ class MemorySpec:
         if self.heads % kv or kv % self.tp:
             problems.append(f"{kv} key/value heads must divide the {self.heads} heads and "
                             f"split over tp={self.tp}")
+        return problems
+
+    def cp_problems(self) -> List[str]:
+        """What context parallelism allows (megatron/config/context_parallel.py's rules):
+        the problems of this spec's cp, empty when it is allowed (the planner's filter)."""
+        if self.cp_comm not in ("p2p", "all_gather", "a2a"):
+            return [f"cp_comm {self.cp_comm!r}: choose p2p, all_gather or a2a"]
+        if self.cp == 1:
+            return []
+        problems = []
+        if self.family == "t5":
+            problems.append("T5 with cp > 1: encoder-decoder context parallelism is not "
+                            "implemented")
+        if self.seq % (2 * self.cp):
+            problems.append(f"sequence {self.seq} does not cut into 2 x cp = {2 * self.cp} "
+                            f"chunks")
+        elif self.sequence_parallel and (self.seq // self.cp) % self.tp:
+            problems.append(f"sequence parallelism splits {self.seq // self.cp} tokens per "
+                            f"context-parallel rank over tp={self.tp}")
+        if self.cp_comm == "a2a" and (self.heads // self.tp) % self.cp:
+            problems.append(f"a2a gives each of cp={self.cp} ranks whole heads of the "
+                            f"{self.heads // self.tp} on a tensor-parallel rank")
+        if self.attention_dropout > 0:
+            problems.append("attention dropout under cp > 1 (not implemented)")
         return problems
 
     @property
@@ -335,7 +384,8 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         family=kind, num_layers=m.num_layers, hidden=m.hidden_size,
         heads=m.num_attention_heads, kv_channels=m.kv_channels, ffn=m.ffn_hidden_size,
         vocab=rows, micro_batch=cfg.batch.micro_batch_size,
-        num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp, vpp=p.vpp,
+        num_micro_batches=cfg.batch.gas, tp=p.tp, pp=max(p.pp, 1), dp=p.dp,
+        cp=getattr(p, "cp", 1), cp_comm=getattr(p, "cp_comm_type", "p2p"), vpp=p.vpp,
         schedule=p.pipeline_schedule if p.pp > 1 else "",
         sequence_parallel=p.sequence_parallel,
         **_recompute(m), dtype=dtype, backend=backend,

@@ -22,14 +22,26 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
 - **Tensor parallel**: per layer 2 all-reduces forward and 2 backward (ring
   ``2 (t - 1) / t`` of ``s b h e``); under SP reduce-scatters and all-gathers of the same
   total plus the backward's re-gather of the QKV / fc1 input shards; not overlapped.
+- **Context parallel** (``cp`` ranks, each ``s / cp`` tokens: every term above per rank,
+  the attention ``4 b (s / cp) s P / t``, the causal work balanced over the ranks):
+  ``p2p``: the ring's ``cp - 1`` key / value sends forward and ``cp - 1`` with the fp32
+  ``dK, dV`` accumulators backward, each overlapped with one step's attention block
+  (``1 / cp`` of the core), only what a send takes beyond its block counted, and the
+  accumulators' last trip home; ``all_gather``: the keys and values all-gathered forward
+  and again backward, their fp32 gradients reduce-scattered; ``a2a``: four all-to-alls
+  forward (q, k, v, the output) and four backward; neither overlapped. The blocks are
+  timed as a fused attention kernel (Megatron-core's and TransformerEngine's rings run
+  one per block); this project's CUDA blocks are plain PyTorch in fp32 (docs/scale_out.md):
+  slower than this on a GPU today, not measured.
 - **Pipeline**: ``m x`` the slowest stage's micro-batch time + one pass of every other
   stage ``/ v`` (the bubble: Narayanan et al.'s ``(p - 1) / v`` stage passes interleaved;
   ``/ 3`` for ZB-H1 and ``/ 6`` for ZB-V, whose weight passes fill the rest: Qi et al.
   2024, with input and weight gradients each as long as the forward, as the GEMM terms
   here make them; tds's schedules reach these on the simulator), each micro-batch paying its
   p2p sends (ZB-V sends twice per stage pass, as v = 2).
-- **Data parallel**: the gradient ring all-reduce (ZeRO: reduce-scatter + all-gather, the
-  same volume); torch DDP overlaps it with the last backward, the engine does not.
+- **Data parallel**: the gradient ring all-reduce over data x context ranks (ZeRO:
+  reduce-scatter + all-gather, the same volume); torch DDP overlaps it with the last
+  backward, the engine does not.
 - **Optimizer**: the Adam step's bytes (weights, gradients, moments, masters) at HBM speed.
 """
 from dataclasses import dataclass
@@ -134,7 +146,7 @@ def _core_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int,
     runs again."""
     b, proj, t = spec.micro_batch, spec.heads * spec.kv_channels, spec.tp
     sq = tokens // b
-    attn = 4.0 * b * sq * sq * proj / t
+    attn = 4.0 * b * sq * sq * spec.cp * proj / t  # cp: the rank's queries, every key
     scores = _score_bytes(spec, sq, sq)
     if cross:
         attn += 4.0 * b * sq * s_kv * proj / t
@@ -147,7 +159,7 @@ def _score_bytes(spec: MemorySpec, sq: int, skv: int) -> float:
     """HBM bytes of the unfused attention's ``[b, a/t, sq, skv]`` tensors, forward: the
     scores written, the fused softmax's read and write, attention dropout's read, write and
     1-byte mask, the context bmm's read. SDPA keeps them in on-chip memory: none."""
-    if spec.attention != "unfused":
+    if spec.attention != "unfused" or spec.ring:  # cp: fused blocks (no s x s in HBM)
         return 0.0
     e = spec.e
     per = e + 2 * e + e + (2 * e + 1 if spec.attention_dropout > 0 else 0)
@@ -165,6 +177,33 @@ def _tp_comm(spec: MemorySpec, dev: Device, tokens: int, per_node: int) -> float
     return total
 
 
+def _cp_comm(spec: MemorySpec, dev: Device, tokens: int, per_node: int,
+             core: float) -> Tuple[float, float]:
+    """``(forward + backward, forward)`` exposed seconds of one layer's context-parallel
+    communication for one micro-batch (module docstring), ``core`` the seconds of its
+    attention core's forward on this rank."""
+    cp = spec.cp
+    if cp == 1:
+        return 0.0, 0.0
+    bw = _bw(spec.tp * cp, per_node, dev)  # a context-parallel group spans tp x cp ranks
+    kv = 2.0 * tokens * spec.kv_proj / spec.tp * spec.e  # this rank's keys and values
+    if spec.cp_comm == "p2p":
+        send = kv / (bw * 1e9) + dev.latency_s
+        grads = kv * 4 / spec.e / (bw * 1e9) + dev.latency_s  # the fp32 accumulators
+        forward = (cp - 1) * max(0.0, send - core / cp)
+        backward = (cp - 1) * max(0.0, send + grads - 2 * core / cp) + grads
+        return forward + backward, forward
+    if spec.cp_comm == "all_gather":
+        gather = _collective(kv * cp, cp, bw, dev, ring=1.0)
+        return 2 * gather + _collective(kv * cp * 4 / spec.e, cp, bw, dev, ring=1.0), gather
+    q = tokens * spec.heads * spec.kv_channels / spec.tp * spec.e
+    heads_per_rank = (spec.kv_heads or spec.heads) // spec.tp
+    kv_sent = kv if heads_per_rank % cp == 0 else 2 * q  # repeated to every query head
+    forward = 2 * _collective(q, cp, bw, dev, ring=1.0) + \
+        2 * _collective(kv_sent / 2, cp, bw, dev, ring=1.0)
+    return 2 * forward, forward
+
+
 @dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one step and its parts."""
@@ -179,45 +218,53 @@ class StepTime:
     optimizer: float
     bubble: float
     """Idle share of the pipeline part."""
+    cp_comm: float = 0.0
+    """The slowest stage's exposed context-parallel communication (in ``total``, not in
+    ``tp_comm``)."""
 
 
 def _per_layer(spec: MemorySpec, dev: Device, per_node: int, decoder: bool):
-    """``(compute, tp comm, forward, forward comm)`` seconds of one layer (a T5 decoder layer
-    when ``decoder``) and one micro-batch: forward and backward (two GEMMs per forward GEMM,
-    the elementwise bytes once more: each op reads its saved input and the gradient and
-    writes one gradient), selective recompute's attention core; what full recompute would
-    run again is the forward and its half of the collectives."""
+    """``(compute, (tp comm, cp comm), forward, (forward tp comm, forward cp comm))``
+    seconds of one layer (a T5 decoder layer when ``decoder``) and one micro-batch: forward
+    and backward (two GEMMs per forward GEMM, the elementwise bytes once more: each op
+    reads its saved input and the gradient and writes one gradient), selective recompute's
+    attention core; what full recompute would run again is the forward and its share of
+    the communication."""
     b = spec.micro_batch
-    tokens = (spec.dec_seq if decoder else spec.seq) * b
+    tokens = (spec.dec_seq if decoder else spec.seq_local) * b
     matmul, memory = _layer_forward(spec, dev, tokens, spec.seq, decoder)
     forward = matmul + memory
     tp = _tp_comm(spec, dev, tokens, per_node)
+    core = sum(_core_forward(spec, dev, tokens, spec.seq, decoder))
+    cp, cp_forward = _cp_comm(spec, dev, tokens, per_node, core)
     compute = forward + 2 * matmul + memory
     if selective(spec):  # the attention core once more (where it keeps s x s)
-        compute += sum(_core_forward(spec, dev, tokens, spec.seq, decoder))
-    return compute, tp, forward, tp / 2
+        compute += core
+    return compute, (tp, cp), forward, (tp / 2, cp_forward)
 
 
 def _stage_times(spec: MemorySpec, dev: Device, layers_per_stage: List[tuple],
                  per_node: int):
-    """Per stage: (compute, tp comm) seconds of one micro-batch, forward + backward."""
+    """Per stage: (compute, tp comm, cp comm) seconds of one micro-batch, forward +
+    backward."""
     kinds = [_per_layer(spec, dev, per_node, decoder) if any(
         stage[decoder] for stage in layers_per_stage) else None for decoder in (0, 1)]
-    tokens = (spec.dec_seq if spec.family == "t5" else spec.seq) * spec.micro_batch
+    tokens = (spec.dec_seq if spec.family == "t5" else spec.seq_local) * spec.micro_batch
     head_time = 3 * gemm_time(tokens, spec.vocab // spec.tp, spec.hidden, spec.e, dev)
     out = []
     for stage in layers_per_stage:
-        comp = comm = 0.0
+        comp = comm = cp = 0.0
         for decoder in (0, 1):
             n = stage[decoder]
             if n:
-                compute, tp, forward, forward_tp = kinds[decoder]
+                compute, (tp, cp_), forward, (forward_tp, forward_cp) = kinds[decoder]
                 again = recomputed_layers(spec, n, stage[0] + stage[1])
                 comp += n * compute + again * forward
                 comm += n * tp + again * forward_tp
+                cp += n * cp_ + again * forward_cp
         if stage[2]:
             comp += head_time
-        out.append((comp, comm))
+        out.append((comp, comm, cp))
     return out
 
 
@@ -277,11 +324,12 @@ def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: Li
     """
     m, p, v = spec.num_micro_batches, spec.pp, spec.vpp
     stages = _stage_times(spec, dev, layers_per_stage, per_node)
-    per_mb = [c + t for c, t in stages]
+    per_mb = [c + t + x for c, t, x in stages]
     p2p = 0.0
     if p > 1:
-        act = spec.micro_batch * (spec.seq + spec.dec_seq) * spec.hidden * spec.e / spec.tp
-        span = spec.tp * spec.dp + 1  # neighbouring stages are tp x dp ranks apart
+        act = spec.micro_batch * (spec.seq_local + spec.dec_seq) * spec.hidden * spec.e / \
+            spec.tp
+        span = spec.world // p + 1  # neighbouring stages are tp x cp x dp ranks apart
         p2p = 2 * v * (act / (_bw(span, per_node, dev) * 1e9) + dev.latency_s)
     slowest = max(per_mb) + p2p
     # m passes of the slowest stage + the fill and drain: the other stages once, in chunks
@@ -290,13 +338,13 @@ def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: Li
     pipeline = m * slowest + (sum(per_mb) + p * p2p - slowest) / fill
     bubble = 1 - m * slowest / pipeline if pipeline else 0.0
     grad_bytes = params_per_rank * (4 if spec.backend == "ddp" else spec.e)
-    dp_bw = _bw(spec.tp * spec.dp, per_node, dev)
-    dp = _collective(grad_bytes, spec.dp, dp_bw, dev, ring=2.0)
+    dp_bw = _bw(spec.world // p, per_node, dev)  # the gradients' ring: dp x cp ranks
+    dp = _collective(grad_bytes, spec.grad_ranks, dp_bw, dev, ring=2.0)
     if spec.backend == "ddp" and spec.pp == 1:  # buckets overlap the last backward
         dp = max(0.0, dp - stages[0][0] * 2 / (3 + recompute_fraction(spec, spec.num_layers)))
     adam_bytes = 16 + 12 if spec.e == 4 else 2 + 16 + 12 + 2  # read p g m v, write p m v
-    shard = spec.dp if spec.zero_stage else 1
+    shard = spec.grad_ranks if spec.zero_stage else 1
     opt = params_per_rank * adam_bytes / shard / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
     idx = per_mb.index(max(per_mb))
     return StepTime(pipeline + dp + opt, m * stages[idx][0], m * stages[idx][1],
-                    pipeline - m * per_mb[idx], dp, opt, bubble)
+                    pipeline - m * per_mb[idx], dp, opt, bubble, m * stages[idx][2])
