@@ -53,3 +53,12 @@ def test_the_ring_buffers_match_the_measured_attention():
                   f"{pred / max(measured) - 1:+.1%}")
             if what == "saved" or case[0] == "p2p":
                 assert abs(pred - max(measured)) <= TOL * max(measured), (case, what, measured)
+
+
+def test_the_memory_models_tile_size_is_the_attention_blocks():
+    """megatron/memory reads no torch, so ring.py keeps a copy of the CUDA blocks' tile
+    budget: it must stay the one megatron.mpu.attention_blocks tiles by."""
+    from megatron.memory import ring
+    from megatron.mpu import attention_blocks
+
+    assert ring.TILE_BYTES == attention_blocks.TILE_BYTES
