@@ -39,7 +39,24 @@ def pytest_unconfigure(config):
     parallel_suite.end_run(config)
 
 
+#: Marks a run includes only when its ``-m`` expression names them: a ``-m`` on the command
+#: line replaces pytest.ini's ``-m "not stress and not exhaustive"``, so without this a
+#: quick ``-m "not slow"`` would run every exhaustive matrix.
+OPT_IN_MARKS = ("exhaustive", "stress")
+
+
+def _leave_out_unnamed_opt_in_marks(config, items):
+    expression = config.option.markexpr or ""
+    unnamed = [mark for mark in OPT_IN_MARKS if mark not in expression]
+    dropped = {item for item in items
+               if any(item.get_closest_marker(mark) for mark in unnamed)}
+    if dropped:
+        config.hook.pytest_deselected(items=[item for item in items if item in dropped])
+        items[:] = [item for item in items if item not in dropped]
+
+
 def pytest_collection_modifyitems(config, items):
+    _leave_out_unnamed_opt_in_marks(config, items)
     parallel_suite.write_groups(config, items)
 
 

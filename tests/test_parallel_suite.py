@@ -114,3 +114,24 @@ def test_other_tests_are_not_grouped(tmp_path, request):
 @pytest.mark.xdist_group("named")
 def test_a_named_group_wins(_module_resource, request):
     assert parallel_suite._group(request.node) == "named"
+
+
+@pytest.mark.parametrize("expression,exhaustive_in", [
+    ("not slow", False), ("exhaustive or not slow", True), (None, False)])
+def test_exhaustive_tests_run_only_when_the_mark_expression_names_them(expression,
+                                                                       exhaustive_in):
+    """A ``-m`` on the command line replaces pytest.ini's; the exhaustive matrices still stay
+    out of a run whose expression does not name them (a quick ``-m "not slow"`` ran them)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    marks = [] if expression is None else ["-m", expression]
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", *marks,
+         "tests/test_compile_regions.py"], cwd=repo, capture_output=True, text=True,
+        timeout=120).stdout
+    assert "test_cuda_graphs_are_refused_where_they_cannot_run" in out, out[-2000:]
+    assert ("test_every_layout_and_schedule_compiled" in out) == exhaustive_in, out[-2000:]
+    assert ("test_compiled_chunks_train_like_eager" in out) == (expression is None)
