@@ -132,6 +132,12 @@ def test_failure_status_tells_user_errors_from_crashes():
     assert status == 130 and lines == ["rank 1 failed (killed by SIGINT)"]
 
 
+def _run_python(code):
+    """``code`` in a fresh interpreter that imports this checkout, its output captured."""
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+
+
 def test_worker_records_the_first_ctrl_c_and_dies_on_the_second():
     code = ("import os, signal, time\n"
             "from megatron.training.preemption import PreemptionHandler\n"
@@ -142,8 +148,7 @@ def test_worker_records_the_first_ctrl_c_and_dies_on_the_second():
             "print('FIRST RECORDED', flush=True)\n"
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
             "print('not reached', flush=True)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    out = _run_python(code)
     assert out.returncode == -signal.SIGINT, out.stderr
     assert "FIRST RECORDED" in out.stdout and "not reached" not in out.stdout
     assert "Traceback" not in out.stderr and "KeyboardInterrupt" not in out.stderr
@@ -156,8 +161,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_130():
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(5)\n"
             "run_main(main)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    out = _run_python(code)
     assert out.returncode == 130, out.stderr
     assert out.stderr.strip() == ("interrupted (Ctrl-C) before the first step ended: nothing to "
                                   "save"), out.stderr
