@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -58,26 +59,51 @@ def _agent(tmp_path, mode, nproc=2):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _wait_for(proc, pattern, count, timeout=120):
-    """Read ``proc``'s output until ``pattern`` was seen ``count`` times; return the text."""
-    text, deadline = "", time.monotonic() + timeout
-    while len(re.findall(pattern, text)) < count:
-        line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, text[-3000:]
-        text += line
-    return text
+class _Output:
+    """Everything ``proc`` prints, read by a thread that alone owns the pipe.
+
+    Reading lines here and then ``proc.communicate()`` would lose output: readline reads ahead
+    into the pipe object's buffer, and communicate reads the raw descriptor, so the lines
+    already buffered vanish (under load a stopped run's steps 4-7 did).
+    """
+
+    def __init__(self, proc):
+        self.proc, self.lines = proc, []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def text(self):
+        return "".join(self.lines)
+
+    def wait_for(self, pattern, count, timeout=120):
+        """Wait until ``pattern`` was printed ``count`` times; the text so far."""
+        deadline = time.monotonic() + timeout
+        while len(re.findall(pattern, self.text())) < count:
+            assert self._thread.is_alive() and time.monotonic() < deadline, self.text()[-3000:]
+            time.sleep(0.05)
+        return self.text()
+
+    def finish(self, timeout):
+        """Wait for the process to exit and the pipe to close; the whole text."""
+        self.proc.wait(timeout=timeout)
+        self._thread.join(timeout=30)
+        return self.text()
 
 
 def test_agent_passes_the_first_ctrl_c_on_and_exits_0(tmp_path):
     proc = _agent(tmp_path, "check")
+    output = _Output(proc)
     try:
-        text = _wait_for(proc, r"READY \d", 2)
+        output.wait_for(r"READY \d", 2)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the agent's process group
-        out, _ = proc.communicate(timeout=120)
+        text = output.finish(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    text += out
     assert proc.returncode == 0, text[-3000:]
     assert "SIGINT received: the workers save at the next step boundary" in text
     assert sorted(re.findall(r"STOPPED (\d) (\w+)", text)) == [("0", "SIGINT"), ("1", "SIGINT")]
@@ -87,19 +113,19 @@ def test_agent_passes_the_first_ctrl_c_on_and_exits_0(tmp_path):
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     proc = _agent(tmp_path, "hang")
+    output = _Output(proc)
     try:
-        text = _wait_for(proc, r"READY \d", 2)
+        output.wait_for(r"READY \d", 2)
         os.killpg(proc.pid, signal.SIGINT)
-        text += _wait_for(proc, r"SIGINT received", 1)
+        output.wait_for(r"SIGINT received", 1)
         time.sleep(0.5)
         second = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        text = output.finish(timeout=60)
         took = time.monotonic() - second
     finally:
         if proc.poll() is None:
             proc.kill()
-    text += out
     assert proc.returncode == 128 + signal.SIGINT, text[-3000:]
     # the workers died of the second SIGINT: torchrun did not have to SIGKILL them after its
     # 30 s shutdown wait
@@ -174,14 +200,14 @@ def test_ctrl_c_through_run_gpt2_saves_exits_0_and_resumes_exactly(gpt2_data, tm
     proc = subprocess.Popen(["bash", "examples/run_gpt2.sh"], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    output = _Output(proc)
     try:
-        text = _wait_for(proc, r"iteration\s+3/", 1, timeout=300)
+        output.wait_for(r"iteration\s+3/", 1, timeout=300)
         os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: bash (exec'd: the agent)
-        out, _ = proc.communicate(timeout=300)
+        text = output.finish(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    text += out
     assert proc.returncode == 0, text[-4000:]
     stop = re.search(r"> preempted: SIGINT received by rank \d+; stopped at iteration (\d+), "
                      r"checkpoint saved to ([^;\s]+);", text)
