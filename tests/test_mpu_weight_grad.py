@@ -379,3 +379,40 @@ def test_layers_bit_identical_split_and_unsplit(tp):
         assert tied  # the tied weight's two-micro-batch order was measured
         print(f"tp {tp}: tied weight, 2 micro-batches, split vs plain: largest relative "
               f"difference {max(tied):.1e} ({sum(e == 0 for e in tied)}/{len(tied)} exact)")
+
+
+def _recorded_in_rank_order(seed):
+    """Two sequence-parallel column layers of the same shape, their backward recorded under
+    one key in opposite orders on the two tp ranks (as a compiled backward may run
+    independent branches); the flushed weight gradients against the undeferred ones."""
+    mpu.initialize_model_parallel(dist.get_world_size(), 1)
+    torch.manual_seed(seed)  # the same weights and inputs on both ranks, then their shards
+    layers = nn.ModuleList(mpu.ColumnParallelLinear(H, 2 * H, gather_output=False,
+                                                    sequence_parallel=True) for _ in range(2))
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    xs = [torch.randn(S, B, H).chunk(tp)[rank].contiguous() for _ in layers]
+    dys = [torch.randn(S, B, 2 * H // tp) for _ in layers]
+
+    def backward(order):
+        for i in order:
+            out, _ = layers[i](xs[i])
+            (out * dys[i]).sum().backward()
+
+    backward([0, 1])  # deferral off: the reference
+    ref = [layer.weight.grad.clone() for layer in layers]
+    layers.zero_grad(set_to_none=True)
+    store = mpu.set_weight_grad_deferral(layers)
+    with store.record("mb"):
+        backward([0, 1] if rank == 0 else [1, 0])
+    store.flush("mb")
+    return [torch.equal(a, layer.weight.grad) for a, layer in zip(ref, layers)]
+
+
+def test_flush_gathers_in_the_same_order_on_every_tensor_parallel_rank():
+    """A W pass gathers each sequence-parallel input over the tp group: run in recording
+    order, a rank that recorded the layers in another order swaps the shards (same shapes:
+    wrong gradients, silently; other shapes: a collective of mismatched sizes, the crash of
+    T5 with ZB-H1 + SP + recompute under --compile). Flushed in layer order, both exact."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    for exact in run_distributed(_recorded_in_rank_order, 2, seed, timeout=300):
+        assert exact == [True, True], (seed, exact)

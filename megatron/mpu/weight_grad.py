@@ -73,7 +73,10 @@ class WeightGradStore:
 
     With sequence parallelism ``flush`` of a column-parallel layer's work all-gathers its
     input shard over the tensor-parallel group: every tp rank of a stage must flush the
-    same keys in the same order (as a schedule's identical action lists do).
+    same keys in the same order (as a schedule's identical action lists do). Within a key
+    the work runs in its layers' order (:func:`_flush_order`), not in the order the
+    backward recorded it: a compiled backward may run independent branches (T5's
+    cross-attention projections) in another order on another tp rank.
     """
 
     def __init__(self) -> None:
@@ -124,7 +127,11 @@ class WeightGradStore:
         return list(self._work)
 
     def flush(self, key: Hashable) -> int:
-        """Run ``key``'s deferred work in recording order, accumulating into ``param.grad``.
+        """Run ``key``'s deferred work, accumulating into ``param.grad``: the layers marked by
+        :func:`set_weight_grad_deferral` last to first (the same order on every tensor-parallel
+        rank, whatever order the backward recorded them in), each parameter's own items in
+        recording order; unmarked parameters' work (a store used directly) after, as
+        recorded.
 
         Args:
             key: a key recorded before and not flushed since.
@@ -139,7 +146,7 @@ class WeightGradStore:
                 f"WeightGradStore.flush({key!r}): nothing recorded under this key (pending: "
                 f"{self.pending_keys()}); run its backward inside `with store.record(key):` "
                 "first, and flush each key once")
-        work = self._work.pop(key)
+        work = sorted(self._work.pop(key), key=_flush_order)  # stable: per parameter, as recorded
         with torch.no_grad():
             for item in work:
                 _check_unchanged(key, item)
@@ -165,6 +172,15 @@ class WeightGradStore:
 
     def __repr__(self) -> str:
         return f"WeightGradStore(recording={self._key!r}, pending={self.pending_keys()})"
+
+
+def _flush_order(item: _Work) -> int:
+    """Sort key of a deferred GEMM in :meth:`WeightGradStore.flush`: minus its parameter's
+    slot (slots follow the model's layer order, identical on every tensor-parallel rank of a
+    stage), so the last layer's work runs first, as a backward records it; 1 without a slot.
+    """
+    slot = getattr(item.param, SLOT_ATTRIBUTE, None)
+    return 1 if slot is None else -slot
 
 
 def _check_unchanged(key, item: _Work) -> None:
