@@ -117,7 +117,9 @@ pretrain_gpt2.main(argv)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", ["model_file", "before_tracker", "while_training"])
+@pytest.mark.parametrize("moment", [  # before_tracker: also in test_faults (sync)
+    "model_file", pytest.param("before_tracker", marks=pytest.mark.exhaustive),
+    "while_training"])
 def test_kill_during_background_write_then_resume(gpt2_data, tmp_path, moment):
     """The moments: half-way through writing the model file; files complete, folder in
     place, tracker not yet rewritten; the training thread already a step further. The

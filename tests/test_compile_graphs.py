@@ -144,14 +144,15 @@ def _explain(tp, seed, runs):
     return counts
 
 
-def _everything(tp, seed):
+def _everything(tp, seed, count_layers=True):
     """Graph counts and compiled/eager training on this rank (one process per tp: dynamo's
-    start-up is paid once)."""
+    start-up is paid once). ``count_layers=False``: no per-layer graph counts (at tp 2 only
+    the exhaustive run asks for them)."""
     runs = [(name, dropout, "sdpa") for name in CASES for dropout in (0.0, 0.1)]
     if tp == 1:
         runs += [(name, 0.1, "unfused") for name in CASES]  # bmm + fused softmax + dropout
         runs += [(name, 0.1, "sdpa") for name in PIPE_CASES]
-    counts = _explain(tp, seed, runs)
+    counts = _explain(tp, seed, runs if count_layers else [])
     return counts, _compiled_and_eager(seed), _forks(seed)
 
 
@@ -180,15 +181,19 @@ def _forks(seed):
 
 @pytest.fixture(scope="module")
 def results():
-    """tp -> per-rank results of :func:`_everything`, computed on first use."""
+    """(tp, count_layers) -> per-rank results of :func:`_everything`, computed on first use
+    (a run that counted the layers serves a test that does not ask for them)."""
     seed = int(os.environ.get("MEGATRON_TEST_SEED") or random.SystemRandom().randrange(2**31))
     print(f"seed={seed} (rerun with MEGATRON_TEST_SEED={seed})")
     cache = {}
 
-    def get(tp):
-        if tp not in cache:
-            cache[tp] = run_distributed(_everything, tp, tp, seed, timeout=600)
-        return cache[tp]
+    def get(tp, count_layers=True):
+        if (tp, True) in cache:
+            return cache[(tp, True)]
+        if (tp, count_layers) not in cache:
+            cache[(tp, count_layers)] = run_distributed(_everything, tp, tp, seed, count_layers,
+                                                        timeout=600)
+        return cache[(tp, count_layers)]
 
     return get
 
@@ -276,7 +281,7 @@ def _compiled_and_eager(seed):
 @pytest.mark.slow
 def test_compiled_models_train_like_eager_with_dropout(results):
     for tp in (1, 2):
-        counts, trained = results(tp)[0][:2]
+        counts, trained = results(tp, count_layers=tp == 1)[0][:2]
         for family, ((eager, w_eager, _), (compiled, w_compiled, graphs)) in trained.items():
             # the model one region: one graph at tp 1; at tp 2 each fork breaks it (declared)
             count, breaks = graphs
@@ -295,7 +300,8 @@ PER_RANK_DROPOUTS = {"gpt2": 1, "t5_encoder": 2, "t5_decoder": 3}
 
 def test_tracker_is_forked_only_where_a_per_rank_mask_is_drawn(results):
     for tp in (1, 2):
-        for (name, dropout, training), (forks, advanced) in results(tp)[0][2].items():
+        for (name, dropout, training), (forks, advanced) in \
+                results(tp, count_layers=tp == 1)[0][2].items():
             drawn = tp > 1 and dropout > 0 and training
             assert forks == (PER_RANK_DROPOUTS[name] if drawn else 0), (tp, name, dropout)
             assert advanced == drawn, (tp, name, dropout, training)

@@ -49,7 +49,8 @@ def _t5_counts():
                                "--kinds", "compile,hf"])[0]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # 60-120 s on a cold Inductor cache: two T5s compiled; T5's compiled
+# training is held to eager in the default run by test_compile_regions
 def test_compiled_t5_step_counts_are_within_transformers_compiled_t5():
     """Issue 43's CPU bounds: against transformers' T5ForConditionalGeneration compiled whole at
     the same sizes, compiled-graph calls, kernels launched outside compiled graphs and Python

@@ -338,8 +338,9 @@ def uninterrupted(gpt2_data, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", ["model_file", "before_publish", "before_tracker",
-                                    "tracker_tmp"])
+@pytest.mark.parametrize("moment", [  # two moments in the default run, the four exhaustive
+    "model_file", pytest.param("before_publish", marks=pytest.mark.exhaustive),
+    pytest.param("before_tracker", marks=pytest.mark.exhaustive), "tracker_tmp"])
 def test_kill_during_save_then_resume(gpt2_data, tmp_path, uninterrupted, moment):
     import subprocess
     import sys

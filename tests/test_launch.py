@@ -13,7 +13,7 @@ from launch_runs import finish, free_port, launch, launch_env, log_losses
 
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # the default run's started-apart test launches these same two nodes
 def test_two_nodes_on_one_machine_match_one_node(gpt2_data, gpt2_one_node_losses, tmp_path):
     one = gpt2_one_node_losses
     port = str(free_port())
@@ -34,10 +34,13 @@ def test_two_nodes_started_apart_train_at_the_full_world(gpt2_data, gpt2_one_nod
                                                          tmp_path):
     """A user starts node 0, then node 1 by hand 45 s later (issue 44's case), with the
     scripts' defaults (MIN_NODES = NNODES): node 0 says whom it waits for and waits; the run then trains at
-    world 4 to the end, once (no restart), with the one-node run's losses."""
+    world 4 to the end, once (no restart), with the one-node run's losses. The script's
+    PIPELINE_SCHEDULE reaches the run: ZB-H1 takes 1F1B's very steps in fp32 (so the losses
+    are the one-node 1F1B run's), and the log names it."""
     port = str(free_port())
     envs = [launch_env(gpt2_data, tmp_path, GPUS_PER_NODE="2", NNODES="2",
-                       NODE_RANK=str(rank), MASTER_PORT=port) for rank in (0, 1)]
+                       NODE_RANK=str(rank), MASTER_PORT=port, PIPELINE_SCHEDULE="zb-h1")
+            for rank in (0, 1)]
     first = launch(envs[0])
     time.sleep(45)
     assert first.poll() is None, first.communicate()[0][-3000:]  # still waiting for node 1
@@ -51,6 +54,7 @@ def test_two_nodes_started_apart_train_at_the_full_world(gpt2_data, gpt2_one_nod
     for sign in ("> restart", "will restart", "DistStoreError", "fewer nodes than asked",
                  "Traceback"):
         assert sign not in text, (sign, text[-3000:])
+    assert any("pipeline schedule: zb-h1" in text for text in outputs), "the log names it"
     assert log_losses(outputs) == gpt2_one_node_losses
 
 

@@ -21,7 +21,8 @@ def _free_port():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,vpp", [
-    pytest.param(1, 1, marks=pytest.mark.exhaustive), (2, 1), (2, 2)])
+    pytest.param(1, 1, marks=pytest.mark.exhaustive),
+    pytest.param(2, 1, marks=pytest.mark.exhaustive), (2, 2)])  # (2, 2): pp 2 and vpp 2
 def test_run_t5_sh_trains_at_pp(t5_data, tmp_path, pp, vpp):
     env = dict(os.environ, OMP_NUM_THREADS="1", GPUS_PER_NODE="2", NNODES="1", NODE_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), mp_size="1",
