@@ -34,12 +34,12 @@ MATRIX = [(tp, 2, schedule, ()) for tp in (1, 2)
 #: One launch per family in the default run (world size, layouts): one layout each, so
 #: that a cold Inductor cache (a fresh CI machine: each kernel a C++ build) costs the default
 #: run ~60 s a family. Between them: tp 2 with SP + recompute, pp 2 under ZB-V (two chunks
-#: a rank) and ZB-H1, pp 1's whole model with its loss (Llama, tp 2 x dp 2, GQA). The
-#: matrix has every other layout.
+#: a rank) and ZB-H1, pp 1's whole model with its loss under data parallelism (Llama, dp
+#: 2: both ranks compile the same graphs, once). The matrix has every other layout.
 DEFAULT = {
     "gpt2": (4, [(2, 2, "zbv", SPSR)]),
     "t5": (4, [(2, 2, "zb-h1", SPSR)]),
-    "llama": (4, [(2, 1, "1f1b", ())]),
+    "llama": (2, [(1, 1, "1f1b", ())]),
 }
 
 
