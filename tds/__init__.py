@@ -1,14 +1,12 @@
 """tds: ``import tds as deepspeed``.
 
-DeepSpeed's public API, unchanged, with two differences: ``initialize()`` on a
-``PipelineModule`` returns tds's :class:`~tds.pipe.PipelineEngine`, which moves typed
-tuples of tensors between stages (CPM-Pretrain's TDS), and ``initialize(...,
-sync_free_step=True)`` steps DeepSpeed's ZeRO and bf16 optimizers with no host read
-(:mod:`tds.sync_free`). Every other attribute is
-DeepSpeed's own (``tds.zero``, ``tds.comm``, ``tds.checkpointing``, ...).
+DeepSpeed's public API, unchanged, with one difference: ``initialize()`` on a
+``PipelineModule`` returns tds's :class:`~tds.engine.PipelineEngine`, which moves typed
+tuples of tensors between stages (CPM-Pretrain's TDS) through tds's pipeline schedules and
+steps megatron's optimizer (the same step as every megatron run). Every other attribute is
+DeepSpeed's own (``tds.zero``, ``tds.comm``, ``tds.checkpointing``, ...). tds uses only
+DeepSpeed's documented API: tests/test_tds_public_api.py lists what it imports.
 """
-import contextlib
-import functools
 import os
 from typing import Any, Callable, Optional, Tuple
 
@@ -29,17 +27,17 @@ _name_the_cpu_accelerator()
 
 import deepspeed as _deepspeed  # noqa: E402 (after the accelerator is named)
 
-SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))
-"""tds subclasses DeepSpeed's pipeline engine internals: [0.19, 0.20) is what it is built on."""
+OLDEST_DEEPSPEED = (0, 16)
+"""The oldest DeepSpeed tds is tested with (.ci/run runs the tds and pipeline tests with it);
+tds uses only DeepSpeed's public API, so later releases are admitted."""
 
 
 def _check_version(version):
     parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
-    low, high = SUPPORTED_DEEPSPEED
-    if not low <= parts < high:
-        raise ImportError(f"tds needs DeepSpeed >= {'.'.join(map(str, low))} and < "
-                          f"{'.'.join(map(str, high))}, found {version}; install it with "
-                          f"pip install 'deepspeed>=0.19,<0.20'")
+    if parts < OLDEST_DEEPSPEED:
+        oldest = ".".join(map(str, OLDEST_DEEPSPEED))
+        raise ImportError(f"tds needs DeepSpeed >= {oldest}, found {version}; install it with "
+                          f"pip install 'deepspeed>={oldest}'")
 
 
 _check_version(_deepspeed.__version__)
@@ -62,22 +60,20 @@ def _skip_inference_shm_build():
 _skip_inference_shm_build()
 
 
-def _gather_under_the_current_name():
+def _quiet_deprecated_gather_name():
     """DeepSpeed's torch backend gathers with ``torch.distributed.all_gather_into_tensor``,
-    which torch deprecates for ``all_gather_single`` (the same collective, same arguments):
-    the old name warns once per process, 8 lines in an 8-rank run. The new name where torch
-    has it; DeepSpeed picks the function when its backend starts, after this import."""
-    import torch.distributed
+    which torch deprecates for ``all_gather_single`` (the same collective): the old name
+    warns once per process, 8 lines in an 8-rank run. The warning is about DeepSpeed's code,
+    not the user's: it is filtered (nothing of DeepSpeed's is changed)."""
+    import warnings
 
-    single = getattr(torch.distributed, "all_gather_single", None)
-    if single is None:
-        return
-    from deepspeed.comm.torch import TorchBackend
-
-    TorchBackend.get_all_gather_function = classmethod(lambda cls: single)
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated",
+                            category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.*deprecated",
+                            category=FutureWarning)
 
 
-_gather_under_the_current_name()
+_quiet_deprecated_gather_name()
 
 from deepspeed import (  # noqa: E402  (re-exported API)
     DeepSpeedConfig,
@@ -89,53 +85,52 @@ from deepspeed import (  # noqa: E402  (re-exported API)
     zero,
 )
 
-from . import comm_ready, fp16_loss_scale  # noqa: E402
-from .pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec  # noqa: E402
+from . import comm_ready  # noqa: E402
+from .engine import DeepSpeedConfigError, PipelineEngine  # noqa: E402
+from .pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
 
 __version__ = _deepspeed.__version__
 
-comm_ready.install()  # CPM's order: a PipelineModule built before deepspeed.init_distributed
+_GONE = {"clip_grad_norm_fn": "the engine clips with megatron's clipping (each parameter "
+                              "counted once across tp and pp): remove the argument",
+         "pre_reduce_grads_fn": "the engine sums sequence-parallel gradients itself: remove "
+                                "the argument",
+         "sync_free_step": "the pipeline engine's step reads nothing on the host: remove the "
+                           "argument"}
 
 
-@contextlib.contextmanager
-def _tds_pipeline_engine(**engine_kwargs):
-    """Let deepspeed.initialize build tds's engine for the duration of one call."""
-    original = _deepspeed.PipelineEngine
-    _deepspeed.PipelineEngine = functools.partial(PipelineEngine, **engine_kwargs)
-    try:
-        yield
-    finally:
-        _deepspeed.PipelineEngine = original
+def _config_dict(config, args):
+    """DeepSpeed's config as a dict: given as one, as a JSON path, or as
+    ``args.deepspeed_config`` (DeepSpeed's ways)."""
+    import json
+
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, encoding="utf-8") as handle:
+            return json.load(handle)
+    if not isinstance(config, dict):
+        raise DeepSpeedConfigError("tds.initialize of a PipelineModule needs DeepSpeed's config "
+                                   "(config= a dict or a JSON path, or args.deepspeed_config)")
+    return config
 
 
 def initialize(*args: Any, batch_fn: Optional[Callable] = None,
                batch_context: Optional[Callable[[int], Any]] = None,
-               clip_grad_norm_fn: Optional[Callable] = None,
-               pre_reduce_grads_fn: Optional[Callable[[], Any]] = None,
-               sync_free_step: bool = False,
                pipeline_schedule: Optional[str] = None,
                weight_grad_store: Optional[Any] = None,
                **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize``; a ``PipelineModule`` gets tds's pipeline engine.
 
     Args:
-        args, kwargs: DeepSpeed's (``model``, ``optimizer``, ``config``, ...).
+        args, kwargs: DeepSpeed's (``model``, ``optimizer``, ``config``, ``lr_scheduler``,
+            ...).
         batch_fn: pipeline only: ``raw batch -> (inputs, labels)``, applied on the first
             and last stage to what the data iterator yields (DeepSpeed's ``set_batch_fn``).
         batch_context: pipeline only: ``f(micro_batch) -> context manager``; every call of
             ``batch_fn`` for micro-batch ``micro_batch`` (0 .. gas - 1) of a step runs
             inside it, on each stage that calls it (``engine.set_batch_context``; megatron
             seeds torch's generators there, so every stage draws the same batch).
-        clip_grad_norm_fn: pipeline only: ``f(parameters, max_norm) -> total norm`` that
-            clips in place (default: :func:`tds.pipe.clip.clip_grad_norm_over_grid`, the
-            model's norm with each parameter counted once across tp and pp).
-        pre_reduce_grads_fn: pipeline only: called (no arguments) once per step after the
-            last micro-batch's backward, before the gradients are reduced.
-        sync_free_step: fp32/bf16: DeepSpeed's ZeRO (stages 1-2) and bf16 optimizers
-            measure and clip the gradient norm on the device, with no host read per step,
-            and apply a step whose norm is inf/nan instead of skipping it
-            (:mod:`tds.sync_free`; needs ``config`` as a dict). ``engine.sync_free_step``
-            says whether the run's optimizer got it.
         pipeline_schedule: pipeline only: "1f1b", "interleaved", "zb-h1" or "zbv" (default:
             what the module's chunks imply: 1f1b, interleaved with virtual stages, zbv with
             the V placement); docs/pipeline_schedules.md.
@@ -147,38 +142,32 @@ def initialize(*args: Any, batch_fn: Optional[Callable] = None,
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed does.
     """
+    gone = [name for name in _GONE if name in kwargs]
+    if gone:
+        raise TypeError(f"tds.initialize: {gone[0]} is gone: {_GONE[gone[0]]}")
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
     if comm_ready.torch_dist.is_initialized():
         comm_ready.ensure_backend()  # else DeepSpeed initialises the process group itself
-    max_norm = None
-    if sync_free_step:
-        from . import sync_free
-
-        kwargs["config"], max_norm = sync_free.prepare_config(kwargs.get("config"))
     if not isinstance(model, _deepspeed.pipe.PipelineModule):  # DeepSpeed's or ours
         if batch_fn is not None or batch_context is not None or \
-                clip_grad_norm_fn is not None or \
-                pre_reduce_grads_fn is not None or pipeline_schedule is not None or \
-                weight_grad_store is not None:
-            raise TypeError("batch_fn, batch_context, clip_grad_norm_fn, pre_reduce_grads_fn, "
-                            "pipeline_schedule and weight_grad_store apply to a "
-                            "PipelineModule only")
-        engine, *rest = _deepspeed.initialize(*args, **kwargs)
-    else:
-        with _tds_pipeline_engine(clip_grad_norm_fn=clip_grad_norm_fn,
-                                  pre_reduce_grads_fn=pre_reduce_grads_fn,
-                                  pipeline_schedule=pipeline_schedule,
-                                  weight_grad_store=weight_grad_store):
-            engine, *rest = _deepspeed.initialize(*args, **kwargs)
-        if batch_fn is not None:
-            engine.set_batch_fn(batch_fn)
-        if batch_context is not None:
-            engine.set_batch_context(batch_context)
-    engine.sync_free_step = False
-    if sync_free_step:
-        sync_free.install(engine, max_norm)
-    fp16_loss_scale.install(engine)  # DeepSpeed 0.19 leaves it out without ZeRO
-    return (engine, *rest)
+                pipeline_schedule is not None or weight_grad_store is not None:
+            raise TypeError("batch_fn, batch_context, pipeline_schedule and weight_grad_store "
+                            "apply to a PipelineModule only")
+        return _deepspeed.initialize(*args, **kwargs)
+    if kwargs.get("training_data") is not None:
+        raise NotImplementedError("tds's pipeline engine reads batches from the iterator given "
+                                  "to train_batch(data_iter); pass training_data=None")
+    if not comm_ready.torch_dist.is_initialized():
+        _deepspeed.init_distributed()
+    config = _config_dict(kwargs.get("config", kwargs.get("config_params")),
+                          kwargs.get("args", args[0] if args else None))
+    optimizer = kwargs.get("optimizer")
+    if optimizer is None:
+        raise DeepSpeedConfigError("tds's pipeline engine steps the optimizer you give: pass "
+                                   "optimizer= (e.g. torch.optim.AdamW(model.parameters()))")
+    engine = PipelineEngine(model, optimizer, config, kwargs.get("lr_scheduler"), batch_fn,
+                            batch_context, pipeline_schedule, weight_grad_store)
+    return engine, engine.optimizer, None, engine.lr_scheduler
 
 
 def __getattr__(name):
@@ -186,6 +175,6 @@ def __getattr__(name):
     return getattr(_deepspeed, name)
 
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedEngine", "LayerSpec", "PipelineEngine",
-           "PipelineModule", "TiedLayerSpec", "add_config_arguments", "checkpointing", "comm",
-           "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "LayerSpec",
+           "PipelineEngine", "PipelineModule", "TiedLayerSpec", "add_config_arguments",
+           "checkpointing", "comm", "init_distributed", "initialize", "zero"]

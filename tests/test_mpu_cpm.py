@@ -5,7 +5,7 @@
   CPM's "model", pipe, data, IO) and refuses a topology that orders ranks otherwise;
 - a CPM-1-style GPT-2 and T5 (tests/compat_models/cpm1_models.py), serial and pipelined,
   trained as CPM-1 trains them (``deepspeed.initialize`` with CPM's ds_config settings:
-  ``gradient_clipping`` 1.0, no ``clip_grad_norm_fn``; the PipelineModule built before any
+  ``gradient_clipping`` 1.0; the PipelineModule built before any
   ``deepspeed.init_distributed``; T5's float masks declared ``'int'``), give the per-step
   losses of the serial model from the same weights within 1e-5 at tp=2, pp=2 and
   tp=2 x pp=2, with and without ``--checkpoint-activations``. The gradient norm exceeds the

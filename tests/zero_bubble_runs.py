@@ -35,20 +35,20 @@ def argv(family, data, layers, tp, pp, m, schedule, dp=1, *extra):
 
 
 def _engine_stats():
-    """Wrap ScheduleStep.train_batch to record (peak in flight, deferred GEMMs) per step."""
+    """Wrap ScheduleStep.train to record (peak in flight, deferred GEMMs) per step."""
     from tds.pipe.schedule_step import ScheduleStep
 
     stats = []
-    original = ScheduleStep.train_batch
+    original = ScheduleStep.train
 
-    def train_batch(self):
-        loss = original(self)
-        stats.append((self.schedule, self.placement.chunks(self.engine.stage_id),
+    def train(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        stats.append((self.schedule, self.placement.chunks(self.stage.stage_id),
                       self.peak_in_flight, self.deferred_gemms))
-        return loss
+        return result
 
-    ScheduleStep.train_batch = train_batch
-    return stats, lambda: setattr(ScheduleStep, "train_batch", original)
+    ScheduleStep.train = train
+    return stats, lambda: setattr(ScheduleStep, "train", original)
 
 
 def train_layouts(family, runs):

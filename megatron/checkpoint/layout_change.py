@@ -36,7 +36,7 @@ from .chunks import placement_of, vpp_of
 from .key_maps import key_map_for
 from .native_reader import check_complete, merge_layout
 from .native_writer import check_layout, layout_args, stage_state
-from .optimizer_names import named_adam_state
+from .optimizer_names import MOMENTS, named_adam_state
 from .sharding import has_records, merge_recorded, slice_recorded
 from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size
 from .zero_state import is_zero_state, load_engine_optimizer_file, named_from_saved
@@ -116,39 +116,91 @@ def saved_layout_differs(root: str, iteration: int, cfg: Any) -> bool:
     return any(k in saved and saved[k] != cfg.get(k) for k in LAYOUT_KEYS[:2])
 
 
-def _named_state(state, root, iteration, tp_rank, pp_rank):
-    """One (tp, pp)'s optimizer state by parameter name.
+def named_optimizer_state(state, root, iteration, tp_rank, pp_rank, default_names=None):
+    """One (tp, pp)'s optimizer state by parameter name, whatever wrote it.
+
+    Args:
+        state: that (tp, pp)'s main file (its ``model``, ``optimizer`` or
+            ``optimizer_param_names``).
+        root, iteration: the checkpoint (where its ``optim_dp_rank_*`` files lie).
+        tp_rank, pp_rank: which rank folder.
+        default_names: the parameter names of the optimizer's positions where the
+            checkpoint records none (releases before the record); only a resume at the
+            saved layout, whose optimizer orders its parameters as the saved one did, may
+            pass them.
 
     Returns:
         ``({name: {"exp_avg", "exp_avg_sq", "step"[, "fp32"]}}, param groups or None,
         loss scaler or None)``; ``fp32`` (the master weight) only from ZeRO, whose model
         weights may be fp16.
     """
-    names = state.get("optimizer_param_names")
+    names = state.get("optimizer_param_names") or default_names
     unnamed = CheckpointError(f"checkpoint in {root} does not record its optimizer's "
                               f"parameter names (saved by an older megatron-tds); {HINT}")
-    if "optimizer" in state:  # DDP backend: MegatronOptimizer's {"optimizer", "grad_scaler"}
+    if "optimizer" in state:  # replicated: MegatronOptimizer's {"optimizer", "grad_scaler"}
         if names is None:
             raise unnamed
         named, groups = named_adam_state(state["optimizer"]["optimizer"], names)
         return named, groups, {"ddp": state["optimizer"].get("grad_scaler")}
     paths = saved_optimizer_files(root, iteration, tp_rank, pp_rank)
     first = load_engine_optimizer_file(paths[0])
-    if is_zero_state(first):  # each dp rank holds a partition: all of them
-        shards = [first] + [load_engine_optimizer_file(p) for p in paths[1:]]
-        shapes = {k: v.shape for k, v in state["model"].items()}
+    shards = [first] + [load_engine_optimizer_file(p) for p in paths[1:]]
+    shapes = {k: v.shape for k, v in state["model"].items()}
+    if "distributed_optimizer" in first:  # each dp rank holds slices of the parameters
+        named, groups = named_from_slices(shards, shapes, paths[0])
+        return named, groups, {"ddp": first.get("grad_scaler")}
+    if is_zero_state(first):  # DeepSpeed's ZeRO: each dp rank holds a partition
         named, step = named_from_saved(shards, shapes, paths[0])
         for entry in named.values():
             entry["step"] = step
         return named, None, {"deepspeed": first.get("loss_scaler")}
-    if {"state", "param_groups"} <= set(first):  # our AdamW, replicated on every dp rank
+    if {"state", "param_groups"} <= set(first):  # AdamW stepped by DeepSpeed's engine
         if names is None:
             raise unnamed
         named, groups = named_adam_state(first, names)
         return named, groups, None
     raise CheckpointError(f"checkpoint in {root} holds the state of DeepSpeed's fp16/bf16 "
-                          f"optimizer without ZeRO, which cannot be re-sliced for another "
-                          f"tensor- or pipeline-parallel size; {HINT}")
+                          f"optimizer without ZeRO, which has no per-parameter layout to "
+                          f"read; {HINT}")
+
+
+def named_from_slices(shards, shapes, where):
+    """Every data-parallel rank's distributed-optimizer state (rank order) -> named state.
+
+    Each file holds the torch optimizer's state of its slices and, per state position, the
+    slice's ``(parameter name, offset, length)``; a parameter's slices are put back in
+    offset order.
+
+    Returns:
+        ``({name: {"exp_avg", "exp_avg_sq", "step"}}, param groups)``.
+    """
+    pieces = {}
+    for shard in shards:
+        torch_state = shard["optimizer"]
+        positions = [i for g in torch_state["param_groups"] for i in g["params"]]
+        for pos, (name, offset, numel) in zip(positions, shard["pieces"]):
+            moments = torch_state["state"].get(pos)
+            if moments is None:
+                raise CheckpointError(f"{where}: the distributed optimizer's state has no "
+                                      f"moments (saved before the first step?)")
+            pieces.setdefault(name, []).append((offset, numel, moments))
+    named = {}
+    for name, parts in pieces.items():
+        if name not in shapes:
+            raise CheckpointError(f"{where}: optimizer state names {name}, which the model "
+                                  f"lacks")
+        parts.sort(key=lambda part: part[0])
+        if sum(n for _, n, _ in parts) != shapes[name].numel():
+            raise CheckpointError(f"{where}: the slices of {name} cover "
+                                  f"{sum(n for _, n, _ in parts)} of its "
+                                  f"{shapes[name].numel()} elements (a data-parallel rank's "
+                                  f"file is missing or from another run)")
+        named[name] = {k: torch.cat([m[k].reshape(-1) for _, _, m in parts]).view(shapes[name])
+                       for k in MOMENTS}
+        named[name]["step"] = parts[0][2]["step"]
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in shards[0]["optimizer"]["param_groups"]]
+    return named, groups
 
 
 def _full_moments(states, saved, folder, merge, root, iteration):
@@ -157,7 +209,7 @@ def _full_moments(states, saved, folder, merge, root, iteration):
     named, groups, scaler = {}, None, None
     for (tp_rank, pp_rank), state in states.items():
         named[(tp_rank, pp_rank)], rank_groups, rank_scaler = \
-            _named_state(state, root, iteration, tp_rank, pp_rank)
+            named_optimizer_state(state, root, iteration, tp_rank, pp_rank)
         if (tp_rank, pp_rank) == (0, 0):
             groups, scaler = rank_groups, rank_scaler
     first = next(iter(named[(0, 0)].values()), None)

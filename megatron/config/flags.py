@@ -73,7 +73,22 @@ def add_parallel_args(parser):
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
                    default=None, help="DeepSpeed JSON config")
     g.add_argument("--zero-stage", type=int, default=None,
-                   help="DeepSpeed ZeRO stage (overrides the JSON config)")
+                   help="ZeRO stage (overrides the JSON config's zero_optimization.stage): "
+                        "with --deepspeed DeepSpeed's (0-2); otherwise 1 means "
+                        "--use-distributed-optimizer")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the fp32 master weights' Adam states over the data-parallel "
+                        "(x context) ranks: gradients reduce-scattered, parameters "
+                        "all-gathered (Megatron-LM's; ZeRO stage 1); docs/training.md")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce each gradient bucket as the last micro-batch's backward "
+                        "completes it, overlapping the backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: all-gather the updated parameters "
+                        "asynchronously, each bucket waited for at its first use")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (default: max(40M, 1M x dp) with "
+                        "--overlap-grad-reduce, else one bucket)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split LayerNorm/dropout activations along the sequence across the "
                         "tensor-parallel ranks (Megatron-LM's; needs tp > 1; "

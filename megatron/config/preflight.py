@@ -151,10 +151,11 @@ def _this_accelerator():
 
 
 def uses_deepspeed(args: Any) -> bool:
-    """True when the run goes through a DeepSpeed / tds engine (the backend factory's rule)."""
+    """True when the run trains through DeepSpeed's engine (``--deepspeed`` at pp 1; the
+    backend factory's rule): every other run, pipelines included, is the project's step."""
     from .run_config import uses_pipeline_engine
 
-    return bool(args.deepspeed) or uses_pipeline_engine(args.pipeline_model_parallel_size)
+    return bool(args.deepspeed) and not uses_pipeline_engine(args.pipeline_model_parallel_size)
 
 
 def describe_device(accelerator: Any) -> str:

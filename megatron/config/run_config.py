@@ -82,6 +82,15 @@ class ParallelDims(Section):
     deepspeed_config: Optional[str]
     zero_stage: Optional[int]
     sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    """``--use-distributed-optimizer`` (or ZeRO stage 1 without ``--deepspeed``): Adam states
+    sharded over the data x context ranks (megatron/optimizer/distributed.py)."""
+    overlap_grad_reduce: bool = False
+    """``--overlap-grad-reduce``: buckets reduced from the backward's hooks."""
+    overlap_param_gather: bool = False
+    """``--overlap-param-gather``: the distributed optimizer's all-gather left in flight."""
+    ddp_bucket_size: Optional[int] = None
+    """``--ddp-bucket-size``: elements per gradient bucket (None: the default)."""
     """Norm/dropout activations split along the sequence across the tp ranks."""
     vpp: int = 1
     """Model chunks per pipeline rank (``--virtual-pipeline-model-parallel-size``)."""
@@ -101,7 +110,11 @@ class ParallelDims(Section):
     DEFAULTS: ClassVar[Dict[str, Any]] = {"dp": 1, "world": 1, "rank": 0, "local_rank": 0,
                                           "dist_backend": None, "vpp": 1,
                                           "pipeline_schedule": "1f1b", "cp": 1,
-                                          "cp_comm_type": "p2p"}
+                                          "cp_comm_type": "p2p",
+                                          "use_distributed_optimizer": False,
+                                          "overlap_grad_reduce": False,
+                                          "overlap_param_gather": False,
+                                          "ddp_bucket_size": None}
 
     @property
     def pipeline_engine(self) -> bool:

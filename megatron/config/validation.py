@@ -197,10 +197,57 @@ def _optim(args, problems):
     if args.loss_scale_window < 1 or args.hysteresis < 1:
         problems.append("--loss-scale-window and --hysteresis must be >= 1")
     if args.skip_nonfinite_steps and preflight.uses_deepspeed(args):
-        problems.append("--skip-nonfinite-steps works with the torch DDP path only; DeepSpeed "
-                        "engines (--deepspeed, pipeline runs) skip only fp16 overflows")
+        problems.append("--skip-nonfinite-steps works with the project's own step only; "
+                        "DeepSpeed's engine (--deepspeed) skips only fp16 overflows")
     if args.clip_grad < 0:
         problems.append(f"--clip-grad must be >= 0 (0 disables), got {args.clip_grad}")
+
+
+def _json_zero_stage(path, problems):
+    """The ``zero_optimization.stage`` of a DeepSpeed JSON config (None when it sets none or
+    cannot be read: the file checks report that)."""
+    import json
+
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problems.append(f"--deepspeed_config {path} is not a readable JSON file: {exc}")
+        return None
+    stage = config.get("zero_optimization", {}).get("stage") if isinstance(config, dict) \
+        else None
+    return stage if isinstance(stage, int) else None
+
+
+def _distributed_optimizer(args, problems):
+    """ZeRO without DeepSpeed's engine: stage 1 (``--zero-stage 1`` or the JSON's) is the
+    distributed optimizer; stages 2-3 exist only in DeepSpeed's engine at pp 1."""
+    stage = args.zero_stage if args.zero_stage is not None else \
+        _json_zero_stage(args.deepspeed_config, problems)
+    if preflight.uses_deepspeed(args):
+        if args.use_distributed_optimizer or args.overlap_grad_reduce or \
+                args.overlap_param_gather:
+            problems.append("--use-distributed-optimizer / --overlap-grad-reduce / "
+                            "--overlap-param-gather are the project's own step; with "
+                            "--deepspeed, DeepSpeed's engine reduces and shards (its ZeRO "
+                            "stage: --zero-stage); drop one or the other")
+        return
+    if stage is not None and stage not in (0, 1):
+        where = "--zero-stage" if args.zero_stage is not None else \
+            f"{args.deepspeed_config}'s zero_optimization.stage"
+        fix = "pass --deepspeed to train through DeepSpeed's engine (pp 1 only), or use " \
+            "stage 1 (the distributed optimizer)" if args.pipeline_model_parallel_size <= 1 \
+            else "pipeline runs take stage 0 or 1 (the distributed optimizer)"
+        problems.append(f"{where} is {stage}: ZeRO stage {stage} is DeepSpeed's engine's; {fix}")
+    if stage == 1:
+        args.use_distributed_optimizer = True
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        problems.append("--overlap-param-gather needs --use-distributed-optimizer (only the "
+                        "distributed optimizer all-gathers parameters)")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        problems.append(f"--ddp-bucket-size must be >= 1 element, got {args.ddp_bucket_size}")
 
 
 def _data(args, problems):
@@ -407,7 +454,8 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
     from .context_parallel import validate_context_parallel
     from .speed_flags import validate_speed
 
-    for check in (_parallel, _model, check_recompute, _virtual_pipeline, _pipeline_schedule, _batch, _optim, _data, _intervals,
+    for check in (_parallel, _model, check_recompute, _virtual_pipeline, _pipeline_schedule,
+                  _batch, _optim, _distributed_optimizer, _data, _intervals,
                   _faults, _split, _wandb,
                   _sequence_parallel, validate_context_parallel, validate_speed):
         check(args, problems)

@@ -57,6 +57,43 @@ def clip_coefficient(total_norm, max_norm):
 
 
 @torch.no_grad()
+def norm_of_grads(grads, counted, group, norm_type=2.0, device=None):
+    """The p-norm of the ``counted`` gradients over ``group``, and every gradient's own norm.
+
+    The one norm every optimizer of the project measures: one ``_foreach_norm`` (fp32
+    results) over the gradients, the counted ones' p-th powers summed (max for the inf-norm)
+    and reduced over ``group``.
+
+    Args:
+        grads: gradient tensors (whole parameters, or the slices a rank updates).
+        counted: per gradient, whether it counts toward the norm on this rank (each element
+            of the model exactly once over ``group``).
+        group: the process group the sum runs over (None: the default group).
+        norm_type: p of the p-norm.
+        device: where the result lives when there are no gradients.
+
+    Returns:
+        ``(total, norms)``: the 0-dim fp32 norm and the fp32 norm of each gradient.
+    """
+    norm_type = float(norm_type)
+    norms = list(torch._foreach_norm(list(grads), norm_type, dtype=torch.float32)) \
+        if grads else []
+    mine = [n for n, c in zip(norms, counted) if c]
+    device = grads[0].device if grads else (device or torch.device("cpu"))
+    local = _pow_sum(mine, norm_type) if mine else \
+        torch.zeros((), dtype=torch.float32, device=device)
+    return _global(local, norm_type, group), norms
+
+
+def counts_toward_norm(param, tp_rank=None):
+    """Whether ``param``'s gradient counts toward the norm on this rank (each distinct
+    parameter once across the model-parallel group: split ones on every tp rank, replicated
+    ones on tp rank 0, tied copies on their owner only)."""
+    tp_rank = ps.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    return _is_counted(param, tp_rank)
+
+
+@torch.no_grad()
 def grad_norms(parameters, norm_type=2, group=None):
     """The model replica's gradient norm, and every gradient's own norm, from one pass.
 
@@ -73,16 +110,10 @@ def grad_norms(parameters, norm_type=2, group=None):
         and the fp32 norm of each parameter's gradient, in order.
     """
     parameters = [p for p in parameters if p.grad is not None]
-    norm_type = float(norm_type)
     group = ps.get_model_parallel_group() if group is None else group
     tp_rank = ps.get_tensor_model_parallel_rank()
-    norms = list(torch._foreach_norm([p.grad for p in parameters], norm_type,
-                                     dtype=torch.float32)) if parameters else []
-    counted = [n for p, n in zip(parameters, norms) if _is_counted(p, tp_rank)]
-    device = parameters[0].grad.device if parameters else torch.device("cpu")
-    local = _pow_sum(counted, norm_type) if counted else \
-        torch.zeros((), dtype=torch.float32, device=device)
-    return _global(local, norm_type, group), norms
+    return norm_of_grads([p.grad for p in parameters],
+                         [_is_counted(p, tp_rank) for p in parameters], group, norm_type)
 
 
 def clip_grad_norm(parameters, max_norm, norm_type=2, group=None):

@@ -36,6 +36,10 @@ STORE_ATTRIBUTE = "weight_grad_store"
 #: Parameter attribute: the parameter's index in :data:`_SLOTS` (what compiled code passes
 #: to the deferring operator, a constant of the graph).
 SLOT_ATTRIBUTE = "weight_grad_slot"
+#: Parameter attribute: ``f(param)`` called after :func:`accumulate_grad` added to its gradient
+#: (what autograd's post-accumulate-grad hooks are for the backward; the data-parallel
+#: wrapper starts a bucket's reduction from it, megatron/distributed).
+GRAD_READY_HOOK = "grad_ready_hook"
 #: Inductor options for a compiled region holding deferring layers: the operator keeps
 #: references to ``dY`` and ``X`` for the W pass, so their memory must not be handed to
 #: another buffer of the graph (buffer reuse, in-place buffers) after the operator ran.
@@ -219,6 +223,9 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
     else:
         param.grad = grad.clone(memory_format=torch.contiguous_format)
+    hook = getattr(param, GRAD_READY_HOOK, None)
+    if hook is not None:
+        hook(param)
 
 
 def _same_layout(grad, param):

@@ -2,24 +2,23 @@
 
 :func:`~.backend_factory.build_backend` is the only place that decides how a run trains:
 
-- ``ddp`` (:class:`~.backend_ddp.DDPBackend`): torch DDP over the data-parallel group,
-  our AdamW wrapper (autocast over fp32 masters, loss scaling, clipping);
-- ``deepspeed`` (``--deepspeed``) and ``pipeline`` (``--pipe-parallel-size`` > 1):
-  (:class:`~.backend_engine.EngineBackend`) a DeepSpeed engine, tds's pipeline engine for
-  the second, which owns precision, ZeRO and the data-parallel reduction.
+- ``ddp`` and ``pipeline`` (:class:`~.backend_step.StepBackend`): the project's own step,
+  the same at every layout (gradient buffers reduced over the data-parallel ranks, the
+  replicated or distributed optimizer, autocast over fp32 masters, loss scaling,
+  clipping); at pp > 1 tds's pipeline schedule runs the forward and backward passes;
+- ``deepspeed`` (``--deepspeed`` at pp 1, :class:`~.backend_engine.EngineBackend`):
+  DeepSpeed's engine, which owns precision, ZeRO and the data-parallel reduction.
 
-Both take the optimizer and LR schedule from :func:`build_optimizer_and_scheduler`, so a
-pipeline run and a plain run of the same model take the same steps. The loop
-(megatron/training/loop.py) and the checkpoints (checkpointing.py) talk to the backend's
-small interface (:class:`TrainingBackend`, its ``state_io`` for checkpoints) and never ask
-which one it is.
+Both take AdamW (no decay on biases and norms) and the LR schedule with the same settings,
+so they take the same steps. The loop (megatron/training/loop.py) and the checkpoints
+(checkpointing.py) talk to the backend's small interface (:class:`TrainingBackend`, its
+``state_io`` for checkpoints) and never ask which one it is.
 """
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..learning_rates import AnnealingLR
-from ..optimizer import MegatronOptimizer, build_grad_scaler, get_param_groups
+from ..optimizer import get_param_groups
 from ..optimizer.adamw import build_adamw
-from .state_io import OptimizerStateIO
 
 
 class TrainingBackend:
@@ -39,7 +38,7 @@ class TrainingBackend:
     """The run's :class:`~.batch_draws.SeededBatchFn` (None: a provider run's own batch):
     the loop says where the run is, the backend which micro-batch a call is for."""
 
-    def __init__(self, model, optimizer, lr_scheduler, cfg, state_io_class=OptimizerStateIO):
+    def __init__(self, model, optimizer, lr_scheduler, cfg, state_io_class):
         self.model, self.optimizer, self.lr_scheduler, self.cfg = \
             model, optimizer, lr_scheduler, cfg
         self.state_io = state_io_class(self)
@@ -93,29 +92,20 @@ class TrainingBackend:
         return unwrap_model(self.model)
 
 
-def build_optimizer_and_scheduler(module: Any, cfg: Any,
-                                  for_engine: bool) -> Tuple[Any, AnnealingLR]:
-    """AdamW over ``module``'s parameters (no decay on biases and norms) and the LR schedule.
+def build_optimizer_and_scheduler(module: Any, cfg: Any) -> Tuple[Any, AnnealingLR]:
+    """AdamW over ``module``'s parameters (no decay on biases and norms) and the LR schedule,
+    for DeepSpeed's engine, which wraps the plain torch optimizer itself.
 
     Args:
         module: the model whose parameters to optimize.
-        cfg: the run configuration (its ``optim`` and ``precision`` sections).
-        for_engine: a DeepSpeed engine wraps the plain torch optimizer itself (it owns
-            precision and clipping); otherwise it is wrapped in :class:`MegatronOptimizer`.
+        cfg: the run configuration (its ``optim`` section).
 
     Returns:
         ``(optimizer, lr_scheduler)``.
     """
     o = cfg.optim
-    # fused AdamW on CUDA (also inside DeepSpeed's engine, which steps this optimizer); our
-    # fp16 loss scaling needs it everywhere: it skips an overflowing step on the device
-    impl = "fused" if cfg.precision.fp16 and not for_engine else "auto"
     adam = build_adamw(get_param_groups([module], o.weight_decay), lr=o.lr,
-                       betas=o.adam_betas, eps=o.adam_eps, weight_decay=o.weight_decay,
-                       impl=impl)
-    optimizer = adam if for_engine else \
-        MegatronOptimizer(adam, build_grad_scaler(cfg.precision), o.clip_grad,
-                          cfg.optim.skip_nonfinite_steps)
-    lr_scheduler = AnnealingLR(optimizer, o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters,
+                       betas=o.adam_betas, eps=o.adam_eps, weight_decay=o.weight_decay)
+    lr_scheduler = AnnealingLR(adam, o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters,
                                o.lr_decay_style)
-    return optimizer, lr_scheduler
+    return adam, lr_scheduler

@@ -1,19 +1,16 @@
-"""The DeepSpeed backend: config from flags, tds.initialize, engine train and eval steps.
+"""``--deepspeed``: DeepSpeed's own engine at pp 1 (its ZeRO stages, its fp16/bf16).
 
-Used for pipeline runs (``--pipe-parallel-size`` > 1, tds's pipeline engine) and for
-``--deepspeed`` data parallelism (megatron/training/backend.py decides). DeepSpeed owns
-precision (fp16 with fp32 master weights and its loss scaler, or bf16), ZeRO, clipping and
-the data-parallel reduction (in fp32/bf16 with the norm and clipping kept on the device:
-tds.sync_free, no host read per step); the optimizer (AdamW, no decay on biases and norms) and LR
-schedule come from the same factory as the DDP backend's, so both take the same steps.
+For those who ask for DeepSpeed's engine by name: the config comes from the flags (and
+``--deepspeed_config``), and DeepSpeed owns precision, ZeRO, clipping and the data-parallel
+reduction; the optimizer (AdamW, no decay on biases and norms) and LR schedule come from the
+same factory as the project's own step (megatron/training/backend_step.py), so both take the
+same steps. Every other run, pipeline runs included, trains through the project's own step.
 """
-import functools
 import json
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .. import mpu
-from ..config.validation import ZB_SCHEDULES
 from ..errors import ConfigError, not_text
 from .backend import TrainingBackend, build_optimizer_and_scheduler
 from .engine_state_io import EngineStateIO
@@ -67,7 +64,7 @@ def _quiet_timers(config):
         config.setdefault("timers", {})["throughput"] = {"enabled": False}
 
 
-def build_deepspeed_config(cfg: Any, pipeline: bool) -> Dict[str, Any]:
+def build_deepspeed_config(cfg: Any) -> Dict[str, Any]:
     """DeepSpeed's config dict: ``--deepspeed_config`` (if any) checked against the flags.
 
     The batch sizes and clipping come from the flags (BATCHSIZE x GAS x dp, --clip-grad); a
@@ -100,9 +97,11 @@ def build_deepspeed_config(cfg: Any, pipeline: bool) -> Dict[str, Any]:
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage in (1, 2):  # lets a checkpoint resume at another data-parallel size
         config["zero_optimization"].setdefault("elastic_checkpoint", True)
-    if pipeline and stage > 1:
-        raise ConfigError(f"ZeRO stage {stage} cannot be combined with pipeline parallelism; "
-                          f"use stage 0 or 1")
+    if cfg.precision.fp16 and stage == 0:
+        raise ConfigError(f"{path}: fp16 with DeepSpeed's engine needs ZeRO (its fp16 optimizer "
+                          f"without ZeRO does not scale the loss in DeepSpeed 0.19, "
+                          f"deepspeedai/DeepSpeed#8393); pass --zero-stage 1, or drop "
+                          f"--deepspeed (the project's own step scales fp16 losses)")
     return config
 
 
@@ -119,33 +118,6 @@ def attach_deepspeed_comm(cfg: Any) -> None:
     if "LOCAL_RANK" not in os.environ and "OMPI_COMM_WORLD_LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(cfg.parallel.local_rank)
     deepspeed.init_distributed(dist_backend=cfg.parallel.dist_backend)
-
-
-def _coalesced_sequence_parallel_sum(module, cfg):
-    """The step's one tp all-reduce of the sequence-parallel gradients, for tds's pipeline
-    engine to run before its gradient reduction (fp32 without ZeRO, the tested case); None
-    elsewhere: DeepSpeed's bf16 and ZeRO optimizers may take the gradients during the
-    backward, so the per-use sum stays."""
-    if cfg.precision.fp16 or cfg.precision.bf16 or (cfg.parallel.zero_stage or 0) > 0:
-        return None
-    params = mpu.defer_sequence_parallel_grads(module)
-    return functools.partial(mpu.allreduce_sequence_parallel_grads, params) if params else None
-
-
-def _schedule_kwargs(module, cfg) -> Dict[str, Any]:
-    """tds's schedule arguments: the schedule, and for a zero-bubble one the store the
-    model's mpu linear layers defer their weight-gradient GEMMs to (the weight passes
-    drain it); the log names the schedule."""
-    from ..utils import print_rank_0
-
-    name, p = cfg.parallel.pipeline_schedule, cfg.parallel.pp
-    store = mpu.set_weight_grad_deferral(module) if name in ZB_SCHEDULES else None
-    chunks = f"{cfg.parallel.vpp} chunks per rank" + (" in a V" if name == "zbv" else "") \
-        if cfg.parallel.vpp > 1 else "1 chunk per rank"
-    split = ", backward split into input and weight passes" if store is not None else ""
-    print_rank_0(f"> pipeline schedule: {name} ({p} stages, {chunks}, {cfg.batch.gas} "
-                 f"micro-batches per step{split})")
-    return {"pipeline_schedule": name, "weight_grad_store": store}
 
 
 class DeepSpeedMpu:
@@ -168,40 +140,27 @@ class DeepSpeedMpu:
 
 
 class EngineBackend(TrainingBackend):
-    """A DeepSpeed engine (tds's pipeline engine for a PipelineModule)."""
+    """DeepSpeed's engine over the model (``--deepspeed``)."""
 
-    def __init__(self, model, optimizer, lr_scheduler, cfg, pipeline):
+    name = "deepspeed"
+
+    def __init__(self, model, optimizer, lr_scheduler, cfg):
         super().__init__(model, optimizer, lr_scheduler, cfg, EngineStateIO)
-        self.pipeline = pipeline
-        self.name = "pipeline" if pipeline else "deepspeed"
 
     @classmethod
-    def build(cls, module: Any, cfg: Any, pipeline: bool,
+    def build(cls, module: Any, cfg: Any,
               batch_fn: Optional[Callable] = None) -> "EngineBackend":
-        """``tds.initialize`` the module with our optimizer and schedule.
-
-        A pipeline engine gets the batch function (each call inside its micro-batch's
-        seeded draws: :mod:`.batch_draws`) and Megatron's gradient clipping (each parameter
-        counted once across tp and pp, tied copies too) through tds's API.
-        """
+        """``deepspeed.initialize`` the module with our optimizer and LR schedule."""
         import tds as deepspeed
 
         from .batch_draws import SeededBatchFn
 
         attach_deepspeed_comm(cfg)
-        optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg, for_engine=True)
-        # the norm stays a device tensor: the loop reads it at log time only
-        context = batch_fn.micro_batch if isinstance(batch_fn, SeededBatchFn) else None
-        pipe = {"batch_fn": batch_fn, "batch_context": context,
-                "clip_grad_norm_fn": mpu.clip_grad_norm_tensor,
-                "pre_reduce_grads_fn": _coalesced_sequence_parallel_sum(module, cfg),
-                **_schedule_kwargs(module, cfg)} if pipeline else {"mpu": DeepSpeedMpu()}
-        # fp32/bf16: DeepSpeed's ZeRO and bf16 optimizers clip on the device (tds.sync_free)
+        optimizer, lr_scheduler = build_optimizer_and_scheduler(module, cfg)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=lr_scheduler,
-            config=build_deepspeed_config(cfg, pipeline), dist_init_required=False,
-            sync_free_step=True, **pipe)
-        backend = cls(engine, ds_optimizer, lr_scheduler, cfg, pipeline)
+            config=build_deepspeed_config(cfg), dist_init_required=False, mpu=DeepSpeedMpu())
+        backend = cls(engine, ds_optimizer, lr_scheduler, cfg)
         backend.batch_draws = batch_fn if isinstance(batch_fn, SeededBatchFn) else None
         return backend
 
@@ -213,25 +172,19 @@ class EngineBackend(TrainingBackend):
     def train_step(self, forward_step_func: Callable, data_iterator: Optional[Iterator]
                    ) -> Tuple[List[Dict[str, Any]], Any, Any]:
         engine = self.model
-        if self.pipeline:
-            loss = engine.train_batch(data_iter=data_iterator)
-            per_micro_batch = [{"lm loss": loss.detach().float()}]
-        else:
-            per_micro_batch = []
-            for i in range(self.cfg.batch.gas):
-                with self.micro_batch(i):
-                    loss, stats = forward_step_func(data_iterator, engine)
-                engine.backward(loss)  # DeepSpeed divides by gas itself
-                engine.step()
-                per_micro_batch.append(stats)
+        per_micro_batch = []
+        for i in range(self.cfg.batch.gas):
+            with self.micro_batch(i):
+                loss, stats = forward_step_func(data_iterator, engine)
+            engine.backward(loss)  # DeepSpeed divides by gas itself
+            engine.step()
+            per_micro_batch.append(stats)
         updated = not getattr(engine.optimizer, "overflow", False)
         # a device tensor or a float (DeepSpeed's choice): the loop reads it at log time
         return per_micro_batch, updated, engine.get_global_grad_norm()
 
     def eval_step(self, forward_step_func: Callable,
                   data_iterator: Optional[Iterator]) -> List[Dict[str, Any]]:
-        if self.pipeline:
-            return [{"lm loss": self.model.eval_batch(data_iterator).detach().float()}]
         per_micro_batch = []
         for i in range(self.cfg.batch.gas):
             with self.micro_batch(i):

@@ -1,9 +1,10 @@
-"""build_backend(): the one place that decides how a run trains (DDP, DeepSpeed, tds pipeline).
+"""build_backend(): the one place that decides how a run trains.
 
-- ``pp > 1`` (:func:`~megatron.checkpoint.format.uses_pipeline_engine`): the model provider
-  builds pipeline stages and tds's pipeline engine trains them;
-- ``--deepspeed``: DeepSpeed's engine (ZeRO, its fp16/bf16 optimizers);
-- otherwise torch DDP with our AdamW wrapper.
+- ``--deepspeed`` at pp 1: DeepSpeed's engine (its ZeRO stages, its fp16/bf16 optimizers),
+  :mod:`.backend_engine`;
+- every other run: the project's own step (:mod:`.backend_step`), the same at every layout;
+  at ``pp > 1`` (:func:`~megatron.checkpoint.format.uses_pipeline_engine`) the model
+  provider builds pipeline stages and tds's pipeline schedule runs their passes.
 """
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -117,11 +118,11 @@ def build_backend(cfg: Any, model_provider: Callable,
         A :class:`~.backend.TrainingBackend`.
     """
     pipeline = uses_pipeline_engine(cfg.parallel.pp)
-    engine = pipeline or cfg.parallel.deepspeed
-    if engine:
-        from .backend_engine import EngineBackend, attach_deepspeed_comm
+    engine = cfg.parallel.deepspeed and not pipeline
+    if engine or pipeline:
+        from .backend_engine import attach_deepspeed_comm
 
-        attach_deepspeed_comm(cfg)  # a PipelineModule needs it while it is built
+        attach_deepspeed_comm(cfg)  # DeepSpeed's PipelineModule needs it while it is built
     model = _call_provider(model_provider, pipeline)
     if pipeline:
         check_pipeline_module(model, cfg)
@@ -130,11 +131,15 @@ def build_backend(cfg: Any, model_provider: Callable,
     _report_parameters(model)
     from .batch_draws import seeded
 
+    if pipeline:
+        batch_fn = batch_fn or getattr(model, "_megatron_batch_fn", None)
+    batch_fn = seeded(batch_fn, cfg)
     if engine:
-        batch_fn = seeded(batch_fn or getattr(model, "_megatron_batch_fn", None), cfg)
-        return EngineBackend.build(model, cfg, pipeline, batch_fn)
-    from .backend_ddp import DDPBackend
+        from .backend_engine import EngineBackend
 
-    backend = DDPBackend.build(model, cfg)
-    backend.batch_draws = seeded(batch_fn, cfg)
+        return EngineBackend.build(model, cfg, batch_fn)
+    from .backend_step import StepBackend
+
+    backend = StepBackend.build(model, cfg, batch_fn, pipeline)
+    backend.batch_draws = batch_fn
     return backend

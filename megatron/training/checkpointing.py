@@ -222,19 +222,12 @@ def _check_family(state, cfg, path):
 
 
 def _load_optimizer(backend, state, cfg, iteration):
-    """The optimizer state: in the main file, or the data-parallel ranks' files of a
-    sharding backend (which may have been saved at another data-parallel size)."""
+    """The optimizer state of this (tp, pp): the main file's, or the data-parallel ranks'
+    files (which may have been saved at another data-parallel size, or by another
+    optimizer: the backend's state IO reads them by parameter name then)."""
     io = backend.state_io
-    if not io.sharded:
-        if "optimizer" not in state:
-            raise CheckpointError(f"checkpoint in {cfg.checkpoint.load} has no optimizer "
-                                  f"state; pass --no-load-optim (or --finetune) to load the "
-                                  f"weights only")
-        io.load(state["optimizer"])
-        return
-    io.load_files(saved_optimizer_files(cfg.checkpoint.load, iteration,
-                                        mpu.get_tensor_model_parallel_rank(),
-                                        mpu.get_pipeline_model_parallel_rank()))
+    io.load_saved(state, cfg.checkpoint.load, iteration, mpu.get_tensor_model_parallel_rank(),
+                  mpu.get_pipeline_model_parallel_rank())
     io.load_counters(_engine_counters(state, cfg))
 
 

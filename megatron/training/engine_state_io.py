@@ -1,4 +1,5 @@
-"""A DeepSpeed engine's optimizer state in a checkpoint (``EngineBackend.state_io``).
+"""DeepSpeed's engine's optimizer state in a checkpoint (``EngineBackend.state_io``,
+``--deepspeed``).
 
 Each data-parallel rank writes its own optimizer file (``optim_dp_rank_*.pt``): DeepSpeed's
 ZeRO partitions and its fp16/bf16 flat buffers differ per rank. What loading does depends
@@ -15,6 +16,7 @@ import inspect
 from typing import Any, Dict, List, Optional
 
 from .. import mpu
+from ..checkpoint.format import saved_optimizer_files
 from ..checkpoint.zero_state import load_engine_optimizer_file, load_named
 from ..errors import CheckpointError
 from .state_io import OptimizerStateIO, load_named_adam
@@ -42,9 +44,11 @@ class EngineStateIO(OptimizerStateIO):
         # fp32 without ZeRO: the engine steps our AdamW itself
         return self.optimizer if self.optimizer is self.engine.basic_optimizer else None
 
-    def load(self, state: dict) -> None:
-        raise CheckpointError("a DeepSpeed engine's optimizer state lives in its "
-                              "optim_dp_rank_* files, not in the main file")
+    def load_saved(self, state: dict, root: str, iteration: int, tp_rank: int,
+                   pp_rank: int) -> None:
+        """DeepSpeed's engine reads its own ``optim_dp_rank_*`` files (every saved
+        data-parallel rank's, re-partitioned when the size changed)."""
+        self.load_files(saved_optimizer_files(root, iteration, tp_rank, pp_rank))
 
     def counters(self) -> Dict[str, int]:
         return {k: int(getattr(self.engine, k, 0)) for k in _ENGINE_COUNTERS}

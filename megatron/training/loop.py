@@ -63,7 +63,10 @@ class TrainState:
 
 
 def _reduce_stats(per_micro_batch):
-    """Average each stat over micro-batches and data-parallel ranks (one all-reduce)."""
+    """Average each stat over micro-batches and data-parallel ranks (one all-reduce); {} on
+    a pipeline rank that computes no loss (its stats come at log time: :func:`_shared`)."""
+    if not per_micro_batch:
+        return {}
     names = sorted(per_micro_batch[0])
     local = torch.stack([torch.stack([s[n].detach().float() for s in per_micro_batch]).mean()
                          for n in names])
@@ -120,16 +123,36 @@ def _count_device_skips(state, pending, backend):
     backend.take_back_skipped_steps(count)
 
 
+_STEP_KEYS = ("grad norm", "skipped")
+"""What a pending step holds besides the stats its forward steps returned."""
+
+
+def _shared(backend, pending):
+    """``pending`` with every step's stats on every rank (a pipeline computes them on its
+    loss stage: one broadcast for the interval, :meth:`StepBackend.share_stats`)."""
+    share = getattr(backend, "share_stats", None)
+    if share is None or not pending:
+        return pending
+    rows = share([{k: v for k, v in p.items() if k not in _STEP_KEYS} for p in pending])
+    return [dict(p, **row) for p, row in zip(pending, rows)]
+
+
 def _flush_interval(cfg, state, pending, backend, timers, writer):
     """Check, record and log the steps since the last log line."""
+    pending = _shared(backend, pending)
     _count_device_skips(state, pending, backend)
     check_pending(cfg, state.iteration, pending)
     state.lr = backend.lr
     state.loss_scale = backend.loss_scale
-    # [n] losses of the interval: one host read for all of them
-    losses = torch.stack([p["lm loss"] for p in pending]).tolist() if pending else []
+    # [n, k] stats of the interval: one host read for all of them
+    names = ["lm loss"] + sorted(k for k in (pending[0] if pending else {})
+                                 if k not in _STEP_KEYS and k != "lm loss")
+    values = torch.stack([torch.stack([p[n].detach().float().reshape(()) for n in names])
+                          for p in pending]).tolist() if pending else []
+    losses = [row[0] for row in values]
     state.losses.extend(losses)
-    stats = {"lm loss": sum(losses) / len(losses)} if losses else {}
+    stats = {n: sum(row[i] for row in values) / len(values) for i, n in enumerate(names)} \
+        if values else {}
     norms = [p["grad norm"] for p in pending
              if p.get("grad norm") is not None and not p["skipped"]]
     if norms:  # device tensors (DDP) or floats (DeepSpeed engines): read once, here
@@ -202,6 +225,7 @@ def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[It
             state.eval_losses.append((state.iteration, loss))
             log_evaluation(cfg, state.iteration, "validation", loss, writer)
         if ckpt.save and (_every(state.iteration, ckpt.save_interval) or stop):
+            pending = _shared(backend, pending)
             _count_device_skips(state, pending, backend)  # the LR schedule saved is exact
             check_pending(cfg, state.iteration, pending)
             check_weights(cfg, state.iteration, backend.model)

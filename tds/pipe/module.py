@@ -14,8 +14,8 @@ DeepSpeed's tied-module groups (the tied embedding on chunk 0 and on the last ch
 connect the right ranks.
 
 ``forward_chunk(j, inputs)`` runs the rank's j-th chunk (global chunk ``local_chunks()[j]``) through
-DeepSpeed's own forward (activation checkpointing included); the pipeline engine drives
-the chunks through :mod:`tds.pipe.runner` (:mod:`tds.pipe.interleaved`).
+DeepSpeed's own forward (activation checkpointing included); the pipeline schedule drives
+the chunks through :mod:`tds.pipe.runner` (:mod:`tds.pipe.schedule_step`).
 """
 import contextlib
 import io
@@ -23,7 +23,7 @@ import sys
 from typing import TYPE_CHECKING, Any, List, Tuple
 
 import torch
-from deepspeed.runtime.pipe.module import PipelineModule as _DeepSpeedPipelineModule
+from deepspeed.pipe import PipelineModule as _DeepSpeedPipelineModule
 
 from .actions import PLACEMENT_KINDS, Placement
 
@@ -75,6 +75,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
                              "stages; seed the layers in their constructors")
         object.__setattr__(self, "num_virtual_stages", num_virtual_stages)
         object.__setattr__(self, "chunk_bounds", [])
+        from ..comm_ready import ensure_backend
+
+        ensure_backend()  # CPM's order: the model built before deepspeed.init_distributed
         with _without_lines(_DEEPSPEED_NOISE):
             super().__init__(layers, *args, **kwargs)
         if num_virtual_stages > 1 and self.num_stages < 2:

@@ -123,6 +123,7 @@ class ScheduleRunner:
         boundaries: the ``Boundary`` after chunk c for c = 0 .. p v - 2, or one for all.
         placement: which rank holds which chunk (default ``Placement.loop(p, v)``; ZB-V's
             is ``Placement.v_shape(p)``, as ``schedules.build_schedule`` returns it).
+        forward_only: an evaluation schedule (``schedules.forward_only``).
 
     Raises:
         ValueError: the schedule is wrong (see ``check_schedule``) or the sizes disagree.
@@ -131,13 +132,14 @@ class ScheduleRunner:
     def __init__(self, actions: Sequence[Sequence], vpp_size: int, num_micro_batches: int,
                  stage_ranks: Sequence[int], link: StageLink,
                  boundaries: Union[Boundary, Sequence[Boundary]],
-                 placement: Optional[Placement] = None):
+                 placement: Optional[Placement] = None, forward_only: bool = False):
         pp_size = len(actions)
         if len(stage_ranks) != pp_size:
             raise ValueError(f"pipeline runner: {len(stage_ranks)} stage ranks for a schedule "
                              f"of {pp_size} pipeline ranks")
         self.placement = as_placement(pp_size, pp_size * vpp_size, placement)
-        check_schedule(actions, pp_size, vpp_size, num_micro_batches, self.placement)
+        check_schedule(actions, pp_size, vpp_size, num_micro_batches, self.placement,
+                       forward_only)
         self.num_chunks = pp_size * vpp_size
         if isinstance(boundaries, Boundary):
             boundaries = [boundaries] * (self.num_chunks - 1)

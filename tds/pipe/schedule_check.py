@@ -157,13 +157,21 @@ class _RankState:
         if handoff_out(action, self.placement) is not None:
             self.handed.add(handoff_out(action, self.placement))
 
-    def missing(self, rank: int, m: int):
+    def missing(self, rank: int, m: int, forward_only: bool = False):
         """First piece of work this rank never does (a message), or None."""
         for c in self.placement.chunks(rank):
             for mb in range(m):
                 key, done = (c, mb), self.done
                 if key not in done[Forward]:
                     return f"never runs Forward(chunk={c}, mb={mb})"
+                if forward_only:
+                    if any(key in done[t] for t in (Backward, BackwardInput, BackwardWeight)):
+                        return f"runs a backward of chunk {c}, micro-batch {mb} in a " \
+                               f"forward-only schedule"
+                    send = produces(Forward(c, mb), self.placement)
+                    if send is not None and (send.message, c, mb) not in self.sent:
+                        return f"never sends the output of Forward(chunk={c}, mb={mb})"
+                    continue
                 if key not in done[Backward] and key not in done[BackwardInput]:
                     return f"never runs the backward of chunk {c}, micro-batch {mb}"
                 if key in done[BackwardInput] and key not in done[BackwardWeight]:
@@ -311,7 +319,8 @@ def simulate_deadlock(per_rank_actions: Sequence[Sequence], partner: Dict[Slot, 
 
 
 def check_schedule(per_rank_actions: Sequence[Sequence], pp_size: int, vpp_size: int,
-                   num_micro_batches: int, placement: Optional[Placement] = None) -> None:
+                   num_micro_batches: int, placement: Optional[Placement] = None,
+                   forward_only: bool = False) -> None:
     """Prove a schedule complete, well paired, in one micro-batch order for inputs and labels,
     and deadlock-free (see the module docstring).
 
@@ -322,6 +331,7 @@ def check_schedule(per_rank_actions: Sequence[Sequence], pp_size: int, vpp_size:
         num_micro_batches: micro-batches m per step; each (chunk, mb) runs exactly once.
         placement: which rank holds which chunk (default ``Placement.loop(p, v)``: chunk c
             on rank c % p); must agree with p and v.
+        forward_only: an evaluation schedule (every forward, no backward).
 
     Raises:
         ValueError: naming the rank, the action index and the action (and, for a deadlock,
@@ -336,7 +346,7 @@ def check_schedule(per_rank_actions: Sequence[Sequence], pp_size: int, vpp_size:
         for index, action in enumerate(actions):
             _check_action(rank, index, action, placement, num_micro_batches)
             state.run(rank, index, action)
-        missing = state.missing(rank, num_micro_batches)
+        missing = state.missing(rank, num_micro_batches, forward_only)
         if missing:
             raise ValueError(f"pipeline schedule: rank {rank} {missing}")
     check_micro_batch_order(per_rank_actions, pp_size, placement.num_chunks, placement)

@@ -1,39 +1,41 @@
-"""Training and evaluation steps of tds's pipeline engine, for every schedule.
+"""The pipeline as a schedule a training step calls: forward and backward of every
+micro-batch of one step (or forward only, to evaluate), on this rank's chunks.
 
 One step is the schedule's per-rank action list (``schedules.build_schedule``: 1F1B,
-interleaved 1F1B, ZB-H1 or ZB-V) run by :class:`~tds.pipe.runner.ScheduleRunner`, whose
-callbacks are :class:`ScheduleStep`'s methods, followed by DeepSpeed's tied-gradient
-reduction, data-parallel reduction (ZeRO-1 included) and optimizer step, then the loss
-aggregation; so the loss, the loss scaling by gradient-accumulation steps and the update
-are the engine's own, only the order of the micro-batch passes changes.
+interleaved 1F1B, ZB-H1 or ZB-V; ``schedules.forward_only`` to evaluate) run by
+:class:`~tds.pipe.runner.ScheduleRunner`, whose callbacks are :class:`ScheduleStep`'s
+methods. The step owns what the schedule produces: each micro-batch's labels, its loss and
+the stats the loss function returns (``loss_fn(outputs, labels) -> loss`` or ``(loss,
+{name: value})``), on the rank that computes the loss. What follows the schedule (the
+data-parallel reduction, clipping, the loss scaler and the optimizer) is the caller's, the
+same code as without a pipeline (torchtitan's ``pp_schedule.step()`` then the optimizer).
 
-Zero-bubble schedules split each backward into ``BackwardInput`` (what the previous chunk
-waits for) and ``BackwardWeight``: the input pass runs inside ``weight_grad_store.record(
-(chunk, mb))``, where layers that can defer their weight-gradient GEMM (megatron's mpu
-linear layers with ``set_weight_grad_deferral``) leave it in the store, and the weight pass
-runs ``weight_grad_store.flush((chunk, mb))``. Without a store the input pass computes
-every gradient and the weight pass does nothing (correct, no gain).
+The caller supplies: the batch function (raw batch -> ``(inputs, labels)``) with an optional
+per-micro-batch context around each call (the seeded draws of megatron's batch function),
+``scale_loss`` (what the last chunk back-propagates: the loss divided by the micro-batches
+and times the fp16 loss scale), a ``forward_context`` (autocast), and ``grad_sync(enabled)``
+(the data-parallel wrapper's: gradient reduction starts only during the step's last
+micro-batch).
 
-Before the first step the boundaries are learned chunk by chunk (:func:`probe_chunks`):
-chunk 0's owner runs the first micro-batch forward (no grad, eval mode, generators
-restored), sends a shape header to the owner of chunk 1 (or hands it on locally where the
-same rank holds both, the turn of a V), and so on through all chunks; a contract violation
-raises the same ValueError on every rank.
+Zero-bubble schedules split each backward into ``BackwardInput`` and ``BackwardWeight``: the
+input pass runs inside ``weight_grad_store.record((chunk, mb))``, where layers that defer
+their weight-gradient GEMM (megatron's mpu linear layers with ``set_weight_grad_deferral``)
+leave it in the store, and the weight pass runs ``weight_grad_store.flush((chunk, mb))``.
 
-Evaluation runs each micro-batch through the chunks in turn (forward only).
+Before the first step the boundaries are learned chunk by chunk (:mod:`.probe`).
 """
 import contextlib
-from typing import Dict, List, Optional, Tuple
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .. import fp16_loss_scale
-from .boundary import _ERROR, HEADER_SIZE, _decode, _encode, _side_effect_free
+from .contract import StageContract
+from .p2p import StageLink
+from .probe import probe_chunks
 from .runner import Boundary, ScheduleRunner, StageCallbacks
-from .schedules import Placement, build_schedule
-
-ZERO_BUBBLE = ("zb-h1", "zbv")
+from .schedules import ZERO_BUBBLE, Placement, build_schedule, forward_only
 
 
 def module_placement(module, pp_size: int) -> Placement:
@@ -57,89 +59,106 @@ def default_schedule(module) -> str:
     return "interleaved" if getattr(module, "num_virtual_stages", 1) > 1 else "1f1b"
 
 
-def probe_chunks(engine, first_inputs) -> List[Boundary]:
-    """Learn every chunk boundary's (shape, dtype) per position (collective over the job).
+def reentrant_checkpointing(module) -> bool:
+    """Whether the module recomputes with DeepSpeed's reentrant checkpoint: then the first
+    chunk's floating inputs must require grad, or its first segment is cut from autograd."""
+    if getattr(module, "activation_checkpoint_interval", 0) <= 0:
+        return False
+    import deepspeed
 
-    Args:
-        engine: the pipeline engine.
-        first_inputs: chunk 0's inputs for the first micro-batch (on the first stage; None
-            elsewhere).
+    func = getattr(module.activation_checkpoint_func, "_tds_wraps",
+                   module.activation_checkpoint_func)
+    return func is not getattr(deepspeed.checkpointing, "non_reentrant_checkpoint", None)
 
-    Returns:
-        the ``Boundary`` after each chunk c = 0 .. num_chunks - 2 of this rank's pipeline.
 
-    Raises:
-        ValueError: on every rank, naming the chunk and the first rank that failed.
+def keep_gradless_blocks_out_of_checkpoints(module) -> None:
+    """Run a block none of whose inputs needs a gradient without DeepSpeed's reentrant
+    checkpoint.
+
+    A reentrant checkpoint's output requires grad only if an input does, so a first block
+    fed token ids and masks (an embedding) would get no parameter gradients. DeepSpeed
+    skips such blocks only for classes named ``GPT2ModelPipe`` / ``GPTModelPipe`` (or with
+    ``checkpointable_layers``); CPM-1's ``T5ModelPipe`` is neither. Such a block is cheap
+    (the embedding) and holds no activation worth recomputing. The module's
+    ``activation_checkpoint_func`` (its constructor argument) is wrapped; DeepSpeed's own
+    function is left as it is.
     """
-    module, placement = engine.module, module_placement(engine.module, engine.num_stages)
-    num_chunks = placement.num_chunks
-    ranks = [engine.grid.stage_to_global(s) for s in range(engine.num_stages)]
-    sent, error, handed = {}, None, None
-    for j, chunk in enumerate(placement.chunks(engine.stage_id)):
-        try:
-            if chunk == 0:
-                inputs = first_inputs
-            elif placement.is_local(chunk - 1):
-                inputs = handed
-            else:
-                inputs = _recv_inputs(engine, ranks[placement.owner(chunk - 1)])
-            handed = None
-            if error is None and inputs is not None:
-                with _side_effect_free(module):
-                    outputs = run_chunk(module, j, inputs)
-                if chunk < num_chunks - 1:
-                    engine.contract.check_tensors(outputs, engine.link.tp_size,
-                                                  f"pipeline chunk {chunk} output")
-                    sent[chunk] = tuple((tuple(t.shape), t.dtype) for t in outputs)
-                    if placement.is_local(chunk):  # the same rank runs chunk + 1 next
-                        handed = outputs
-                    else:
-                        dist.send(_encode(outputs).to(engine.device),
-                                  ranks[placement.owner(chunk + 1)])
-                    continue
-        except Exception as exc:  # downstream chunks must not wait forever
-            error = error or exc
-        if chunk < num_chunks - 1 and chunk not in sent and not placement.is_local(chunk):
-            bad = torch.zeros(HEADER_SIZE, dtype=torch.long, device=engine.device)
-            bad[0] = _ERROR
-            dist.send(bad, ranks[placement.owner(chunk + 1)])
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, (str(error) if error else None, sent))
-    first = next(((rank, r[0]) for rank, r in enumerate(reports) if r[0]), None)
-    if first is not None:
-        raise ValueError(f"{first[1]} (found on rank {first[0]})")
-    meta = {}
-    for rank in ranks:
-        meta.update(reports[rank][1])
-    return [Boundary(engine.contract, meta[c]) for c in range(num_chunks - 1)]
+    func = getattr(module, "activation_checkpoint_func", None)
+    if func is None or getattr(func, "_tds_wraps", None) is not None:
+        return
+    import deepspeed
+
+    if func is not deepspeed.checkpointing.checkpoint:  # non-reentrant, or a user's own
+        return
+
+    def checkpoint(function, *args):
+        if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad
+                                               for a in args):
+            return function(*args)
+        return func(function, *args)
+
+    checkpoint._tds_wraps = func
+    module.activation_checkpoint_func = checkpoint
 
 
-def _recv_inputs(engine, src):
-    """Zero inputs of the shapes the previous chunk announced, or None after an error."""
-    header = torch.empty(HEADER_SIZE, dtype=torch.long, device=engine.device)
-    dist.recv(header, src)
-    meta = _decode(header.cpu())
-    if meta is None:
-        return None
-    return tuple(torch.zeros(shape, dtype=dtype, device=engine.device) for shape, dtype in meta)
+@dataclass
+class Stage:
+    """Where this rank sits in its pipeline.
+
+    Attributes:
+        stage_id: this rank's pipeline rank.
+        stage_ranks: the global rank of each stage of this rank's pipeline.
+        link: the point-to-point link (tensor-parallel group and device).
+    """
+
+    stage_id: int
+    stage_ranks: Sequence[int]
+    link: StageLink
+
+    @property
+    def device(self) -> torch.device:
+        return self.link.device
+
+
+def _nullcontext(*_):
+    return contextlib.nullcontext()
+
+
+def _as_loss_and_stats(result) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``loss`` or ``(loss, stats)`` -> ``(loss, stats)``, with ``lm loss`` in the stats."""
+    loss, stats = (result if isinstance(result, tuple) and len(result) == 2 and
+                   isinstance(result[1], dict) else (result, {}))
+    return loss, {"lm loss": loss.detach(), **{k: v.detach() if torch.is_tensor(v) else v
+                                                for k, v in stats.items()}}
 
 
 class ScheduleStep(StageCallbacks):
-    """The runner's callbacks for one pipeline engine, and its train / eval steps.
+    """One pipeline rank's schedule and the runner's callbacks for it.
 
     Args:
-        engine: tds's ``PipelineEngine``.
-        schedule: "1f1b", "interleaved", "zb-h1" or "zbv" (must fit the module's chunks:
-            ``schedules.build_schedule`` says why not).
-        weight_grad_store: zero-bubble schedules: the store the model's deferring layers
-            record their weight-gradient work in (``record(key)``, ``flush(key)``,
-            ``check_flushed(where=...)``); None: the input pass computes every gradient.
+        module: the pipeline module (tds's ``PipelineModule`` or DeepSpeed's).
+        schedule: "1f1b", "interleaved", "zb-h1" or "zbv" (must fit the module's chunks).
+        stage: this rank's :class:`Stage`.
+        contract: what crosses each boundary (``contract_of(module)``).
+        batch_fn: raw batch -> ``(inputs, labels)`` (None: the iterator yields that pair).
+        batch_context: ``f(micro_batch) -> context manager`` around each batch_fn call.
+        weight_grad_store: zero-bubble schedules: where deferring layers record their
+            weight-gradient GEMMs (``record`` / ``flush`` / ``check_flushed``).
+        forward_context: ``f() -> context manager`` around every forward (e.g. autocast).
+        grad_sync: ``f(enabled) -> context manager`` around every backward; enabled for
+            the step's last micro-batch (the data-parallel reduction may start then).
     """
 
-    def __init__(self, engine, schedule: str, weight_grad_store=None):
-        self.engine = engine
-        self.module = engine.module
-        self.placement = module_placement(self.module, engine.num_stages)
+    def __init__(self, module, schedule: str, stage: Stage, contract: StageContract,
+                 batch_fn: Optional[Callable] = None,
+                 batch_context: Optional[Callable[[int], Any]] = None,
+                 weight_grad_store: Optional[Any] = None,
+                 forward_context: Callable[[], Any] = _nullcontext,
+                 grad_sync: Callable[[bool], Any] = _nullcontext):
+        self.module, self.stage, self.contract = module, stage, contract
+        self.batch_fn, self.batch_context = batch_fn, batch_context
+        self.forward_context, self.grad_sync = forward_context, grad_sync
+        self.placement = module_placement(module, len(stage.stage_ranks))
         self.pp_size, self.vpp_size = self.placement.pp_size, self.placement.vpp_size
         self.num_chunks = self.placement.num_chunks
         self.schedule = schedule
@@ -150,147 +169,199 @@ class ScheduleStep(StageCallbacks):
                              f"{self.placement.kind!r}; build the PipelineModule with "
                              f"placement={placement.kind!r}")
         self.store = weight_grad_store if schedule in ZERO_BUBBLE else None
-        self.stage_ranks = [engine.grid.stage_to_global(s) for s in range(self.pp_size)]
-        chunks = self.chunks = self.placement.chunks(engine.stage_id)
+        chunks = self.chunks = self.placement.chunks(stage.stage_id)
         self.local_index = {chunk: j for j, chunk in enumerate(chunks)}
         # the rank that loads a micro-batch also computes its loss (a V): keep its labels
         self.keeps_labels = 0 in chunks and self.num_chunks - 1 in chunks
-        self.labels: Dict[int, object] = {}
+        keep_gradless_blocks_out_of_checkpoints(module)
+        interval = getattr(module, "activation_checkpoint_interval", 0)
+        if interval > 0 and hasattr(module, "set_checkpoint_interval"):
+            module.set_checkpoint_interval(interval)  # DeepSpeed's: its recompute blocks
+        self.reentrant = reentrant_checkpointing(module)
         self.boundaries: Optional[List[Boundary]] = None
-        self.runner: Optional[ScheduleRunner] = None
-        self.runner_mbs = 0
-        self.saved: Dict[Tuple[int, int], tuple] = {}
-        # (chunk, mb) forwarded and not yet through its (weight) backward: its peak per step
-        self.in_flight: set = set()
-        self.peak_in_flight = 0
+        self._runners: Dict[Tuple[bool, int], ScheduleRunner] = {}
         self.deferred_gemms = 0  # weight-gradient GEMMs the weight passes ran, per step
+        self.peak_in_flight = 0  # (chunk, mb) forwarded and not yet through its backward
         self._warned_empty = False
 
-    # ------------------------------------------------------------ setup
-    def ensure_boundaries(self) -> None:
-        if self.boundaries is None:
-            first = self.engine._peek_first_batch() if self.engine.is_first_stage() else None
-            self.boundaries = probe_chunks(self.engine, first)
+    @property
+    def is_loss_rank(self) -> bool:
+        """Whether this rank computes the loss (it owns the last chunk: rank 0 in a V)."""
+        return self.placement.owner(self.num_chunks - 1) == self.stage.stage_id
 
-    def _runner(self, num_micro_batches: int) -> ScheduleRunner:
-        if self.runner is None or self.runner_mbs != num_micro_batches:
-            actions, placement = build_schedule(self.schedule, self.pp_size, self.vpp_size,
-                                                num_micro_batches)
-            self.runner = ScheduleRunner(actions, self.vpp_size, num_micro_batches,
-                                         self.stage_ranks, self.engine.link, self.boundaries,
-                                         placement=placement)
-            self.runner_mbs = num_micro_batches
-        return self.runner
+    @property
+    def loss_stage(self) -> int:
+        return self.placement.owner(self.num_chunks - 1)
+
+    def set_contract(self, contract: StageContract) -> None:
+        """A new contract (CPM's setters): the boundaries are learned again."""
+        self.contract, self.boundaries = contract, None
+        self._runners = {}
 
     # ------------------------------------------------------------ steps
-    def train_batch(self) -> torch.Tensor:
-        """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
+    def train(self, data_iterator: Optional[Iterator], num_micro_batches: int,
+              scale_loss: Callable[[torch.Tensor], torch.Tensor]) -> List[Dict[str, Any]]:
+        """Forward and backward of ``num_micro_batches`` micro-batches (the gradients are
+        accumulated; nothing is reduced or stepped).
+
+        Args:
+            data_iterator: raw batches (on the ranks that load or compute the loss).
+            num_micro_batches: micro-batches in the step.
+            scale_loss: ``loss -> tensor to back-propagate`` (divided by the micro-batches,
+                times the loss scale).
 
         Returns:
-            the mean loss of the step (DeepSpeed's aggregation, on every rank).
+            per micro-batch the stats of its loss (``lm loss`` and what ``loss_fn``
+            returned) on the loss rank, in micro-batch order; ``[]`` elsewhere.
         """
-        e = self.engine
         if not torch.is_grad_enabled():
-            raise RuntimeError("train_batch() requires gradients enabled; use eval_batch()")
-        self.ensure_boundaries()
-        e.module.train()
-        e.total_loss = e.total_additional_losses = None
-        e._compute_loss = True
-        e.fwd_outputs = []
-        self.saved, self.labels, self.in_flight, self.peak_in_flight = {}, {}, set(), 0
-        self.deferred_gemms = 0
-        self._runner(e.micro_batches).run(self)
+            raise RuntimeError("a training step needs gradients enabled; evaluate instead")
+        data_iterator = self._ensure_boundaries(data_iterator)
+        self.module.train()
+        self._begin(data_iterator, num_micro_batches, scale_loss)
+        self._runner(num_micro_batches, False).run(self)
         if self.store is not None:
             self.store.check_flushed(where=f"the end of a {self.schedule} step")
         self._warn_if_nothing_deferred()
-        e._exec_reduce_tied_grads()
-        e._exec_reduce_grads()
-        e._exec_optimizer_step()
-        with torch.no_grad():
-            e.agg_train_loss = e._aggregate_total_loss()
-        return e.agg_train_loss
+        return [self.stats[mb] for mb in sorted(self.stats)]
 
-    def eval_batch(self, num_micro_batches: int) -> torch.Tensor:
-        """Forward passes of ``num_micro_batches``: each through the chunks in turn.
+    def evaluate(self, data_iterator: Optional[Iterator],
+                 num_micro_batches: int) -> List[Dict[str, Any]]:
+        """Forward passes of ``num_micro_batches`` (no grad, eval mode) through the same
+        runner; returns the loss rank's per-micro-batch stats (``[]`` elsewhere)."""
+        data_iterator = self._ensure_boundaries(data_iterator)
+        training = self.module.training
+        self.module.eval()
+        self._begin(data_iterator, num_micro_batches, None)
+        try:
+            with torch.no_grad():
+                self._runner(num_micro_batches, True).run(self)
+        finally:
+            self.module.train(training)
+        return [self.stats[mb] for mb in sorted(self.stats)]
 
-        Returns:
-            the mean loss (on every rank of the pipeline).
-        """
-        e = self.engine
-        self.ensure_boundaries()
-        e.module.eval()
-        e.fwd_outputs, e.total_loss, self.labels = [], None, {}
-        last = self.num_chunks - 1
-        with torch.no_grad():
-            for mb in range(num_micro_batches):
-                handed = None
-                for chunk in self.chunks:
-                    if chunk == 0:
-                        inputs = self.load(mb)
-                    elif self.placement.is_local(chunk - 1):
-                        inputs = handed
-                    else:
-                        inputs = self._recv_activation(chunk - 1)
-                    outputs = self._run_chunk(chunk, inputs, mb)
-                    if chunk < last and self.placement.is_local(chunk):
-                        handed = outputs
-                    elif chunk < last:
-                        peer = self.stage_ranks[self.placement.owner(chunk + 1)]
-                        for pos, tensor in enumerate(outputs):
-                            e.link.send(tensor, peer, self.boundaries[chunk].contract
-                                        .partitioned[pos])
-        output = e._reduce_outputs(e.fwd_outputs, reduce="avg",
-                                   micro_batches=num_micro_batches) \
-            if e.is_last_stage() else None
-        return e._bcast_pipe_scalar(output)
+    def _begin(self, data_iterator, num_micro_batches, scale_loss):
+        self.data_iterator, self.num_micro_batches = data_iterator, num_micro_batches
+        self.scale_loss = scale_loss
+        self.labels, self.saved, self.stats = {}, {}, {}
+        self.in_flight, self.peak_in_flight, self.deferred_gemms = set(), 0, 0
 
-    def _recv_activation(self, chunk: int):
-        boundary = self.boundaries[chunk]
-        peer = self.stage_ranks[self.placement.owner(chunk)]
-        return tuple(self.engine.link.recv(shape, dtype, peer, boundary.contract.partitioned[pos])
-                     for pos, (shape, dtype) in enumerate(boundary.meta))
+    def _ensure_boundaries(self, data_iterator):
+        """Probe the boundaries before the first step; returns the iterator (with the
+        peeked batch put back in front)."""
+        if self.boundaries is not None:
+            return data_iterator
+        first = None
+        if 0 in self.chunks:
+            raw = next(data_iterator) if data_iterator is not None else None
+            if data_iterator is not None:
+                data_iterator = itertools.chain([raw], data_iterator)
+            with self.forward_context():
+                first = self._device_inputs(self._apply_batch_fn(raw, 0)[0])
+        link = self.stage.link
 
-    # ------------------------------------------------------------ runner callbacks
-    def load(self, mb: int):
-        """Chunk 0's inputs (its batch function reads the next micro-batch)."""
-        inputs, labels = self.engine._next_batch(mb)
-        if self.keeps_labels:
-            self.labels[mb] = labels
-        return self.engine._to_device_inputs(inputs)
+        def probe_run(j, inputs):  # eager: the probe compiles nothing
+            with self.forward_context():
+                return run_chunk(self.module, j, inputs)
 
-    def _run_chunk(self, chunk: int, inputs, mb: int):
-        e = self.engine
-        e.tput_timer.start()
-        j = self.local_index[chunk]
-        regions = getattr(self.module, "chunk_regions", None)
-        if chunk < self.num_chunks - 1:
-            if regions is not None:  # one compiled region (tds/pipe/compiled.py)
-                return regions.run(j, inputs, training=self.module.training)
-            return run_chunk(self.module, j, inputs)
-        labels = self._labels(mb)
-        e.pipe_buffers["labels"][0] = labels
-        if regions is not None and regions.has_loss(j) and e._compute_loss and \
-                not e.eval_return_logits:  # the loss inside the chunk's region
-            e._record_loss(None, 0, loss=regions.run(j, inputs, labels, self.module.training))
-        else:
-            e._record_loss(run_chunk(self.module, j, inputs), 0)
-        return e.loss
+        self.boundaries = probe_chunks(self.module, self.placement, self.stage.stage_id,
+                                       self.stage.stage_ranks, self.contract, link.tp_size,
+                                       link.device, probe_run, first)
+        return data_iterator
+
+    def _runner(self, num_micro_batches: int, evaluate: bool) -> ScheduleRunner:
+        key = (evaluate, num_micro_batches)
+        if key not in self._runners:
+            if evaluate:
+                actions, placement = forward_only(self.placement, num_micro_batches), \
+                    self.placement
+            else:
+                actions, placement = build_schedule(self.schedule, self.pp_size,
+                                                    self.vpp_size, num_micro_batches)
+            self._runners[key] = ScheduleRunner(
+                actions, self.vpp_size, num_micro_batches, self.stage.stage_ranks,
+                self.stage.link, self.boundaries, placement=placement, forward_only=evaluate)
+        return self._runners[key]
+
+    # ------------------------------------------------------------ data
+    def _apply_batch_fn(self, raw, mb: int):
+        if self.batch_fn is None:
+            return raw
+        if self.batch_context is None:
+            return self.batch_fn(raw)
+        with self.batch_context(mb):
+            return self.batch_fn(raw)
+
+    def _next_batch(self, mb: int):
+        raw = next(self.data_iterator) if self.data_iterator is not None else None
+        return self._apply_batch_fn(raw, mb)
+
+    def _device_inputs(self, inputs):
+        def move(t):
+            t = t.to(self.stage.device)
+            if self.reentrant and t.is_floating_point() and torch.is_grad_enabled():
+                t = t.detach().requires_grad_()
+            return t
+
+        return move(inputs) if torch.is_tensor(inputs) else tuple(move(t) for t in inputs)
 
     def _labels(self, mb: int):
         """The last chunk's labels of micro-batch ``mb``, on the device: kept by load() where
         this rank loads too, else read in call order, the order of load()'s inputs
         (schedule_check proves it before any step)."""
-        e = self.engine
-        labels = self.labels.pop(mb) if self.keeps_labels else e._next_batch(mb)[1]
-        return labels.to(e.device) if torch.is_tensor(labels) else \
-            tuple(t.to(e.device) for t in labels)
+        labels = self.labels.pop(mb) if self.keeps_labels else self._next_batch(mb)[1]
+        device = self.stage.device
+        return labels.to(device) if torch.is_tensor(labels) else \
+            tuple(t.to(device) for t in labels)
+
+    # ------------------------------------------------------------ runner callbacks
+    def load(self, mb: int):
+        """Chunk 0's inputs (its batch function reads the next micro-batch)."""
+        inputs, labels = self._next_batch(mb)
+        if self.keeps_labels:
+            self.labels[mb] = labels
+        return self._device_inputs(inputs)
+
+    def _forward_chunk(self, j: int, inputs, training: bool):
+        """Local chunk ``j``'s layers: its compiled region (tds/pipe/compiled.py) where it
+        has one, else the module's forward."""
+        regions = getattr(self.module, "chunk_regions", None)
+        if regions is not None:
+            return regions.run(j, inputs, training=training)
+        return run_chunk(self.module, j, inputs)
 
     def forward(self, chunk: int, mb: int, inputs):
-        outputs = self._run_chunk(chunk, inputs, mb)
-        self.saved[(chunk, mb)] = (inputs, outputs)
-        self.in_flight.add((chunk, mb))
-        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+        j = self.local_index[chunk]
+        training = self.module.training
+        with self.forward_context():
+            if chunk < self.num_chunks - 1:
+                outputs = self._forward_chunk(j, inputs, training)
+            else:
+                outputs = self._loss(j, inputs, mb, training)
+        if training:
+            self.saved[(chunk, mb)] = (inputs, outputs)
+            self.in_flight.add((chunk, mb))
+            self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
         return outputs
+
+    def _loss(self, j: int, inputs, mb: int, training: bool):
+        """The last chunk: its loss (inside its compiled region where it has one) and
+        stats."""
+        labels = self._labels(mb)
+        regions = getattr(self.module, "chunk_regions", None)
+        if regions is not None and regions.has_loss(j):
+            result = regions.run(j, inputs, labels, training)
+        else:
+            outputs = self._forward_chunk(j, inputs, training)
+            loss_fn = getattr(self.module, "loss_fn", None)
+            result = loss_fn(outputs, labels) if loss_fn is not None else outputs
+        loss, stats = _as_loss_and_stats(result)
+        extra = getattr(self.module, "get_additional_losses", None)
+        extra = extra() if callable(extra) else None
+        if extra:
+            stats.update({name: value.detach() for name, value in extra.items()})
+        self.stats[mb] = stats
+        return loss
 
     def backward(self, chunk: int, mb: int, output_grads):
         """Input and weight gradients of (chunk, mb)."""
@@ -298,21 +369,15 @@ class ScheduleStep(StageCallbacks):
         return self._backward(chunk, mb, output_grads)
 
     def _backward(self, chunk: int, mb: int, output_grads):
-        e = self.engine
         inputs, outputs = self.saved.pop((chunk, mb))
-        if e.using_bf16_optimizer:  # the forward hooks that would clear them are not
-            e.optimizer.clear_lp_grads()  # registered: chunks bypass engine.forward
-        if chunk == self.num_chunks - 1:  # the loss: gas and fp16 scaling as 1F1B; bf16:
-            fp16_loss_scale.backward(e, outputs)  # DeepSpeed's backward moves the grads
-        else:
-            pairs = [(t, g) for t, g in zip(outputs, output_grads)
-                     if g is not None and t.requires_grad]
-            e._running_engine_backward = True
-            try:
-                torch.autograd.backward([t for t, _ in pairs], grad_tensors=[g for _, g in pairs])
-            finally:
-                e._running_engine_backward = False
-            self._bf16_grads_to_master()
+        with self.grad_sync(mb == self.num_micro_batches - 1):
+            if chunk == self.num_chunks - 1:  # the loss
+                torch.autograd.backward(self.scale_loss(outputs))
+            else:
+                pairs = [(t, g) for t, g in zip(outputs, output_grads)
+                         if g is not None and t.requires_grad]
+                torch.autograd.backward([t for t, _ in pairs],
+                                        grad_tensors=[g for _, g in pairs])
         if chunk == 0:
             return None
         return tuple(t.grad if t.is_floating_point() and t.requires_grad else None
@@ -330,21 +395,13 @@ class ScheduleStep(StageCallbacks):
         self.in_flight.discard((chunk, mb))
         if self.store is None:
             return
-        e = self.engine
-        if e.using_bf16_optimizer:
-            e.optimizer.clear_lp_grads()
-        self.deferred_gemms += self.store.flush((chunk, mb))
-        self._bf16_grads_to_master()
+        with self.grad_sync(mb == self.num_micro_batches - 1):
+            self.deferred_gemms += self.store.flush((chunk, mb))
 
     def _warn_if_nothing_deferred(self):
         if self.schedule in ZERO_BUBBLE and self.deferred_gemms == 0 and not self._warned_empty:
             self._warned_empty = True
-            print(f"WARNING: tds pipeline stage {self.engine.stage_id}: the {self.schedule} "
+            print(f"WARNING: tds pipeline stage {self.stage.stage_id}: the {self.schedule} "
                   f"weight passes deferred no GEMM (no weight_grad_store, or no layer of this "
                   f"stage defers its weight gradient): correct, but no bubble is saved",
                   flush=True)
-
-    def _bf16_grads_to_master(self):
-        e = self.engine
-        if e.using_bf16_optimizer and not e._config.bfloat16_config.immediate_grad_update:
-            e.optimizer.update_hp_grads(clear_lp_grads=False)

@@ -172,6 +172,8 @@ def zbv(pp_size: int, num_micro_batches: int) -> List[List[Action]]:
 
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
+ZERO_BUBBLE = ("zb-h1", "zbv")
+"""The schedules that split each backward into input and weight passes."""
 
 
 def build_schedule(name: str, pp_size: int, vpp_size: int,
@@ -206,6 +208,20 @@ def build_schedule(name: str, pp_size: int, vpp_size: int,
                "interleaved": lambda: interleaved_1f1b(p, v, m), "zbv": lambda: zbv(p, m)}
     placement = Placement.v_shape(p) if name == "zbv" else Placement.loop(p, v)
     return actions[name](), placement
+
+
+def forward_only(placement: Placement, num_micro_batches: int) -> List[List[Action]]:
+    """Evaluation's schedule: each micro-batch through the chunks in turn, forward only (each
+    rank's chunks in order, micro-batch by micro-batch).
+
+    Args:
+        placement: which rank holds which chunk.
+        num_micro_batches: micro-batches m.
+    """
+    p, v, m = placement.pp_size, placement.vpp_size, num_micro_batches
+    _check_sizes(p, v, m)
+    steps = [[Forward(c, mb) for mb in range(m) for c in placement.chunks(r)] for r in range(p)]
+    return lower(steps, p, v, placement)
 
 
 def compute_orders(name: str, pp_size: int, vpp_size: int,

@@ -80,6 +80,9 @@ def initialize_model_parallel(model_parallel_size_, topology=None):
 
     Raises:
         ValueError: the sizes do not divide, or the topology orders ranks differently.
+
+    Where DeepSpeed is installed, its communication backend is readied over the process
+    group, so a DeepSpeed ``PipelineModule`` can be built next (CPM-1's order).
     """
     global _EXTRAS
     if not dist.is_initialized():
@@ -99,6 +102,21 @@ def initialize_model_parallel(model_parallel_size_, topology=None):
         group = dist.new_group(ranks=list(io_ranks))  # collective: every rank calls it
         io_group = group if state.rank in io_ranks else None
     _EXTRAS = CpmExtras(state, topology, io_ranks, io_group)
+    _ready_deepspeed_backend()
+
+
+def _ready_deepspeed_backend():
+    """CPM-1 builds its DeepSpeed ``PipelineModule`` right after this call, before any
+    ``deepspeed.init_distributed``; DeepSpeed (since 0.4) needs its communication backend
+    for that. Where DeepSpeed is installed it is readied over the existing process group
+    (no new group, no communication): tds.comm_ready."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    from tds.comm_ready import ensure_backend
+
+    ensure_backend()
 
 
 def _extras():
