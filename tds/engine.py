@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import mpu
-from megatron.distributed import DataParallel, DDPConfig, tied_weights_of
+from megatron.distributed import DataParallel, DDPConfig, autocast_region, tied_weights_of
 from megatron.optimizer import build_grad_scaler, build_optimizer
 
 from .pipe import StageLink, contract_of
@@ -130,7 +130,7 @@ class PipelineEngine:
             module, self.pipeline_schedule, Stage(self.stage_id, [
                 self.grid.stage_to_global(s) for s in range(self.num_stages)], self.link),
             contract_of(module), batch_fn, batch_context, weight_grad_store,
-            forward_context=self._autocast, grad_sync=self.model.grad_sync)
+            forward_context=self._autocast, grad_sync=self._backward_region)
         self.data_iterator: Optional[Iterator] = None
         self.global_steps = 0
         self._grad_norm = None
@@ -147,8 +147,9 @@ class PipelineEngine:
             self.set_dataiterator(data_iter)
         self.optimizer.zero_grad()
         gas = self.micro_batches
-        stats = self.schedule.train(self.data_iterator, gas,
-                                    lambda loss: self.optimizer.scale_loss(loss / gas))
+        with self._autocast():  # one region: each weight cast once per step
+            stats = self.schedule.train(self.data_iterator, gas,
+                                        lambda loss: self.optimizer.scale_loss(loss / gas))
         self.model.finish_grad_sync()
         updated, self._grad_norm = self.optimizer.step()
         if self.lr_scheduler is not None and (torch.is_tensor(updated) or updated):
@@ -233,11 +234,10 @@ class PipelineEngine:
         return self._grad_norm
 
     def _autocast(self):
-        if self.precision.dtype == torch.float32:
-            import contextlib
+        return autocast_region(self.precision.dtype, self.device.type)
 
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.precision.dtype)
+    def _backward_region(self, last: bool):
+        return self.model.backward_region(last, self.precision.dtype)
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,

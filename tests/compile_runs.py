@@ -60,7 +60,7 @@ def train_runs(family, runs):
         steps, entries = [], {}
 
         def record(backend):
-            schedule = getattr(backend.model, "schedule_step", None)
+            schedule = getattr(backend, "schedule", None)
             deferred = schedule.deferred_gemms if schedule is not None else 0
             steps.append(_dynamo_counts() + (deferred,))
             entries.clear()

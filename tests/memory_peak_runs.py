@@ -52,7 +52,7 @@ def _kept_by_runner(backend, module):
     gradients, and the tensors the graph's custom functions keep as attributes (a
     recomputed group's RNG states). Not memory the model describes (a detached loss would
     free them)."""
-    runner = getattr(getattr(backend.model, "schedule_step", None), "runner", None)
+    runner = getattr(getattr(backend, "schedule", None), "runner", None)
     if runner is None:
         return [], []
     params = {id(p) for p in module.parameters()}
@@ -94,18 +94,18 @@ def _kept_bytes(kept, tracker):
 
 def _mark_step_phase(backend, tracker):
     """``tracker.phase``: "schedule" while the micro-batches run, "step" from the step's
-    first gradient reduction on (the tied and data-parallel reductions, the optimizer
-    step), for tds's pipeline engine and DeepSpeed's engine without a pipeline (whose
-    backward of the step's last micro-batch reduces the gradients)."""
+    gradient reduction on (data-parallel and tied reductions, the optimizer step): the
+    project's step's ``finish_grad_sync``, or DeepSpeed's engine's reduction (which its
+    backward of the step's last micro-batch calls)."""
     engine = backend.model
-    names = ["_exec_reduce_tied_grads", "_exec_reduce_grads", "_exec_optimizer_step"] \
-        if backend.pipeline else ["allreduce_gradients", "_take_model_step"]
+    own = backend.name != "deepspeed"
+    names = ["finish_grad_sync"] if own else ["allreduce_gradients", "_take_model_step"]
 
     def marked(method):
         def run(*args, **kwargs):
-            # without a pipeline DeepSpeed calls its reduction after every micro-batch's
-            # backward; it reduces at the step's last one
-            if backend.pipeline or engine.is_gradient_accumulation_boundary():
+            # DeepSpeed calls its reduction after every micro-batch's backward; it reduces
+            # at the step's last one
+            if own or engine.is_gradient_accumulation_boundary():
                 tracker.phase = "step"
             return method(*args, **kwargs)
         return run

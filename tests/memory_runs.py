@@ -135,8 +135,10 @@ def measure_activations(family, layouts, seed):
             raise RuntimeError(f"at {argv}") from exc
         stages = predict(spec_from_run_config(cfg, device="cpu"))
         stage = stages[mpu.get_pipeline_model_parallel_rank()]
+        # a micro-batch's saved tensors include autocast's weight copies, which the step's
+        # micro-batches share (the model counts them once per rank)
         out.append({"argv": " ".join(argv), "measured": measured,
-                    "predicted": stage.activations_per_micro_batch,
+                    "predicted": stage.activations_per_micro_batch + stage.weight_copies,
                     "in_flight": stage.in_flight, "stage": stage.stage})
     return out
 
@@ -176,8 +178,8 @@ def _watch_engine(backend, module):
     """Count what each of the pipeline engine's forward passes saves for the backward (its
     own (chunk, micro-batch)'s storages, parameters excluded) and the largest sum alive at
     once between a forward and its backward: the engine's real schedule, run by tds's
-    runner through the engine's ``schedule_step`` callbacks."""
-    step = backend.model.schedule_step
+    runner through the pipeline schedule's callbacks (``backend.schedule``)."""
+    step = backend.schedule
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     state = {"alive": {}, "peak": 0}
     forward, backward = step.forward, step.backward

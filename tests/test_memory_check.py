@@ -93,8 +93,8 @@ def test_pretrain_prints_the_predicted_peak_per_stage(gpt2_data):
 
 def test_startup_check_prints_or_steps_aside(capsys):
     """On the CPU the start-up hook prints one line per stage; a run the model does not
-    describe (ZeRO-3) gets a note and trains; --zero-stage under DDP (which ignores it) is
-    not counted."""
+    describe (ZeRO-3) gets a note and trains; --zero-stage 1 without --deepspeed is the
+    distributed optimizer."""
     from megatron.config import build_run_config
     from megatron.families import get_family
     from megatron.memory import predict, spec_from_run_config
@@ -120,17 +120,21 @@ def test_startup_check_prints_or_steps_aside(capsys):
         assert f"stage {stage.stage}/2: predicted peak {stage.peak / 2**30:.2f} GiB" in out
     startup_memory_check(cfg("--deepspeed", "--zero-stage", "3"))
     assert "no prediction" in capsys.readouterr().out
+    # without --deepspeed, ZeRO stage 1 is the project's distributed optimizer: Adam's
+    # moments of 1 / dp of the parameters on each of the 4 ranks
     ddp = spec_from_run_config(cfg("--zero-stage", "1"), device="cpu")
-    assert ddp.backend == "ddp" and ddp.zero_stage == 0
-    assert predict(ddp)[0].states.optimizer_bytes == 8 * predict(ddp)[0].states.params
+    assert ddp.backend == "ddp" and ddp.zero_stage == 1
+    states = predict(ddp)[0].states
+    assert states.optimizer_bytes == 8 * -(-states.params // 4)
 
 
 def test_grad_accum_dtype_is_read_from_the_deepspeed_config(tmp_path):
-    """DeepSpeed's ``data_types.grad_accum_dtype`` (any of its spellings) reaches the model:
-    with bf16 weights and ZeRO-1, fp32 accumulation is DeepSpeed's BF16_Optimizer, whose
-    flat gradient buffer holds 4 bytes a parameter (measured against a real run in
-    tests/test_memory_peak.py); a spelling DeepSpeed does not take, or the mix DeepSpeed
-    refuses without ZeRO, is a ConfigError naming it (the start-up check prints it)."""
+    """DeepSpeed's ``data_types.grad_accum_dtype`` (any of its spellings) reaches the model of
+    DeepSpeed's engine (``--deepspeed``): with bf16 weights and ZeRO-1, fp32 accumulation is
+    DeepSpeed's BF16_Optimizer, whose flat gradient buffer holds 4 bytes a parameter; a
+    spelling DeepSpeed does not take, or the mix DeepSpeed refuses without ZeRO, is a
+    ConfigError naming it (the start-up check prints it). A pipeline run (the project's own
+    step) accumulates in its fp32 gradient buffer whatever the JSON says."""
     from megatron.config import build_run_config
     from megatron.errors import ConfigError
     from megatron.families import get_family
@@ -138,33 +142,36 @@ def test_grad_accum_dtype_is_read_from_the_deepspeed_config(tmp_path):
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--batch-size", "2", "--lr", "1e-3", "--train-iters", "1",
-            "--pipe-parallel-size", "2", "--bf16"]
+            "--bf16"]
 
-    def spec(config):
+    def spec(config, *extra):
         path = tmp_path / "ds.json"
         path.write_text(json.dumps(config))
-        made, _ = build_run_config([*base, "--deepspeed_config", str(path)],
-                                   get_family("gpt2"), world_size=4, rank=0, check_files=False)
+        made, _ = build_run_config([*base, "--deepspeed_config", str(path), *extra],
+                                   get_family("gpt2"), world_size=2, rank=0, check_files=False)
         return spec_from_run_config(made.replace(padded_vocab_size=512, true_vocab_size=500),
                                     device="cpu")
 
     zero1 = {"zero_optimization": {"stage": 1}}
     for spelling in ("fp32", "float32", "torch.float32", "float"):
-        fp32 = spec({**zero1, "data_types": {"grad_accum_dtype": spelling}})
+        fp32 = spec({**zero1, "data_types": {"grad_accum_dtype": spelling}}, "--deepspeed")
         assert fp32.grad_accum == "fp32" and fp32.accum_bytes == 4
         for stage in predict(fp32):
             n, partition = stage.states.params, -(-stage.states.params // 2)
             assert stage.states.optimizer_bytes == 4 * n + 12 * partition
             # the step's reduction flattens the fp32 buffer and sends a bf16 copy
             assert stage.step >= 6 * n
-    default = spec(zero1)  # ZeRO-1 with bf16 accumulation: DeepSpeed's ZeRO optimizer
+    default = spec(zero1, "--deepspeed")  # bf16 accumulation: DeepSpeed's ZeRO optimizer
     assert default.grad_accum == "" and all(
         s.states.optimizer_bytes == 12 * -(-s.states.params // 2) for s in predict(default))
-    pipeline_bf16 = spec({"data_types": {"grad_accum_dtype": "bfloat16"}})
-    assert pipeline_bf16.grad_accum == "bf16" and all(  # BF16_Optimizer, bf16 buffer
-        s.states.optimizer_bytes == 2 * s.states.params + 12 * -(-s.states.params // 2)
-        for s in predict(pipeline_bf16))
     with pytest.raises(ConfigError, match="int8"):
-        spec({**zero1, "data_types": {"grad_accum_dtype": "int8"}})
+        spec({**zero1, "data_types": {"grad_accum_dtype": "int8"}}, "--deepspeed")
     with pytest.raises(ConfigError, match="needs ZeRO"):
-        spec({"data_types": {"grad_accum_dtype": "fp32"}})
+        spec({"data_types": {"grad_accum_dtype": "fp32"}}, "--deepspeed")
+    # a pipeline: the project's step, the distributed optimizer for the JSON's stage 1, its
+    # fp32 gradient buffer whatever data_types says
+    pipeline = spec({**zero1, "data_types": {"grad_accum_dtype": "bfloat16"}},
+                    "--pipe-parallel-size", "2")
+    assert pipeline.backend == "ddp" and pipeline.grad_accum == "" and all(
+        s.states.grad_bytes == 4 * s.states.params and
+        s.states.optimizer_bytes == 8 * s.states.params for s in predict(pipeline))  # dp 1

@@ -60,10 +60,14 @@ def _layouts(micro, ds_fp32_accumulation):
             # DeepSpeed's BF16_Optimizer, bf16 accumulation; attention dropout: the CPU's
             # SDPA math path, which computes in fp32
             "bf16 pp2 dp2": _base(micro, 4, attention_dropout=0.1) + bf16,
-            # ZeRO-1 with data_types.grad_accum_dtype fp32: the BF16_Optimizer again, its
-            # flat gradient buffer in fp32
-            "bf16 pp2 dp2 ZeRO-1 fp32-acc": _base(micro, 4) + bf16 + [
+            # the distributed optimizer (the JSON's ZeRO stage 1 without --deepspeed): Adam's
+            # moments of half the parameters, gloo's bucket copy in its collectives
+            "bf16 pp2 dp2 distributed optimizer": _base(micro, 4) + bf16 + [
                 "--deepspeed_config", ds_fp32_accumulation],
+            # DeepSpeed's engine, ZeRO-1 with data_types.grad_accum_dtype fp32: its
+            # BF16_Optimizer, the flat gradient buffer in fp32
+            "bf16 dp4 DeepSpeed ZeRO-1 fp32-acc": _base(1, 4, seq=32) + [
+                "--deepspeed", "--bf16", "--deepspeed_config", ds_fp32_accumulation],
             # no pipeline, bf16: DeepSpeed's unfused optimizer copies every gradient to
             # fp32 for the step, which is this run's peak
             "bf16 dp4 (no pipeline)": _base(1, 4, seq=32) + ["--deepspeed", "--bf16"]}
@@ -119,11 +123,18 @@ def test_stage_peaks_match_the_real_peak_of_a_step(tmp_path):
     results, without_transients = _check_peaks(layouts)
     # the terms this test is for: without the transients and the step the model would miss
     assert max(without_transients) > 2 * TOL, without_transients
-    # fp32 accumulation: the flat gradient buffer is 4 bytes a parameter, not 2
-    fp32_acc = [r for per in results for r in per if "--deepspeed_config" in r["argv"]]
+    # DeepSpeed's fp32 accumulation: the flat gradient buffer is 4 bytes a parameter, not 2
+    fp32_acc = [r for per in results for r in per
+                if "--deepspeed_config" in r["argv"] and "--deepspeed " in r["argv"]]
     params = [r["predicted"]["states"]["params"] for r in fp32_acc]
-    assert all(r["states"]["optimizer"] > 1.1 * (2 * n + 12 * n / 2)
-               for r, n in zip(fp32_acc, params)), fp32_acc
+    assert fp32_acc and all(r["states"]["optimizer"] > 1.1 * (2 * n + 12 * n / 4)
+                            for r, n in zip(fp32_acc, params)), fp32_acc
+    # the distributed optimizer: the moments of 1 / dp of the parameters
+    sharded = [r for per in results for r in per
+               if "--deepspeed_config" in r["argv"] and "--deepspeed " not in r["argv"]]
+    assert sharded and all(abs(r["states"]["optimizer"] - 8 * n / 2) < 0.01 * 8 * n / 2
+                           for r, n in ((r, r["predicted"]["states"]["params"])
+                                        for r in sharded)), sharded
     print(f"(micro-batch {micro})")
 
 

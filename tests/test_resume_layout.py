@@ -118,9 +118,9 @@ def test_named_adam_state_round_trips_into_a_reordered_optimizer():
 
 @pytest.mark.slow
 def test_zero1_state_moves_to_another_tensor_and_pipeline_size(gpt2_data, tmp_path):
-    """ZeRO-1 partitions (fp32 masters and moments, flat per param group) reassembled by
-    parameter name: a pipeline ZeRO-1 run at (1, 2, 2) resumes as a ZeRO-1 DeepSpeed run at
-    (2, 1, 1) and as a DDP run at (1, 1, 1)."""
+    """The distributed optimizer's slices (each data-parallel rank's, named by parameter and
+    offset) reassembled by parameter name: a pipeline ZeRO-1 run at (1, 2, 2) resumes as a
+    ZeRO-1 DeepSpeed run at (2, 1, 1) and as a replicated run at (1, 1, 1)."""
     ckpt = str(tmp_path / "ckpt")
     steps = ("--train-iters", "10")
     full = run_distributed(train_gpt2, 4, _argv(gpt2_data, 1, 2, 2, *steps, "--zero-stage",
@@ -129,7 +129,8 @@ def test_zero1_state_moves_to_another_tensor_and_pipeline_size(gpt2_data, tmp_pa
     _point_tracker_at(ckpt, 5)
     shard = torch.load(os.path.join(ckpt, "iter_0000005", "mp_rank_00_001",
                                     "optim_dp_rank_001.pt"), weights_only=False)
-    assert "param_slice_mappings" in shard and isinstance(shard["base_optimizer_state"], list)
+    assert shard["distributed_optimizer"] and len(shard["pieces"]) == \
+        len(shard["optimizer"]["state"])
     for tp, more in [(2, ("--deepspeed", "--zero-stage", "1")), (1, ())]:
         per_rank = run_distributed(train_gpt2, tp, _argv(gpt2_data, tp, 1, 1, *steps, *more,
                                                          "--load", ckpt), timeout=400)
@@ -143,17 +144,17 @@ def test_optimizer_state_that_cannot_move_is_refused_with_the_way_out(tmp_path):
     parameters, are refused with a message naming --no-load-optim."""
     from megatron.errors import CheckpointError
     from megatron.checkpoint.format import optimizer_shard_name
-    from megatron.checkpoint.layout_change import _named_state
+    from megatron.checkpoint.layout_change import named_optimizer_state
 
     root = str(tmp_path)
     path = optimizer_shard_name(root, 7, 0, 0, 0)
     os.makedirs(os.path.dirname(path))
     torch.save({"optimizer_state_dict": {}, "fp32_groups_flat": [torch.zeros(3)]}, path)
     with pytest.raises(CheckpointError, match="fp16/bf16 optimizer without ZeRO.*--no-load-optim"):
-        _named_state({"model": {}, "optimizer_param_names": ["w"]}, root, 7, 0, 0)
+        named_optimizer_state({"model": {}, "optimizer_param_names": ["w"]}, root, 7, 0, 0)
     adam = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]).state_dict()
     with pytest.raises(CheckpointError, match="parameter names.*--no-load-optim"):
-        _named_state({"model": {}, "optimizer": {"optimizer": adam}}, root, 7, 0, 0)
+        named_optimizer_state({"model": {}, "optimizer": {"optimizer": adam}}, root, 7, 0, 0)
 
 
 @pytest.mark.slow

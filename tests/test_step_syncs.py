@@ -4,11 +4,11 @@ Each case runs the real ``pretrain()`` (pretrain_gpt2.py) for 2N + 1 steps with 
 only at the end (``--log-interval`` large) and counts, per step, the value reads and host
 copies made on the training thread (tests/sync_count.py). The syncs of the first N steps and
 of the first 2N must be the same: the steps N+1..2N, neither the first (lazy start-up) nor the
-last (the log line), read nothing, in this project's code or in DeepSpeed's (its ZeRO and
-bf16 optimizers step through tds.sync_free; tests/test_sync_free.py shows DeepSpeed's own
-step reading 3-4 values per step). Whole-device waits count too (the accelerator's
-``synchronize()``: DeepSpeed's throughput timer, off in the config the project builds), and
-the final step reads the interval's losses once.
+last (the log line), read nothing: the project's step at every layout, the distributed
+optimizer included. ``--deepspeed`` (DeepSpeed's own engine and step) reads its own values
+(counted here too). Whole-device waits count as well (the accelerator's ``synchronize()``:
+DeepSpeed's throughput timer, off in the config the project builds), and the final step
+reads the interval's losses once.
 """
 import inspect
 import json
@@ -75,8 +75,7 @@ def _loss_flush_line():
     from megatron.training import loop
 
     source, start = inspect.getsourcelines(loop._flush_interval)
-    return next(start + i for i, text in enumerate(source)
-                if 'p["lm loss"] for p in pending' in text)
+    return next(start + i for i, text in enumerate(source) if ".tolist()" in text)
 
 
 def test_counter_sees_value_reads_and_host_copies_on_its_thread_only():
@@ -146,8 +145,7 @@ def test_no_syncs_ddp_tp2_bf16(gpt2_data):
 
 
 def test_no_syncs_pipeline_pp2_fp32(gpt2_data):
-    _check_engine(run_distributed(engine_step_syncs, 2, _argv(gpt2_data, 1, 2, 1),
-                                  timeout=300))
+    _check(run_distributed(gpt2_step_syncs, 2, _argv(gpt2_data, 1, 2, 1), timeout=300))
 
 
 @pytest.mark.slow
@@ -166,15 +164,27 @@ def test_no_syncs_pipeline_pp2_bf16(gpt2_data):
                            timeout=300))
 
 
-@pytest.mark.parametrize("precision", [(), pytest.param(
-    ("--bf16",), marks=[pytest.mark.slow, pytest.mark.precision, requires_ds_bf16])])
-def test_no_syncs_deepspeed_zero1(gpt2_data, precision):
-    """DeepSpeed's ZeRO-1 optimizer, stepped by tds.sync_free: no read in DeepSpeed's code
-    either (its own step reads the norm's validity and the clip decision, 3-4 values), and no
-    device wait from its throughput timer (off in the config the project builds: the next
-    test shows what it costs when on)."""
-    _check_engine(run_distributed(engine_step_syncs, 2, _argv(
-        gpt2_data, 1, 1, 2, "--deepspeed", "--zero-stage", "1", *precision), timeout=300))
+@pytest.mark.parametrize("precision", [(), pytest.param(("--bf16",), marks=pytest.mark.slow)])
+def test_no_syncs_distributed_optimizer(gpt2_data, precision):
+    """The distributed optimizer (reduce-scatter, the slices' norm and clip, the update,
+    the all-gather) at dp 2 reads nothing on the host either."""
+    _check(run_distributed(gpt2_step_syncs, 2, _argv(
+        gpt2_data, 1, 1, 2, "--use-distributed-optimizer", *precision), timeout=300))
+
+
+def test_deepspeed_engine_reads_its_own_values_but_waits_for_no_timer(gpt2_data):
+    """``--deepspeed`` is DeepSpeed's own engine and step: its ZeRO-1 optimizer reads the
+    norm's validity and the clip decision on the host (the same count every step, all in
+    DeepSpeed's code), and its throughput timer, off in the config the project builds,
+    makes no device wait (the next test shows what it costs when on)."""
+    per_rank = run_distributed(engine_step_syncs, 2, _argv(
+        gpt2_data, 1, 1, 2, "--deepspeed", "--zero-stage", "1"), timeout=300)
+    for steps, timers in per_rank:
+        assert timers == [False], timers
+        middle = steps[N:2 * N]
+        assert all(step == middle[0] for step in middle) and middle[0], middle
+        assert all("/deepspeed/" in where for step in middle for _, where in step), middle
+        assert not any(is_device_wait(name) for step in middle for name, _ in step), middle
 
 
 @pytest.mark.slow
@@ -192,10 +202,10 @@ def test_deepspeed_throughput_timer_when_the_user_turns_it_on(gpt2_data, tmp_pat
         waits = [[name for name, _ in step if is_device_wait(name)] for step in steps]
         assert waits[N:2 * N] == [["accelerator.synchronize"] * 4] * N, waits
         assert all("deepspeed/utils/timer.py" in where for step in steps[N:2 * N]
-                   for _, where in step), steps[N:2 * N]
+                   for name, where in step if is_device_wait(name)), steps[N:2 * N]
 
 
-def _ds_config(tmp_path, user, pipeline):
+def _ds_config(tmp_path, user):
     from megatron.config import parse_args
     from megatron.training.backend_engine import build_deepspeed_config
 
@@ -205,22 +215,19 @@ def _ds_config(tmp_path, user, pipeline):
     if user is not None:
         (tmp_path / "ds.json").write_text(json.dumps(user))
         argv += ["--deepspeed_config", str(tmp_path / "ds.json")]
-    if pipeline:
-        argv += ["--pipe-parallel-size", "2"]
-    cfg = parse_args(argv, world_size=2 if pipeline else 1, rank=0, check_files=False)
-    return build_deepspeed_config(cfg, pipeline)  # data-parallel size 1
+    cfg = parse_args(argv, world_size=1, rank=0, check_files=False)
+    return build_deepspeed_config(cfg)  # data-parallel size 1
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["deepspeed", "pipeline"])
-def test_deepspeed_timers_off_unless_the_ds_config_asks(tmp_path, pipeline):
+def test_deepspeed_timers_off_unless_the_ds_config_asks(tmp_path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    off = _ds_config(tmp_path, None, pipeline)
+    off = _ds_config(tmp_path, None)
     assert off["timers"] == {"throughput": {"enabled": False}}
     assert off["wall_clock_breakdown"] is False
     parsed = DeepSpeedConfig(off)  # DeepSpeed reads it as meant
     assert not parsed.timers_config.enabled and not parsed.wall_clock_breakdown
     for user in ({"wall_clock_breakdown": True}, {"flops_profiler": {"enabled": True}}):
-        assert "timers" not in _ds_config(tmp_path, user, pipeline), user  # DeepSpeed's default
+        assert "timers" not in _ds_config(tmp_path, user), user  # DeepSpeed's default
     user = {"timers": {"throughput": {"synchronized": False}}}
-    assert _ds_config(tmp_path, user, pipeline)["timers"] == user["timers"]  # untouched
+    assert _ds_config(tmp_path, user)["timers"] == user["timers"]  # untouched

@@ -227,6 +227,11 @@ def _distributed_optimizer(args, problems):
     stage = args.zero_stage if args.zero_stage is not None else \
         _json_zero_stage(args.deepspeed_config, problems)
     if preflight.uses_deepspeed(args):
+        if args.fp16 and not stage:
+            problems.append("--fp16 with DeepSpeed's engine (--deepspeed) needs ZeRO: its fp16 "
+                            "optimizer without ZeRO does not scale the loss "
+                            "(deepspeedai/DeepSpeed#8393); pass --zero-stage 1, or drop "
+                            "--deepspeed (the project's own step scales fp16 losses)")
         if args.use_distributed_optimizer or args.overlap_grad_reduce or \
                 args.overlap_param_gather:
             problems.append("--use-distributed-optimizer / --overlap-grad-reduce / "

@@ -82,7 +82,12 @@ class DataParallel(nn.Module):
         self._sync = True
         dense_group = group if group is not None else \
             mpu.get_data_parallel_group(with_context_parallel=True)
-        late = {id(w) for w, _ in self.tied} | self.sequence_parallel
+        tied = {id(w) for w, _ in self.tied}
+
+        def late(param):  # a tied weight alone, the sequence-parallel ones together
+            return ("tied", id(param)) if id(param) in tied else \
+                "sequence parallel" if id(param) in self.sequence_parallel else None
+
         params = [p for p in module.parameters() if p.requires_grad]
         self.buffers: List[GradBuffer] = []
         by_group: Dict[str, List[torch.Tensor]] = {}
@@ -97,8 +102,7 @@ class DataParallel(nn.Module):
             for dtype in sorted({p.dtype for p in members}, key=str):
                 same = [p for p in members if p.dtype == dtype]
                 self.buffers.append(GradBuffer(same, reduce_group,
-                                               config.use_distributed_optimizer, size,
-                                               own_bucket=lambda p: id(p) in late))
+                                               config.use_distributed_optimizer, size, late))
         self.buffer_of = {p: b for b in self.buffers for p in b.index}
         if config.overlap_grad_reduce:
             for param in params:
@@ -125,6 +129,19 @@ class DataParallel(nn.Module):
     def no_sync(self):
         """torch DDP's name for ``grad_sync(False)``."""
         return self.grad_sync(False)
+
+    @contextlib.contextmanager
+    def backward_region(self, last: bool, dtype: torch.dtype = torch.float32) -> Iterator[None]:
+        """Around one backward of a step whose forwards run in one ``autocast(dtype)`` region
+        (:func:`autocast_region`): autocast off (a backward runs in the dtypes its forward
+        chose), and the gradient reduction on when ``last`` (the step's last micro-batch)."""
+        off = torch.autocast(device_type=self._device_type(), enabled=False) \
+            if dtype != torch.float32 else contextlib.nullcontext()
+        with off, self.grad_sync(last):
+            yield
+
+    def _device_type(self) -> str:
+        return self.buffers[0].device.type if self.buffers else "cpu"
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self._sync:
@@ -199,6 +216,16 @@ class DataParallel(nn.Module):
                     param.data.view(-1)[offset:offset + end - start]
                 pieces.append((param, offset, data, buffer.grad_data[start:end]))
         return pieces
+
+
+def autocast_region(dtype: torch.dtype, device_type: str):
+    """``torch.autocast`` to ``dtype`` (a no-op in fp32), opened once around all of a step's
+    micro-batches: each weight is cast to ``dtype`` once per step (autocast's weight cache
+    lives until the outermost region closes), and a pipeline's micro-batches in flight
+    share that one copy."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
 
 
 def _expert_data_parallel_group():

@@ -15,8 +15,9 @@ reverse order); a bucket is reduced with one collective:
   parameters, which then live in a flat parameter buffer of the same layout (each
   parameter's ``.data`` a view into it).
 
-A parameter that must be reduced apart (a tied weight, whose slices must line up on both of
-its stages: :func:`own_bucket`) gets a bucket of its own. Collectives are launched with
+Parameters reduced after the others get buckets of their own (``late``): a tied weight
+alone (its slices must line up on both of its stages), the sequence-parallel ones together
+(their tensor-parallel sum comes first). Collectives are launched with
 ``async_op=True``; :meth:`GradBuffer.finish` waits for them.
 """
 from dataclasses import dataclass, field
@@ -66,12 +67,12 @@ class GradBuffer:
         shard: reduce-scatter the buckets and all-gather the parameters (distributed
             optimizer) instead of all-reducing.
         bucket_size: elements per bucket (None: one bucket).
-        own_bucket: ``f(param) -> bool``: the parameter gets a bucket of its own, reduced
-            late (see :class:`Bucket`).
+        late: ``f(param) -> None`` (an ordinary parameter) or a key: the parameters of one
+            key share a bucket of their own, reduced late (see :class:`Bucket`).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group, shard: bool,
-                 bucket_size: Optional[int], own_bucket: Callable = lambda p: False):
+                 bucket_size: Optional[int], late: Callable = lambda p: None):
         self.group = group
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -82,7 +83,7 @@ class GradBuffer:
         self.dtype, self.device = params[0].dtype, params[0].device
         self.buckets: List[Bucket] = []
         self.index = {}  # param -> (start, end) in the buffer
-        self._layout(list(reversed(params)), bucket_size, own_bucket)
+        self._layout(list(reversed(params)), bucket_size, late)
         total = self.buckets[-1].end if self.buckets else 0
         self.grad_data = torch.zeros(total, dtype=self.dtype, device=self.device)
         self.param_data = torch.zeros(total, dtype=self.dtype, device=self.device) \
@@ -95,11 +96,12 @@ class GradBuffer:
             param.grad = self.grad_data[start:end].view_as(param)
         self.bucket_of = {param: b for b in self.buckets for param in b.params}
 
-    def _layout(self, params, bucket_size, own_bucket):
-        """Buckets of about ``bucket_size`` elements, in the order given; a tied parameter
-        alone in its bucket; each bucket padded to a multiple of the group size when
+    def _layout(self, params, bucket_size, late):
+        """Buckets of about ``bucket_size`` elements, in the order given, then one late
+        bucket per key of ``late``; each bucket padded to a multiple of the group size when
         sharded (every rank's slice of it equally long)."""
         offset, current, current_numel = 0, [], 0
+        late_groups = {}
 
         def close(members, late=False):
             nonlocal offset
@@ -113,11 +115,9 @@ class GradBuffer:
             self.buckets.append(Bucket(len(self.buckets), start, offset, list(members), late))
 
         for param in params:
-            if own_bucket(param):
-                if current:
-                    close(current)
-                    current, current_numel = [], 0
-                close([param], late=True)
+            key = late(param)
+            if key is not None:
+                late_groups.setdefault(key, []).append(param)
                 continue
             current.append(param)
             current_numel += param.numel()
@@ -126,6 +126,8 @@ class GradBuffer:
                 current, current_numel = [], 0
         if current:
             close(current)
+        for members in late_groups.values():
+            close(members, late=True)
 
     # ------------------------------------------------------------ shards
     def shard_range(self, bucket: Bucket):

@@ -13,8 +13,10 @@ t5_layers.py):
   column-parallel layer keeps its ``[s/t, b, h]`` shard and all-gathers it again in the
   backward (megatron/mpu/sequence_parallel_linear.py), so its input, the norms and the
   dropouts all shrink by ``t``: ``34 s b h / t`` in Korthikanti's terms;
-- autocast saves the compute-dtype copy of every weight a linear layer reads, once per
-  micro-batch (the cast cache lives for one autocast region);
+- autocast's compute-dtype copy of every weight a linear layer reads is made once per step
+  (the step's micro-batches run in one autocast region, whose weight cache they share) and
+  held until the last backward: not a micro-batch's, counted once per rank by
+  :func:`megatron.memory.report.autocast_weight_copies`;
 - SDPA (the default) keeps the query/key/value projection, its output and the fp32
   log-sum-exp: no ``s x s`` term; the unfused path keeps the softmax output, its
   per-row flags, the dropout mask and the dropped probabilities;
@@ -202,9 +204,15 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     drop_dtype = spec.residual_bytes if spec.bias else e  # the bias add promotes it
     residual = tokens * h // sp_divisor(spec)
     total += 2 * dropout_bytes(spec, residual, drop_dtype, spec.hidden_dropout)
-    if spec.autocast:
-        total += (h * spec.qkv_width + proj * h + (3 if spec.gated else 2) * h * f) // t * e
     return total
+
+
+def layer_weight_copy(spec: MemorySpec) -> int:
+    """Bytes of autocast's compute-dtype copies of one decoder layer's linear weights (one
+    tensor-parallel rank)."""
+    h, f, t, e = spec.hidden, spec.ffn, spec.tp, spec.e
+    proj = spec.heads * spec.kv_channels
+    return (h * spec.qkv_width + proj * h + (3 if spec.gated else 2) * h * f) // t * e
 
 
 def attention_half(spec: MemorySpec, b: int) -> int:
@@ -279,7 +287,7 @@ def gpt2_embedding(spec: MemorySpec, b: int) -> int:
 
 
 def output_and_loss(spec: MemorySpec, b: int, s: int) -> int:
-    """The output layer's input and weight copy, the vocab-parallel cross entropy (fp32
+    """The output layer's input, the vocab-parallel cross entropy (fp32
     softmax, target ids and range mask) and the loss-mask product.
 
     Args:
@@ -289,8 +297,6 @@ def output_and_loss(spec: MemorySpec, b: int, s: int) -> int:
     """
     tokens, v = s * b, spec.vocab // spec.tp
     total = tokens * spec.hidden * spec.e // sp_divisor(spec)  # a shard under SP
-    if spec.autocast:
-        total += v * spec.hidden * spec.e
     total += tokens * v * 4 + tokens * (8 + 1)  # softmax, local targets, outside mask
     return total + 2 * tokens * 4  # per-token losses and the loss mask
 

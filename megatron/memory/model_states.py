@@ -6,7 +6,7 @@ weights divided by tp, norms and row-parallel biases replicated). Bytes per para
 ===========================  ========  ======  ==================================
 backend, precision           weights   grads   optimizer (AdamW: exp_avg, exp_avg_sq)
 ===========================  ========  ======  ==================================
-DDP, any (autocast)          4         4       8
+own step, any (autocast)     4         4       8 (distributed optimizer: 8 / dp)
 engine fp32                  4         4       8
 engine fp16 / bf16           2         2       4 (fp32 master) + 8
 BF16_Optimizer (below)       2         2       a (flat gradient buffer) + 12 / dp
@@ -14,7 +14,11 @@ ZeRO-1 (engine)              w         w       (4 master + 8) / dp
 ZeRO-2 (engine)              w         w / dp  (4 master + 8) / dp
 ===========================  ========  ======  ==================================
 
-(w: 4 in fp32, 2 in fp16 / bf16.) DeepSpeed 0.19 gives bf16 weights its BF16_Optimizer in
+(w: 4 in fp32, 2 in fp16 / bf16.) The project's own step (every layout but ``--deepspeed``,
+"ddp" here) keeps fp32 weights and one fp32 gradient buffer over every trained parameter
+(allocated once, never freed: the position table of GPT-2's tied copy included); its
+distributed optimizer holds the moments of each rank's 1 / dp slice of every bucket.
+DeepSpeed's engine (``--deepspeed``, pp 1) follows the other rows. DeepSpeed 0.19 gives bf16 weights its BF16_Optimizer in
 a pipeline without ZeRO and under ZeRO-1 with ``data_types.grad_accum_dtype: fp32``; its
 flat buffer accumulates in that dtype (``a`` = 2 for bf16, the default, 4 for fp32) and
 covers the whole stage, not a 1 / dp share. The last pipeline stage's tied embedding copy
@@ -135,10 +139,12 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
     """
     n = stage_params(spec, layers)
     g = n - _no_grad_params(spec, layers)
-    if spec.backend == "ddp" or spec.dtype == "fp32" and not spec.zero_stage:
+    partition = -(-n // spec.grad_ranks)  # ceil: each bucket is padded to dp parts
+    if spec.backend == "ddp":  # the gradient buffer covers every trained parameter
+        return ModelStates(n, 4 * n, 4 * n, 8 * (partition if spec.zero_stage else n))
+    if spec.dtype == "fp32" and not spec.zero_stage:
         return ModelStates(n, 4 * n, 4 * g, 8 * n)
     w = 4 if spec.dtype == "fp32" else 2
-    partition = -(-n // spec.grad_ranks)  # ceil: DeepSpeed pads the flat buffer to dp parts
     if bf16_optimizer(spec):
         # a whole flat gradient buffer in the accumulation dtype (bf16 unless the JSON's
         # data_types.grad_accum_dtype says fp32) and the fp32 master + moments over dp; the
@@ -160,6 +166,14 @@ def _largest_param(spec: MemorySpec, layers: StageLayers) -> int:
     return largest
 
 
+def _largest_bucket(spec: MemorySpec, layers: StageLayers, n: int) -> int:
+    """Elements of a stage's largest gradient bucket (one bucket, but a weight tied across
+    pipeline stages, the word embedding, has its own: megatron/distributed)."""
+    word = spec.vocab // spec.tp * spec.hidden
+    tied = spec.pp > 1 and spec.tie_embeddings and (layers.embedding or layers.head)
+    return max(word, n - word) if tied else n
+
+
 def step_bytes(spec: MemorySpec, layers: StageLayers, states: ModelStates) -> int:
     """Bytes beyond the model states while the step reduces the gradients and updates the
     weights (the activations are gone by then): the larger of the two moments.
@@ -173,7 +187,11 @@ def step_bytes(spec: MemorySpec, layers: StageLayers, states: ModelStates) -> in
       fp32 copy of its gradient (``4 n``), the BF16_Optimizer one of its bf16-accumulated
       partition (``4 n / dp``; none when it accumulates in fp32), ZeRO an fp32 gradient
       partition (``4 n / dp``); on the CPU torch's AdamW runs tensor by tensor and holds
-      two temporaries of the tensor it updates (fused on CUDA: none).
+      two temporaries of the tensor it updates (fused on CUDA: none). The project's own step
+      reduces, clips and all-gathers in place in its buffers: only the update's temporaries
+      (of the largest parameter, or with the distributed optimizer of the largest part of
+      one in the rank's slice), and on the CPU gloo's copy of a bucket in the distributed
+      optimizer's reduce-scatter and all-gather.
 
     Args:
         spec: the run.
@@ -182,11 +200,17 @@ def step_bytes(spec: MemorySpec, layers: StageLayers, states: ModelStates) -> in
     """
     n = states.params
     partition = -(-n // spec.grad_ranks)
+    if spec.backend == "ddp":  # tensor by tensor: a parameter, or its part in this slice
+        if spec.device != "cpu":
+            return 0
+        largest = _largest_param(spec, layers)
+        if not spec.zero_stage:
+            return 2 * 4 * largest
+        # gloo's reduce-scatter and all-gather copy a bucket (NCCL's run in place)
+        return 2 * 4 * min(largest, partition) + 4 * _largest_bucket(spec, layers, n)
     flat = bf16_optimizer(spec) or spec.zero_stage > 0  # the optimizer steps flat partitions
     adam = 2 * 4 * (partition if flat else _largest_param(spec, layers)) \
         if spec.device == "cpu" else 0
-    if spec.backend == "ddp":
-        return adam
     if bf16_optimizer(spec):
         bucket = min(n, ALLREDUCE_BUCKET)  # fp32 accumulation: also its bf16 copy to send
         reduce = bucket * spec.accum_bytes + (bucket * spec.e if spec.accum_bytes != spec.e

@@ -108,7 +108,9 @@ def _variants(base, tp, pp, dp, mb, m):
             for sp in (False, True) if tp > 1 else (False,):
                 if zero and dp * base.cp == 1 or sp and base.seq_local % tp:
                     continue
-                backend = "engine" if pp > 1 or zero or base.backend == "engine" else "ddp"
+                # ZeRO-2 is DeepSpeed's engine's (pp 1); stage 1 is the project's distributed
+                # optimizer, every layout
+                backend = "engine" if zero == 2 or base.backend == "engine" else "ddp"
                 yield replace(base, tp=tp, pp=pp, dp=dp, micro_batch=mb, num_micro_batches=m,
                               recompute=recompute, recompute_method="uniform",
                               recompute_num_layers=1, zero_stage=zero, sequence_parallel=sp,

@@ -4,9 +4,12 @@ allocated then) and the optimizer step's (model states + the step's temporaries)
 from dataclasses import asdict, dataclass, replace
 from typing import List, Optional
 
+from .activations import layer_weight_copy
 from .chunks import chunk_bytes, rank_grad_bytes, rank_states, stage_layout
 from .model_states import ModelStates
 from .spec import MemorySpec
+from .stages import StageLayers
+from .t5_activations import t5_layer_weight_copy
 from .walk import RankPeaks, peaks, rank_walks
 
 GIB = 2 ** 30
@@ -23,8 +26,7 @@ class StageMemory:
     in_flight: int
     """Micro-batches (chunks) whose activations are alive at once."""
     buffers: int
-    """DDP gradient buckets; the pipeline's stage outputs and received masks held for the
-    backward."""
+    """The pipeline's stage outputs and received masks held for the backward."""
     transient: int
     """What short-lived working sets add at their worst moment beyond the most activation
     and gradient bytes alive at once: a backward's gradients in flight
@@ -42,6 +44,10 @@ class StageMemory:
     step: int = 0
     """Bytes beyond the model states while the gradients are reduced and the optimizer
     steps (:func:`~megatron.memory.model_states.step_bytes`)."""
+    weight_copies: int = 0
+    """Autocast's compute-dtype copies of the rank's linear weights: made once per step,
+    shared by every micro-batch in flight, freed before the optimizer steps
+    (:func:`autocast_weight_copies`)."""
 
     @property
     def activations(self) -> int:
@@ -53,7 +59,7 @@ class StageMemory:
     def schedule_peak(self) -> int:
         """The peak while the micro-batches run forward and backward."""
         return self.states.total - self.late_grads + self.activations + self.buffers + \
-            self.transient
+            self.transient + self.weight_copies
 
     @property
     def step_peak(self) -> int:
@@ -111,13 +117,33 @@ def stage_memory(spec: MemorySpec, r: int, saved, rank: RankPeaks, saved_peak: i
     layout = stage_layout(spec)
     layers, mine = layout.stages[r], layout.chunks_of[r]
     states, step = (states_steps or rank_states(spec))[r]
-    buffers = states.grad_bytes if spec.backend == "ddp" and spec.grad_ranks > 1 else 0
-    buffers += rank.activations - saved_peak  # stage outputs and received masks
+    buffers = rank.activations - saved_peak  # stage outputs and received masks
     rank_grads = rank_grad_bytes(spec, mine)
     late = min(states.grad_bytes, rank.activations + rank_grads - rank.with_grads)
     return StageMemory(layers.stage, states, sum(saved[c] for c in mine) // spec.vpp,
                        rank.in_flight, buffers, rank.with_transient - rank.with_grads,
-                       saved_peak, late, step)
+                       saved_peak, late, step, autocast_weight_copies(spec, layers))
+
+
+def autocast_weight_copies(spec: MemorySpec, layers: StageLayers) -> int:
+    """Autocast's compute-dtype copies of the weights a rank's linear layers read: made at
+    their first use in the step, shared by every micro-batch, freed when the step's
+    autocast region closes (before the optimizer step); 0 without autocast.
+
+    Args:
+        spec: the run.
+        layers: the rank's layers (every chunk's).
+    """
+    if not spec.autocast:
+        return 0
+    if spec.family == "t5":
+        total = layers.encoder_layers * t5_layer_weight_copy(spec, False) + \
+            layers.decoder_layers * t5_layer_weight_copy(spec, True)
+    else:
+        total = layers.encoder_layers * layer_weight_copy(spec)
+    if layers.head:
+        total += spec.vocab // spec.tp * spec.hidden * spec.e
+    return total
 
 
 def format_stage(stage: StageMemory, pp: int) -> str:
@@ -136,6 +162,8 @@ def format_stage(stage: StageMemory, pp: int) -> str:
     during = (f"activations {stage.activations / GIB:.2f} ({stage.in_flight} micro-batches x "
               f"{stage.activations_per_micro_batch / 2**20:.1f} MiB) + buffers "
               f"{stage.buffers / GIB:.2f} + transient {stage.transient / GIB:.2f}")
+    if stage.weight_copies:
+        during += f" + autocast weight copies {stage.weight_copies / GIB:.2f}"
     if stage.step_peak > stage.schedule_peak:
         return (f"{head} at the optimizer step = {states} + step buffers "
                 f"{stage.step / GIB:.2f}; forward/backward {stage.schedule_peak / GIB:.2f} = "

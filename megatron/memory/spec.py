@@ -195,8 +195,11 @@ class MemorySpec:
             problems.append(f"attention {self.attention!r}: choose sdpa or unfused")
         if self.zero_stage not in (0, 1, 2):
             problems.append(f"ZeRO stage {self.zero_stage}: the model covers 0, 1 and 2")
-        if self.zero_stage and self.backend != "engine":
-            problems.append("ZeRO needs the DeepSpeed engine (--deepspeed or pp > 1)")
+        if self.zero_stage == 2 and self.backend != "engine":
+            problems.append("ZeRO stage 2 needs DeepSpeed's engine (--deepspeed, pp 1); stage "
+                            "1 is the distributed optimizer")
+        if self.zero_stage == 2 and self.pp > 1:
+            problems.append("ZeRO stage 2 does not combine with pipeline stages")
         if min(self.tp, self.pp, self.dp, self.cp, self.vpp, self.micro_batch) < 1:
             problems.append("tp, pp, dp, cp, vpp and the micro-batch size must be >= 1")
         if self.heads % self.tp:
@@ -327,7 +330,9 @@ def _recompute(m) -> dict:
 
 
 def _backend(cfg) -> str:
-    return "engine" if cfg.parallel.pp > 1 or cfg.parallel.deepspeed else "ddp"
+    """``engine``: DeepSpeed's (``--deepspeed`` at pp 1); ``ddp``: the project's own step
+    (gradient buffers, autocast over fp32 weights) at every other layout."""
+    return "engine" if cfg.parallel.deepspeed and cfg.parallel.pp <= 1 else "ddp"
 
 
 def memory_model_of(cfg) -> Optional[str]:
@@ -389,7 +394,9 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         schedule=p.pipeline_schedule if p.pp > 1 else "",
         sequence_parallel=p.sequence_parallel,
         **_recompute(m), dtype=dtype, backend=backend,
-        zero_stage=_zero_stage(cfg) if backend == "engine" else 0,  # DDP ignores the flag
+        # the project's step: ZeRO stage 1 is its distributed optimizer (the flag or the JSON)
+        zero_stage=_zero_stage(cfg) if backend == "engine" else
+        int(bool(p.use_distributed_optimizer)),
         attention=resolve_attention_backend(k.attention_backend),
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         bias=m.hidden_bias, max_positions=m.max_position_embeddings,

@@ -52,10 +52,9 @@ def _residual_dropouts(spec: MemorySpec, tokens: int, count: int) -> int:
                                  spec.hidden_dropout)
 
 
-def _weights(spec: MemorySpec, decoder: bool) -> int:
-    """Autocast's compute-dtype weight copies of one layer."""
-    if not spec.autocast:
-        return 0
+def t5_layer_weight_copy(spec: MemorySpec, decoder: bool) -> int:
+    """Autocast's compute-dtype weight copies of one encoder (decoder) layer (held once per
+    step: megatron/memory/report.py's ``autocast_weight_copies``)."""
     h, f, proj = spec.hidden, spec.ffn, spec.heads * spec.kv_channels
     mlp = ((2 if spec.ff_type == "gated-gelu" else 1) + 1) * h * f
     return (mlp + 4 * h * proj * (2 if decoder else 1)) // spec.tp * spec.e
@@ -86,7 +85,7 @@ def t5_layer(spec: MemorySpec, decoder: bool) -> int:
         total += _attention(spec, Shape(s, spec.seq, b), bias=False)
     total += _mlp(spec, tokens)
     total += _residual_dropouts(spec, tokens, norms)
-    return total + _weights(spec, decoder)
+    return total
 
 
 def _recomputed_masks(spec: MemorySpec, enc: bool, dec: bool) -> int:

@@ -97,11 +97,6 @@ def build_deepspeed_config(cfg: Any) -> Dict[str, Any]:
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if stage in (1, 2):  # lets a checkpoint resume at another data-parallel size
         config["zero_optimization"].setdefault("elastic_checkpoint", True)
-    if cfg.precision.fp16 and stage == 0:
-        raise ConfigError(f"{path}: fp16 with DeepSpeed's engine needs ZeRO (its fp16 optimizer "
-                          f"without ZeRO does not scale the loss in DeepSpeed 0.19, "
-                          f"deepspeedai/DeepSpeed#8393); pass --zero-stage 1, or drop "
-                          f"--deepspeed (the project's own step scales fp16 losses)")
     return config
 
 

@@ -15,14 +15,13 @@ schedule (:class:`tds.pipe.schedule_step.ScheduleStep`: 1F1B, interleaved, ZB-H1
 returns the stats of each micro-batch's loss on the rank that computes it; the rest of the
 step is the same code as at pp 1.
 """
-import contextlib
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import mpu
-from ..distributed import DataParallel, DDPConfig, tied_weights_of
+from ..distributed import DataParallel, DDPConfig, autocast_region, tied_weights_of
 from ..learning_rates import AnnealingLR
 from ..optimizer import build_grad_scaler, build_optimizer, get_param_groups
 from ..optimizer.adamw import build_adamw
@@ -32,9 +31,7 @@ from .state_io import state_io_for
 
 def autocast(precision: Any) -> ContextManager:
     """autocast to the compute dtype of a PrecisionConfig (a no-op in fp32)."""
-    if precision.dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=mpu.get_device().type, dtype=precision.dtype)
+    return autocast_region(precision.dtype, mpu.get_device().type)
 
 
 def ddp_config(cfg: Any) -> DDPConfig:
@@ -97,18 +94,22 @@ class StepBackend(TrainingBackend):
         return per_micro_batch, updated, grad_norm
 
     def _forward_backward(self, forward_step_func, data_iterator):
-        gas = self.cfg.batch.gas
-        if self.schedule is not None:
-            return self.schedule.train(data_iterator, gas,
-                                       lambda loss: self.optimizer.scale_loss(loss / gas))
-        per_micro_batch = []
-        for i in range(gas):
-            with self.model.grad_sync(i == gas - 1), self.micro_batch(i):
-                with autocast(self.cfg.precision):
+        """Every micro-batch's forward and backward inside one autocast region: each weight
+        is cast to the compute dtype once per step (autocast's weight cache), not once per
+        micro-batch, and a pipeline's micro-batches in flight share that one copy."""
+        gas, precision = self.cfg.batch.gas, self.cfg.precision
+        with autocast(precision):
+            if self.schedule is not None:
+                return self.schedule.train(data_iterator, gas,
+                                           lambda loss: self.optimizer.scale_loss(loss / gas))
+            per_micro_batch = []
+            for i in range(gas):
+                with self.micro_batch(i):
                     loss, stats = forward_step_func(data_iterator, self.model)
-                self.optimizer.scale_loss(loss / gas).backward()
-            per_micro_batch.append(stats)
-        return per_micro_batch
+                with self.model.backward_region(i == gas - 1, precision.dtype):
+                    self.optimizer.scale_loss(loss / gas).backward()
+                per_micro_batch.append(stats)
+            return per_micro_batch
 
     def take_back_skipped_steps(self, count: int) -> None:
         if count:
@@ -173,4 +174,4 @@ def _pipeline_schedule(module, cfg, batch_fn, model):
     context = batch_fn.micro_batch if isinstance(batch_fn, SeededBatchFn) else None
     return ScheduleStep(module, name, stage, contract_of(module), batch_fn, context, store,
                         forward_context=lambda: autocast(cfg.precision),
-                        grad_sync=model.grad_sync)
+                        grad_sync=lambda last: model.backward_region(last, cfg.precision.dtype))

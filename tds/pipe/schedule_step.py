@@ -180,6 +180,7 @@ class ScheduleStep(StageCallbacks):
         self.reentrant = reentrant_checkpointing(module)
         self.boundaries: Optional[List[Boundary]] = None
         self._runners: Dict[Tuple[bool, int], ScheduleRunner] = {}
+        self.runner: Optional[ScheduleRunner] = None  # the last step's (its results)
         self.deferred_gemms = 0  # weight-gradient GEMMs the weight passes ran, per step
         self.peak_in_flight = 0  # (chunk, mb) forwarded and not yet through its backward
         self._warned_empty = False
@@ -196,7 +197,7 @@ class ScheduleStep(StageCallbacks):
     def set_contract(self, contract: StageContract) -> None:
         """A new contract (CPM's setters): the boundaries are learned again."""
         self.contract, self.boundaries = contract, None
-        self._runners = {}
+        self._runners, self.runner = {}, None
 
     # ------------------------------------------------------------ steps
     def train(self, data_iterator: Optional[Iterator], num_micro_batches: int,
@@ -281,7 +282,8 @@ class ScheduleStep(StageCallbacks):
             self._runners[key] = ScheduleRunner(
                 actions, self.vpp_size, num_micro_batches, self.stage.stage_ranks,
                 self.stage.link, self.boundaries, placement=placement, forward_only=evaluate)
-        return self._runners[key]
+        self.runner = self._runners[key]
+        return self.runner
 
     # ------------------------------------------------------------ data
     def _apply_batch_fn(self, raw, mb: int):
