@@ -66,9 +66,13 @@ def test_yaml_config_with_parallel_block_and_cli_override(tmp_path):
     assert args.fp16 and args.compute_dtype == torch.float16 and args.hidden_bias is False
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
     assert args.gas == 4 and args.checkpoint_activations
-    # the same file on a device whose DeepSpeed has no fp16 (pp = 2 runs the tds engine)
+    # on a device whose DeepSpeed has no fp16: pp 2 trains through the project's own step
+    # (torch's autocast), so it is accepted; DeepSpeed's engine at pp 1 is refused
+    assert parse_args(argv, world_size=8, rank=0, check_files=False,
+                      accelerator=WITHOUT_FP16).fp16
+    engine = argv + ["--pipe-parallel-size", "1", "--deepspeed", "--zero-stage", "1"]
     with pytest.raises(ConfigError, match="--fp16 is not supported by DeepSpeed on this device"):
-        parse_args(argv, world_size=8, rank=0, check_files=False, accelerator=WITHOUT_FP16)
+        parse_args(engine, world_size=8, rank=0, check_files=False, accelerator=WITHOUT_FP16)
 
 
 @pytest.mark.parametrize("text,message", [

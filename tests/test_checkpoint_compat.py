@@ -119,3 +119,36 @@ def test_old_t5_checkpoint_resumes_exactly_at_its_layout_and_another(ckpt, pp):
     losses, _ = run_distributed(train_t5, pp, _t5_argv(ckpt, *extra), timeout=300)[-1]
     assert len(losses) == 3
     assert losses == pytest.approx(old[3:], rel=1e-6, abs=0)
+
+
+V1_DATA = os.path.join(os.path.dirname(DATA), "v1_gpt2")
+
+
+def _v1_argv(ckpt, *extra):
+    """tests/data/v1_gpt2/make_checkpoints.py's flags, resuming from ``ckpt``."""
+    argv = _argv(ckpt, *extra)
+    argv[argv.index("--load") + 1] = os.path.join(V1_DATA, ckpt)
+    return argv[:argv.index("--batch-size")] + [
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--clip-grad", "0.5",
+        *argv[argv.index("--batch-size") + 2:]]
+
+
+@pytest.mark.parametrize("ckpt,world,extra", [
+    ("ckpt_pipe_zero1", 4, ("--pipe-parallel-size", "2", "--zero-stage", "1")),
+    ("ckpt_ddp", 2, ())])
+def test_checkpoints_of_the_deepspeed_engine_release_resume_exactly(ckpt, world, extra):
+    """Written by the last release whose pipeline runs stepped through DeepSpeed's engine
+    (tests/data/v1_gpt2): pp 2 x dp 2 with DeepSpeed's ZeRO-1 partitions (read by parameter
+    name into the distributed optimizer) and pp 1 DDP at dp 2 (its optimizer in the main
+    file); each continues its run."""
+    with open(os.path.join(V1_DATA, "losses.json")) as handle:
+        old = json.load(handle)["losses"][ckpt]
+    losses = run_distributed(train_gpt2_plain, world, _v1_argv(ckpt, *extra))[0]
+    assert len(losses) == 3
+    assert losses == pytest.approx(old[3:], rel=2e-6)
+
+
+def train_gpt2_plain(argv):
+    import pretrain_gpt2
+
+    return pretrain_gpt2.main(argv).losses

@@ -55,7 +55,7 @@ def test_zbv_orders_at_scale_are_tds_orders():
 
 
 def test_partition_is_deepspeeds():
-    from tds.pipe import partition_balanced as deepspeed_partition
+    from deepspeed.runtime.utils import partition_balanced as deepspeed_partition
 
     rng = random.Random()
     for _ in range(40):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import mpu
-from ..mpu.weight_grad import GRAD_READY_HOOK
+from ..mpu.weight_grad import GRAD_READY_HOOK, weight_grad_store_of
 from .grad_buffer import DEFAULT_BUCKET_SIZE, GradBuffer
 
 
@@ -144,8 +144,13 @@ class DataParallel(nn.Module):
         return self.buffers[0].device.type if self.buffers else "cpu"
 
     def _grad_ready(self, param: torch.Tensor) -> None:
-        if self._sync:
-            self.buffer_of[param].mark_ready(param)
+        if not self._sync:
+            return
+        store = weight_grad_store_of(param)
+        if store is not None and store.recording_key is not None:
+            return  # an input pass that deferred this weight's GEMM: autograd's hook fires
+            # all the same; its gradient comes with the weight pass (accumulate_grad)
+        self.buffer_of[param].mark_ready(param)
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer (the parameters' ``.grad`` are views into them)."""

@@ -107,7 +107,9 @@ class ModelFamily:
     """``make_batch_fn(cfg, tokenizer) -> f(raw batch or None) -> (inputs, labels)``: tensor-
     parallel rank 0 reads, the batch is shared with its group, masks are built on the device."""
     loss_fn: Callable
-    """``loss_fn(outputs, labels) -> scalar loss`` of the model's (or last stage's) outputs."""
+    """``loss_fn(outputs, labels) -> scalar loss`` of the model's (or last stage's) outputs,
+    or ``(loss, {name: value})``: the values are logged beside ``lm loss`` (averaged over
+    micro-batches and data-parallel ranks), at pp 1 and pp > 1 alike."""
     keys: Optional[ModuleType] = None
     """The checkpoint key map (:mod:`megatron.checkpoint.gpt2_keys` / ``t5_keys``): a run
     of this family moves a checkpoint to another layout with it where the checkpoint's
@@ -188,15 +190,19 @@ class ModelFamily:
 
     def forward_step(self, batch_fn: Callable) -> Callable:
         """Megatron's ``forward_step(data_iterator, model) -> (loss, {"lm loss": ...})`` for
-        the serial model, from the family's batch function and loss."""
+        the serial model, from the family's batch function and loss (with the stats the loss
+        returns, as the pipeline's schedule takes them)."""
         from ..model.compile import model_loss
 
         def forward_step(data_iterator, model):
             raw = next(data_iterator) if data_iterator is not None else None
             inputs, labels = batch_fn(raw)
             # with --compile, the loss inside the model's compiled region
-            loss = model_loss(model, inputs, labels, self.loss_fn)
-            return loss, {"lm loss": loss.detach()}
+            result = model_loss(model, inputs, labels, self.loss_fn)
+            loss, stats = result if isinstance(result, tuple) else (result, {})
+            return loss, {"lm loss": loss.detach(),
+                          **{k: v.detach() if hasattr(v, "detach") else v
+                             for k, v in stats.items()}}
 
         return forward_step
 

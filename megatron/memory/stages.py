@@ -128,7 +128,7 @@ def partition_balanced(weights: Sequence[int], num_parts: int) -> List[int]:
 
     n, m = len(weights), num_parts
     if n <= m:
-        from tds.pipe import partition_uniform  # DeepSpeed's, as there
+        from deepspeed.runtime.utils import partition_uniform  # DeepSpeed's, as there
 
         return partition_uniform(n, m)
     inf = np.inf

@@ -35,7 +35,8 @@ from .contract import StageContract
 from .p2p import StageLink
 from .probe import probe_chunks
 from .runner import Boundary, ScheduleRunner, StageCallbacks
-from .schedules import ZERO_BUBBLE, Placement, build_schedule, forward_only
+from .schedules import (ZERO_BUBBLE, Backward, BackwardInput, BackwardWeight, Placement,
+                        build_schedule, forward_only)
 
 
 def module_placement(module, pp_size: int) -> Placement:
@@ -146,7 +147,8 @@ class ScheduleStep(StageCallbacks):
             weight-gradient GEMMs (``record`` / ``flush`` / ``check_flushed``).
         forward_context: ``f() -> context manager`` around every forward (e.g. autocast).
         grad_sync: ``f(enabled) -> context manager`` around every backward; enabled for
-            the step's last micro-batch (the data-parallel reduction may start then).
+            each chunk's last backward and last weight pass of the step (the data-parallel
+            reduction of what they complete may start then).
     """
 
     def __init__(self, module, schedule: str, stage: Stage, contract: StageContract,
@@ -181,6 +183,7 @@ class ScheduleStep(StageCallbacks):
         self.boundaries: Optional[List[Boundary]] = None
         self._runners: Dict[Tuple[bool, int], ScheduleRunner] = {}
         self.runner: Optional[ScheduleRunner] = None  # the last step's (its results)
+        self._last_passes: Dict[Tuple[str, int], int] = {}
         self.deferred_gemms = 0  # weight-gradient GEMMs the weight passes ran, per step
         self.peak_in_flight = 0  # (chunk, mb) forwarded and not yet through its backward
         self._warned_empty = False
@@ -283,6 +286,7 @@ class ScheduleStep(StageCallbacks):
                 actions, self.vpp_size, num_micro_batches, self.stage.stage_ranks,
                 self.stage.link, self.boundaries, placement=placement, forward_only=evaluate)
         self.runner = self._runners[key]
+        self._last_passes = _last_passes(self.runner.actions)
         return self.runner
 
     # ------------------------------------------------------------ data
@@ -372,7 +376,7 @@ class ScheduleStep(StageCallbacks):
 
     def _backward(self, chunk: int, mb: int, output_grads):
         inputs, outputs = self.saved.pop((chunk, mb))
-        with self.grad_sync(mb == self.num_micro_batches - 1):
+        with self.grad_sync(self._last_passes.get(("backward", chunk)) == mb):
             if chunk == self.num_chunks - 1:  # the loss
                 torch.autograd.backward(self.scale_loss(outputs))
             else:
@@ -397,7 +401,7 @@ class ScheduleStep(StageCallbacks):
         self.in_flight.discard((chunk, mb))
         if self.store is None:
             return
-        with self.grad_sync(mb == self.num_micro_batches - 1):
+        with self.grad_sync(self._last_passes.get(("weight", chunk)) == mb):
             self.deferred_gemms += self.store.flush((chunk, mb))
 
     def _warn_if_nothing_deferred(self):
@@ -407,3 +411,17 @@ class ScheduleStep(StageCallbacks):
                   f"weight passes deferred no GEMM (no weight_grad_store, or no layer of this "
                   f"stage defers its weight gradient): correct, but no bubble is saved",
                   flush=True)
+
+
+def _last_passes(actions) -> Dict[Tuple[str, int], int]:
+    """``{("backward" | "weight", chunk): micro-batch}`` of each local chunk's last input
+    (or whole) backward and last weight pass in this rank's action list: the passes after
+    which the chunk's gradients are final (a zero-bubble schedule may run the weight passes
+    out of micro-batch order), where the data-parallel reduction may start."""
+    last = {}
+    for action in actions:
+        if isinstance(action, (Backward, BackwardInput)):
+            last[("backward", action.chunk)] = action.mb
+        elif isinstance(action, BackwardWeight):
+            last[("weight", action.chunk)] = action.mb
+    return last
