@@ -296,8 +296,8 @@ def _apply_pipeline_block(module, pipeline: Dict[str, Any]) -> None:
 
         module.activation_checkpoint_func = deepspeed.checkpointing.non_reentrant_checkpoint
     interval = pipeline.get("activation_checkpoint_interval", 0)
-    if interval and interval > 0:
-        module.set_checkpoint_interval(interval)
+    if interval and interval > 0:  # the schedule then prepares the recompute blocks
+        module.activation_checkpoint_interval = interval
 
 
 def _device() -> torch.device:

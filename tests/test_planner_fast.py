@@ -56,6 +56,9 @@ def test_zbv_orders_at_scale_are_tds_orders():
 
 def test_partition_is_deepspeeds():
     from deepspeed.runtime.utils import partition_balanced as deepspeed_partition
+    from deepspeed.runtime.utils import partition_uniform as deepspeed_uniform
+
+    from tds.pipe.partition import partition_uniform
 
     rng = random.Random()
     for _ in range(40):
@@ -63,6 +66,7 @@ def test_partition_is_deepspeeds():
         weights = [rng.choice([0, 1, 1, 2, 3]) for _ in range(n)]
         parts = rng.randint(1, n + 3)
         assert partition_balanced(weights, parts) == list(deepspeed_partition(weights, parts))
+        assert partition_uniform(n, parts) == list(deepspeed_uniform(n, parts))
     layers = rng.choice([96, 105, 128])  # the published models' layer specs
     kinds = [0] + [1] * layers + [0, 0]
     for parts in (8, 35, 64):

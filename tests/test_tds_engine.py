@@ -288,11 +288,10 @@ def test_contract_names_a_shape_change_and_accepts_cpm_declarations():
 def test_pipeline_module_without_a_process_group_names_the_call():
     import torch.distributed as dist
     from deepspeed import comm as ds_comm
-    from deepspeed.pipe import PipelineModule as DeepSpeedPipelineModule
 
-    import tds  # noqa: F401  (readies DeepSpeed's PipelineModule)
+    from tds.pipe import PipelineModule
 
     if dist.is_initialized() or ds_comm.is_initialized():
         pytest.skip("this process already has a process group")
     with pytest.raises(RuntimeError, match=r"call torch.distributed.init_process_group\(\)"):
-        DeepSpeedPipelineModule(layers=[torch.nn.Linear(2, 2)], num_stages=1)
+        PipelineModule(layers=[torch.nn.Linear(2, 2)], num_stages=1)

@@ -114,43 +114,9 @@ class _Sizes(NamedTuple):
 
 
 def partition_balanced(weights: Sequence[int], num_parts: int) -> List[int]:
-    """DeepSpeed's ``partition_balanced`` (the linear-partition dynamic programme its
-    ``PipelineModule`` runs for ``partition_method='type:...'``), the same boundaries, ties
-    broken the same way (the last split of the least cost), with each step's candidates
-    on arrays: milliseconds where DeepSpeed's loops take a second at 128 stages.
-    tests/test_planner_fast.py checks it against DeepSpeed's.
+    """DeepSpeed's balanced partition, as tds's pipeline modules cut their chunks
+    (:func:`tds.pipe.partition.partition_balanced`; imported here on first use: a run
+    without pipeline stages never loads tds or DeepSpeed)."""
+    from tds.pipe.partition import partition_balanced as balanced
 
-    Args:
-        weights: per layer spec.
-        num_parts: parts.
-    """
-    import numpy as np
-
-    n, m = len(weights), num_parts
-    if n <= m:
-        from deepspeed.runtime.utils import partition_uniform  # DeepSpeed's, as there
-
-        return partition_uniform(n, m)
-    inf = np.inf
-    dp_max, dp_min, dp_cost = (np.full((n + 1, m + 1), inf) for _ in range(3))
-    position = np.zeros((n + 1, m + 1), dtype=int)
-    prefix = np.zeros(n + 1)
-    prefix[1:] = np.cumsum(weights)
-    dp_max[0, 0] = dp_cost[0, 0] = 0
-    rows, ks = np.arange(n + 1)[:, None], np.arange(n)[None, :]
-    span = prefix[:, None] - prefix[None, :n]  # [i, k]: weight of layers k..i-1
-    for j in range(1, m + 1):
-        top = np.maximum(dp_max[:n, j - 1][None, :], span)
-        low = np.minimum(dp_min[:n, j - 1][None, :], span)
-        cost = np.where(ks < rows, top - low, np.nan)
-        best = np.nanmin(np.where(ks < rows, cost, inf), axis=1)
-        hit = (cost == best[:, None]) & (ks < rows)
-        k = n - 1 - np.argmax(hit[:, ::-1], axis=1)  # the last k of the least cost
-        i = np.arange(j, n + 1)  # DeepSpeed fills j <= min(i, m)
-        dp_cost[i, j], position[i, j] = best[i], k[i]
-        dp_max[i, j], dp_min[i, j] = top[i, k[i]], low[i, k[i]]
-    parts = [n]
-    for j in reversed(range(1, m + 1)):
-        parts.append(int(position[parts[-1], j]))
-    parts.reverse()
-    return parts
+    return balanced(weights, num_parts)

@@ -26,6 +26,7 @@ import torch
 from deepspeed.pipe import PipelineModule as _DeepSpeedPipelineModule
 
 from .actions import PLACEMENT_KINDS, Placement
+from .partition import partition_specs
 
 if TYPE_CHECKING:
     from .compiled import ChunkRegions
@@ -103,11 +104,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if self.num_virtual_stages == 1:
             return super()._partition_layers(method)
         p, v = self.num_stages, self.num_virtual_stages
-        self.num_stages = p * v  # DeepSpeed's partitioner, over p v chunks
-        try:
-            super()._partition_layers(method)
-        finally:
-            self.num_stages = p
+        self.parts = partition_specs(self._layer_specs, method, p * v)  # DeepSpeed's methods
         empty = [c for c in range(p * v) if self.parts[c] == self.parts[c + 1]]
         if empty:
             raise ValueError(f"PipelineModule: chunk(s) {empty} of {p * v} hold no layer "

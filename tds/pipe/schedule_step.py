@@ -102,6 +102,17 @@ def keep_gradless_blocks_out_of_checkpoints(module) -> None:
     module.activation_checkpoint_func = checkpoint
 
 
+def prepare_recompute_blocks(module) -> None:
+    """DeepSpeed's ``PipelineModule`` runs its recompute blocks from a table it fills in
+    ``_precompute_checkpointable_values``, which DeepSpeed's engine calls before the module
+    runs (its public ``set_checkpoint_interval`` did not before 0.19.8): the one private
+    method of DeepSpeed's that tds calls, on a module DeepSpeed built."""
+    if getattr(module, "activation_checkpoint_interval", 0) > 0:
+        precompute = getattr(module, "_precompute_checkpointable_values", None)
+        if callable(precompute):
+            precompute()
+
+
 @dataclass
 class Stage:
     """Where this rank sits in its pipeline.
@@ -176,9 +187,7 @@ class ScheduleStep(StageCallbacks):
         # the rank that loads a micro-batch also computes its loss (a V): keep its labels
         self.keeps_labels = 0 in chunks and self.num_chunks - 1 in chunks
         keep_gradless_blocks_out_of_checkpoints(module)
-        interval = getattr(module, "activation_checkpoint_interval", 0)
-        if interval > 0 and hasattr(module, "set_checkpoint_interval"):
-            module.set_checkpoint_interval(interval)  # DeepSpeed's: its recompute blocks
+        prepare_recompute_blocks(module)
         self.reentrant = reentrant_checkpointing(module)
         self.boundaries: Optional[List[Boundary]] = None
         self._runners: Dict[Tuple[bool, int], ScheduleRunner] = {}
