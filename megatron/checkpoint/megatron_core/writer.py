@@ -43,7 +43,8 @@ _OUR_KEY = {theirs: ours for ours, theirs in names.DIST_LAYER_NAMES.items()}
 def _tp_dim(name: str) -> Optional[int]:
     """The dimension ``name`` (a torch_dist tensor) is split on across tp ranks, or None."""
     if name.startswith(names.LAYERS):
-        dim = gpt2_keys.tp_split_dim(f"{gpt2_keys.LAYER_PREFIX}0.{_OUR_KEY[name[len(names.LAYERS):]]}")
+        ours = _OUR_KEY[name[len(names.LAYERS):]]
+        dim = gpt2_keys.tp_split_dim(f"{gpt2_keys.LAYER_PREFIX}0.{ours}")
         return None if dim is None else dim + 1  # after the stacked layer dimension
     return 0 if name == "embedding.word_embeddings.weight" else None
 
