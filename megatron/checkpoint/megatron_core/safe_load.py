@@ -18,6 +18,7 @@ Three things in a Megatron-Core checkpoint are pickles:
 Anything else is refused with a :class:`~megatron.errors.CheckpointError` naming it.
 """
 import argparse
+import codecs
 import collections
 import io
 import pathlib
@@ -86,7 +87,9 @@ def load_core(source: Union[str, BinaryIO], mmap: bool = False) -> Any:
     """
     name = source if isinstance(source, str) else "the checkpoint's common state"
     try:
-        with torch.serialization.safe_globals(allowed_globals() + [io.BytesIO] +
+        # io.BytesIO's pickle rebuilds its buffer with bytes() / _codecs.encode (data only)
+        with torch.serialization.safe_globals(allowed_globals() + [io.BytesIO, bytes,
+                                                                   codecs.encode] +
                                               _stand_ins()):
             return torch.load(source, map_location="cpu", weights_only=True,
                               mmap=mmap and isinstance(source, str))
@@ -94,7 +97,8 @@ def load_core(source: Union[str, BinaryIO], mmap: bool = False) -> Any:
         raise CheckpointError(f"checkpoint file {name} is missing: the checkpoint is "
                               f"incomplete") from None
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        first = next((line.strip() for line in lines if "Unsupported global" in line), lines[0])
         raise CheckpointError(
             f"cannot read Megatron-Core checkpoint file {name}: {first}. megatron-tds reads "
             f"with torch.load(weights_only=True), allowing tensors, argparse.Namespace, NumPy "
