@@ -413,3 +413,101 @@ def test_load_continues_from_it(gpt2_data, tmp_path, seed, fmt):
     assert iteration == 10 and consumed == 64
     err = np.abs(logits[..., :vocab] - hf_logits(model, ids).numpy()).max()
     assert err < 1e-5, err
+
+
+# ---------------------------------------------------------------- writing torch_dist
+def test_round_trip_and_the_written_layout(reference, tmp_path, seed):
+    """native -> torch_dist (tp 2, pp 2) -> native is exact; DCP reads the written folder
+    with Megatron-Core's names and global shapes, each tensor in the chunks of tp 2 x pp 2."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron.checkpoint import megatron_core, read_native
+    from megatron.checkpoint_conversion import ConversionRequest, run_conversion
+
+    model, expected = reference
+    source = tmp_path / "mcore_in"
+    write_legacy(source, model, 1, 1, seed=seed)
+    native, out, back = tmp_path / "native", tmp_path / "mcore_out", tmp_path / "back"
+    # native at tp 2 first: the padded vocabulary (112 rows) then stays the same throughout
+    run_conversion(ConversionRequest(str(source), str(native), tp=2, pp=1, true_vocab=VOCAB))
+    run_conversion(ConversionRequest(str(native), str(out), output_format="megatron-core",
+                                     tp=2, pp=2))
+    folder = out / "iter_0000010"
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "10"
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata  # DCP's own
+    shapes = core_dist_shapes(vocab_padded=_padded(2))
+    tensors = {k: v for k, v in metadata.items() if hasattr(v, "size")}
+    assert {k: tuple(v.size) for k, v in tensors.items()} == shapes
+    split = {f"decoder.layers.{dist}": (None if dim is None else dim + 1)
+             for _, dist, dim in CORE_LAYER}
+    split.update(dict(CORE_TOP))
+    for key, meta in tensors.items():
+        layer_cuts = [0, LAYERS // 2] if key.startswith("decoder.layers.") else [0]
+        dim = split[key]
+        tp_cuts = [0, shapes[key][dim] // 2] if dim is not None else [0]
+        offsets = sorted(tuple(c.offsets) for c in meta.chunks)
+        want = sorted(tuple(l if d == 0 and key.startswith("decoder.layers.") else
+                            (t if d == dim else 0) for d in range(len(shapes[key])))
+                      for l in layer_cuts for t in tp_cuts)
+        assert offsets == want, key
+    for module in EXTRA_LOCAL:  # what a local-spec GPTModel asks for when it loads
+        assert f"decoder.layers.{module}._extra_state/shard_3_{LAYERS}" in metadata
+    assert megatron_core.describe(str(out)).startswith("Megatron-Core torch_dist")
+    run_conversion(ConversionRequest(str(out), str(back), tp=2, pp=1))
+    original, again = read_native(str(native)), read_native(str(back))
+    assert sorted(again.state) == sorted(original.state)
+    assert all(torch.equal(again.state[k], original.state[k]) for k in original.state)
+    assert again.iteration == 10 and again.extras["consumed_train_samples"] == 64
+    with torch.serialization.safe_globals([argparse.Namespace]):  # as megatron-core allows
+        common = torch.load(folder / "common.pt", weights_only=True)
+    assert (common["args"].tensor_model_parallel_size, common["args"].num_layers,
+            common["args"].position_embedding_type) == (2, LAYERS, "learned_absolute")
+
+
+# ---------------------------------------------------------------- failing well
+def test_what_it_cannot_read_is_named(reference, tmp_path, seed, capsys):
+    """An untied head, MoE tensors, a .metadata pickling code, an unknown folder: each
+    refused by name, and the pickled code never runs."""
+    from megatron.checkpoint import megatron_core
+    from megatron.checkpoint_conversion import ConversionRequest, run_conversion
+    from megatron.errors import CheckpointError
+
+    model, _ = reference
+    root, dist = tmp_path / "untied", tmp_path / "dist"
+    write_legacy(root, model, 1, 1, seed=seed)
+    run_conversion(ConversionRequest(str(root), str(dist), output_format="megatron-core"))
+    path = root / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    with _as_megatron_core_types():  # written by this test
+        state = torch.load(path, weights_only=False)
+    state["model"]["output_layer.weight"] = state["model"]["embedding.word_embeddings.weight"]
+    with _as_megatron_core_types():
+        torch.save(state, path)
+    with pytest.raises(CheckpointError, match="untied output layer"):
+        megatron_core.read_full(str(root))
+    state["model"].pop("output_layer.weight")
+    state["model"]["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, HIDDEN)
+    with _as_megatron_core_types():
+        torch.save(state, path)
+    with pytest.raises(CheckpointError, match="mixture of experts"):
+        megatron_core.read_full(str(root))
+    os.environ["MCORE_TEST_TMP"] = str(tmp_path)
+    with open(dist / "iter_0000010" / ".metadata", "wb") as handle:
+        handle.write(_pickled_call())
+    with pytest.raises(CheckpointError, match="not one of torch DCP's metadata types"):
+        megatron_core.read_full(str(dist))
+    assert not os.path.exists(tmp_path / "ran")
+    other = tmp_path / "other"
+    os.makedirs(other / "weights")
+    with pytest.raises(CheckpointError, match=r"it holds weights; that is no checkpoint"):
+        run_conversion(ConversionRequest(str(other), str(tmp_path / "o")))
+
+
+class _Runs:
+    def __reduce__(self):
+        return (os.mkdir, (os.path.join(os.environ["MCORE_TEST_TMP"], "ran"),))
+
+
+def _pickled_call():
+    import pickle
+
+    return pickle.dumps(_Runs())

@@ -67,5 +67,7 @@ def core_namespace(args: Dict[str, Any], iteration: int,
         share_embeddings_and_output_weights=True, use_legacy_models=False,
         ckpt_format="torch_dist", num_experts=None, qk_layernorm=False,
         multi_latent_attention=False, squared_relu=False, gated_linear_unit=False)
+    if args.get("true_vocab_size"):  # not Megatron-LM's: read back by this project's reader
+        namespace.true_vocab_size = int(args["true_vocab_size"])
     return namespace
 

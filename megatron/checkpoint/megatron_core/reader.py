@@ -63,8 +63,9 @@ def kind_of(root: str, iteration: Optional[int] = None) -> Optional[str]:
     if dist_io.dist_config(folder) is not None:
         return TORCH_DIST
     model = _first_model(folder)
-    if model and any(names.is_core_name(str(k)) for k in model) and \
-            not any(str(k).startswith("language_model") for k in model):
+    # "decoder." is Megatron-Core's alone (this project's and Megatron-LM's GPT files name
+    # "embedding." too, and every file holds a layer or the final norm under "decoder.")
+    if model and any(str(k).startswith("decoder.") for k in model):
         return LEGACY
     return None
 
@@ -159,6 +160,8 @@ def read_megatron_core(root: str, iteration: Optional[int] = None,
     else:
         full, first, tp, pp, saved = _read_legacy(folder)
         check_core_supported(saved)
+    if not hints.get("true_vocab_size") and saved.get("true_vocab_size"):
+        hints["true_vocab_size"] = saved["true_vocab_size"]  # recorded by this project's writer
     args = model_args(saved, full, tp, pp, hints, folder)
     state = check_complete(gpt2_keys, full, args, folder)
     iteration = 0 if release else int(first.get("iteration", iteration))
