@@ -13,7 +13,7 @@ Three things in a Megatron-Core checkpoint are pickles:
   runs nothing, so no Megatron-Core code is imported or run;
 - a ``torch_dist`` checkpoint's ``.metadata`` (torch DCP's own index of the tensors), which
   DCP reads with plain ``pickle.load``: here it is read by :class:`MetadataUnpickler`, which
-  builds only DCP's metadata classes, ``torch.Size``, dtypes and paths.
+  builds only DCP's metadata and save-plan classes, ``torch.Size``, dtypes and paths.
 
 Anything else is refused with a :class:`~megatron.errors.CheckpointError` naming it.
 """
@@ -112,7 +112,7 @@ def value_of(item: Any) -> Any:
 
 
 def _dcp_metadata_classes() -> Dict[tuple, Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata, planner
 
     allowed = {("torch", "Size"): torch.Size,
                ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
@@ -125,6 +125,11 @@ def _dcp_metadata_classes() -> Dict[tuple, Any]:
                  "_MEM_FORMAT_ENCODING"):
         if hasattr(metadata, name):
             allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
+    # megatron-core's planner keeps each rank's save plan in the metadata (planner_data)
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                 "BytesIOWriteData"):
+        if hasattr(planner, name):
+            allowed[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = \
         filesystem._StorageInfo
     for name, value in vars(torch).items():
