@@ -8,17 +8,18 @@ def conversion_parser(description, formats):
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     parser.add_argument("--input", required=True,
                         help="native --save directory, HF save_pretrained directory, or "
-                             "(GPT-2) a Megatron-LM checkpoint directory")
+                             "(GPT-2) a Megatron-LM or Megatron-Core checkpoint directory")
     parser.add_argument("--output", required=True, help="directory to write (new or empty)")
     parser.add_argument("--input-format", choices=formats, default=None,
-                        help="default: detected (hf: config.json; megatron: a Megatron-LM "
-                             "checkpoint; else native)")
+                        help="default: detected, and said (hf: config.json; megatron-core: "
+                             "a Megatron-Core legacy or torch_dist checkpoint; megatron: a "
+                             "Megatron-LM one; native: this project's)")
     parser.add_argument("--output-format", choices=formats, default="native")
     parser.add_argument("--target-tensor-parallel-size", "--target-tp", dest="tp", type=int,
-                        default=None, help="native/megatron output: tensor-parallel size "
+                        default=None, help="native/megatron(-core) output: tensor-parallel size "
                                            "(default: the source's, 1 for HF input)")
     parser.add_argument("--target-pipeline-parallel-size", "--target-pp", dest="pp", type=int,
-                        default=None, help="native/megatron output: pipeline stages "
+                        default=None, help="native/megatron(-core) output: pipeline stages "
                                            "(default: the source's, 1 for HF input)")
     parser.add_argument("--make-vocab-size-divisible-by", dest="divisible_by", type=int,
                         default=None, help="native output: vocabulary padding multiple "
@@ -43,8 +44,15 @@ def parse_conversion_args(parser, argv=None):
 
 
 def convert_and_report(run, request, args):
-    """Run the conversion and print one line saying what was written."""
+    """Say which format the input holds (when detected), run the conversion and print one
+    line saying what was written."""
+    from .convert import detected
+
     start = time.time()
+    if request.input_format is None:
+        fmt, words = detected(request.input, type(request))
+        print(f"{request.input}: {words}", flush=True)
+        request.input_format = fmt.name
     written = run(request)
     print(f"wrote {written} ({args.output_format}) from {args.input} in "
           f"{time.time() - start:.1f}s", flush=True)

@@ -5,7 +5,8 @@ whole tensors), so each format needs one reader and one writer and any pair comb
 format is an adapter (:mod:`.formats`: native checkpoints through the generic
 reader/writer of :mod:`megatron.checkpoint`, Hugging Face directories through the family's
 adapter :mod:`.hf_gpt2` / :mod:`.t5_hf`, Megatron-LM checkpoints through
-:mod:`megatron.checkpoint.megatron_lm`), and each request class lists its family's
+:mod:`megatron.checkpoint.megatron_lm`, Megatron-Core ones through
+:mod:`megatron.checkpoint.megatron_core`), and each request class lists its family's
 formats, so nothing here branches on a model or a format.
 """
 import os
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional, Tuple
 
 from ..checkpoint.native_writer import reshard
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from . import hf_gpt2, t5_hf
-from .formats import MEGATRON_LM, NATIVE, CheckpointFormat, hf_format
+from .formats import MEGATRON_CORE, MEGATRON_LM, NATIVE, CheckpointFormat, hf_format
 
 #: The formats every model family has (a request class may list more).
 FORMATS = ("native", "hf")
@@ -34,8 +35,8 @@ class BaseConversionRequest:
             iteration the native output is saved as (None: 0).
         true_vocab: real vocabulary rows, when the checkpoint's tokenizer files are gone.
         hf: (class attribute) the model family's HF adapter module.
-        formats: (class attribute) the family's checkpoint formats (:class:`~.formats.CheckpointFormat`), in
-            the order their ``detect`` is asked (the last says yes to anything).
+        formats: (class attribute) the family's checkpoint formats
+            (:class:`~.formats.CheckpointFormat`), in the order their ``detect`` is asked.
     """
 
     input: str
@@ -84,7 +85,7 @@ class ConversionRequest(BaseConversionRequest):
     num_attention_heads: Optional[int] = None
 
     hf: ClassVar = hf_gpt2
-    formats: ClassVar = (hf_format(hf_gpt2), MEGATRON_LM, NATIVE)
+    formats: ClassVar = (hf_format(hf_gpt2), MEGATRON_CORE, MEGATRON_LM, NATIVE)
 
 
 @dataclass
@@ -101,14 +102,41 @@ class T5ConversionRequest(BaseConversionRequest):
     formats: ClassVar = (hf_format(t5_hf), NATIVE)
 
 
-def detect_format(path, request_class=None):
-    """The name of the format ``path`` holds (``hf`` for a directory with config.json,
-    ``megatron`` for a Megatron-LM checkpoint, else ``native``), among the formats of
-    ``request_class`` (default: GPT-2's)."""
-    for fmt in (request_class or ConversionRequest).formats:
+def detected(path, request_class=None):
+    """``(format, what it found in words)`` of ``path``, among the formats of
+    ``request_class`` (default: GPT-2's), asked in their order.
+
+    Raises:
+        CheckpointError: none of them reads ``path``; the message says what is there.
+    """
+    formats = (request_class or ConversionRequest).formats
+    for fmt in formats:
         if fmt.detect(path):
-            return fmt.name
-    return NATIVE.name
+            return fmt, fmt.found(path)
+    raise CheckpointError(f"--input {path}: {what_is_there(path)}; that is no checkpoint "
+                          f"this tool reads ({', '.join(f.name for f in formats)}): pass "
+                          f"--input-format to be told what is wrong with it as that format")
+
+
+def detect_format(path, request_class=None):
+    """The name of the format ``path`` holds (:func:`detected`): ``hf`` for a directory
+    with config.json, ``megatron-core`` / ``megatron`` for a Megatron-Core / Megatron-LM
+    checkpoint, ``native`` for this project's."""
+    return detected(path, request_class)[0].name
+
+
+def what_is_there(path):
+    """What ``path`` holds, in a few words, for a message."""
+    if not os.path.exists(path):
+        return "it does not exist"
+    if not os.path.isdir(path):
+        return "it is a file, not a checkpoint directory"
+    entries = sorted(os.listdir(path))
+    if not entries:
+        return "it is an empty directory"
+    shown = ", ".join(entries[:6]) + (f", ... ({len(entries)} entries)" if len(entries) > 6
+                                     else "")
+    return f"it holds {shown}"
 
 
 def read_hf(path, request):
@@ -128,8 +156,8 @@ def run_conversion(request):
     Raises:
         CheckpointError / ConfigError: bad input, before anything is written.
     """
-    reader = request.format_named(request.input_format or
-                                  detect_format(request.input, type(request)), "input")
+    reader = request.format_named(request.input_format, "input") if request.input_format \
+        else detected(request.input, type(request))[0]
     writer = request.format_named(request.output_format, "output")
     if os.path.abspath(request.input) == os.path.abspath(request.output):
         raise ConfigError("--input and --output are the same directory")

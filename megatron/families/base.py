@@ -126,7 +126,8 @@ class ModelFamily:
     foreign_checkpoints: Tuple[ModuleType, ...] = ()
     """Other projects' checkpoint formats ``--load`` takes for this model (each with
     ``NAME``, ``DESCRIPTION``, ``detect(root)`` and ``read_full(root, iteration, hints)``:
-    :mod:`megatron.checkpoint.megatron_lm` for GPT-2)."""
+    :mod:`megatron.checkpoint.megatron_core` and :mod:`megatron.checkpoint.megatron_lm`
+    for GPT-2; a format may add ``describe(root)``, the words ``--load`` logs)."""
     flag_defaults: Dict[str, Any] = field(default_factory=dict)
     """Defaults the family sets for generic flags (a config file or a flag overrides them)."""
     label: str = ""

@@ -4,7 +4,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import gpt2_keys, megatron_lm
+from ..checkpoint import gpt2_keys, megatron_core, megatron_lm
 from ..checkpoint_conversion import hf_gpt2
 from ..model.language_model import masked_lm_loss
 from ..model.transformer import ParallelTransformerLayer
@@ -63,7 +63,8 @@ def _add_flags(parser):
 FAMILY = ModelFamily(
     name="gpt2", add_flags=_add_flags, model_config=model_config, build_model=build_model,
     build_datasets=build_datasets, flops_per_step=flops_per_step, make_batch_fn=make_batch_fn,
-    loss_fn=masked_lm_loss, keys=gpt2_keys, hf=hf_gpt2, foreign_checkpoints=(megatron_lm,),
+    loss_fn=masked_lm_loss, keys=gpt2_keys, hf=hf_gpt2,
+    foreign_checkpoints=(megatron_core, megatron_lm),
     flag_defaults={"tokenizer_type": "GPT2BPETokenizer"},
     compile_classes=(ParallelTransformerLayer,), supports=frozenset(FEATURES),
     memory_model="gpt2")

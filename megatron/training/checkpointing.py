@@ -325,12 +325,19 @@ def _load_foreign(fmt, backend, cfg, load_optim):
     samples carry over (the LR schedule continues from the iteration); the optimizer and
     random state start fresh."""
     root = cfg.checkpoint.load
+    describe = getattr(fmt, "describe", None)  # the format's own words for what it found
+    found = (describe(root) if describe else None) or fmt.DESCRIPTION
     full = fmt.read_full(root, None, {"num_attention_heads": cfg.model.num_attention_heads,
                                       "true_vocab_size": cfg.model.true_vocab_size})
     backend.module().load_state_dict(weights_for_run(full, cfg, root))
+    print_rank_0(f"> {root} holds a {found}: its weights, saved at "
+                 f"tp={full.args['tensor_model_parallel_size']}, "
+                 f"pp={full.args.get('pipeline_model_parallel_size', 1)}, loaded at "
+                 f"tp={cfg.parallel.tp}, pp={cfg.parallel.pp}")
     if load_optim:
-        warn_rank_0(f"{root} is a {fmt.DESCRIPTION}: its optimizer state is not read; Adam "
-                    f"starts fresh (pass --no-load-optim or --finetune to say so)")
+        warn_rank_0(f"{root} is a {found}: only its weights, iteration, consumed samples and "
+                    f"LR schedule position were taken; its optimizer state is not read, so "
+                    f"Adam starts fresh (pass --no-load-optim or --finetune to say so)")
     state = {"iteration": full.iteration, "foreign": fmt.DESCRIPTION, **full.extras}
     return state
 
