@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.checkpoint import format as fmt
+from megatron.training.checkpoint_integrity import gather_digests
 
 TRACKER = fmt.TRACKER_FILENAME
 
@@ -39,6 +40,13 @@ def _assert_files_then_tracker_then_folder(seen, root, data_names, published_pre
     assert published and max(published) < tracker[0], seen
 
 
+def _assert_manifest_before_tracker(seen):
+    """The manifest of digests was flushed once, inside the folder, before the tracker."""
+    manifest = [i for i, p in enumerate(seen) if os.path.basename(p) == "manifest.json"]
+    tracker = [i for i, p in enumerate(seen) if os.path.basename(p).startswith(TRACKER)]
+    assert len(manifest) == 1 and manifest[0] < tracker[0], seen
+
+
 def _files(tmp_root, iteration, ranks=2):
     return [(fmt.checkpoint_name(tmp_root, iteration, tp, 0), {"w": torch.randn(3, 2) + tp})
             for tp in range(ranks)]
@@ -49,9 +57,11 @@ def test_sync_save_flushes_files_then_tracker_then_folder(tmp_path, fsyncs):
 
     root, tmp_root = str(tmp_path / "ckpt"), str(tmp_path / "ckpt" / ".tmp")
     files = _files(tmp_root, 4)
-    ck._write_files(files)  # what each rank does, then rank 0 publishes
-    fmt.publish_iteration(root, tmp_root, 4)
+    written = ck._write_files(files)  # what each rank does, then rank 0 publishes
+    digests = gather_digests(written, fmt.iteration_dir(tmp_root, 4))
+    fmt.publish_iteration(root, tmp_root, 4, digests=digests)
     _assert_files_then_tracker_then_folder(fsyncs, root, {fmt.MODEL_FILENAME})
+    _assert_manifest_before_tracker(fsyncs)
     assert fmt.read_tracker(root) == 4
     saved = torch.load(fmt.checkpoint_name(root, 4, 1, 0), weights_only=True)
     assert torch.equal(saved["w"], files[1][1]["w"])
@@ -66,6 +76,7 @@ def test_background_save_flushes_files_then_tracker_then_folder(tmp_path, fsyncs
     writer.submit(root, tmp_root, 6, files)
     writer.wait()
     _assert_files_then_tracker_then_folder(fsyncs, root, {fmt.MODEL_FILENAME})
+    _assert_manifest_before_tracker(fsyncs)
     assert fmt.read_tracker(root) == 6
 
 
@@ -77,6 +88,7 @@ def test_converter_output_flushes_files_then_tracker_then_folder(tmp_path, fsync
     root = str(tmp_path / "converted")
     write_native(reshard(random_checkpoint(0), tp=2, pp=1), root)
     _assert_files_then_tracker_then_folder(fsyncs, root, {fmt.MODEL_FILENAME})
+    _assert_manifest_before_tracker(fsyncs)
 
 
 @pytest.mark.parametrize("iteration, folder", [(7, "iter_0000007"), (0, "release")])
