@@ -72,12 +72,14 @@ def tensors(obj, prefix=""):
 
 
 def assert_silent(before: dict, after: dict, max_relative: float) -> None:
-    """The damaged file still loads, and exactly one tensor differs, by at most
-    ``max_relative`` of its values' size: damage torch.load does not notice."""
+    """The damaged file still loads, and only the values in the damaged storage differ, each
+    by at most ``max_relative`` of its size: damage torch.load does not notice. (Several
+    tensors change when they are views of one storage, as a pipeline stage's flat buffer.)"""
     a, b = tensors(before), tensors(after)
     assert set(a) == set(b)
     changed = [k for k in a if not torch.equal(a[k], b[k])]
-    assert len(changed) == 1, changed
-    x, y = a[changed[0]].double(), b[changed[0]].double()
-    relative = ((x - y).abs() / x.abs().clamp_min(1e-30)).max().item()
-    assert 0 < relative <= max_relative, (changed, relative)
+    assert changed
+    for key in changed:
+        x, y = a[key].double(), b[key].double()
+        relative = ((x - y).abs() / x.abs().clamp_min(1e-30)).max().item()
+        assert 0 < relative <= max_relative, (key, relative)

@@ -2,6 +2,8 @@
 import argparse
 import time
 
+from ..checkpoint.manifest import verification
+
 
 def conversion_parser(description, formats):
     """A parser with the flags every conversion tool takes (each adds its tokenizer flags)."""
@@ -43,8 +45,16 @@ def parse_conversion_args(parser, argv=None):
 
 
 def convert_and_report(run, request, args):
-    """Run the conversion and print one line saying what was written."""
+    """Run the conversion and print what was verified of the input (a native checkpoint's
+    files against its manifest: megatron/checkpoint/manifest.py) and what was written."""
     start = time.time()
-    written = run(request)
+    with verification() as scope:
+        written = run(request)
+    if scope.checked:
+        print(f"verified {len(scope.checked)} input file(s) against their manifest", flush=True)
+    else:
+        print(f"{args.input} was read unverified: it has no manifest of digests (a Hugging "
+              f"Face or Megatron-LM checkpoint, or a native one saved before checkpoints "
+              f"carried digests)", flush=True)
     print(f"wrote {written} ({args.output_format}) from {args.input} in "
           f"{time.time() - start:.1f}s", flush=True)
