@@ -3,8 +3,8 @@
 An uninterrupted run (6 steps, checkpoints at 3 and 6) is damaged afterwards in a tensor's
 bytes of its newest checkpoint (a low mantissa bit in 1024 values, or one byte: damage
 ``torch.load`` does not notice, tests/checkpoint_damage.py), in a main file or a ZeRO-1 shard,
-at tp 2 or pp 2, in a file only one of the two ranks reads (rank 1, or rank 0). The resume with ``--load`` =
-``--save`` must name the file with both digests, fall back to iteration 3 on both ranks,
+at tp 2 or pp 2, in a file only one of the two ranks reads (rank 1, or rank 0). The resume
+with ``--load`` = ``--save`` must name the file with both digests, fall back to iteration 3 on both ranks,
 keep the damaged folder aside, and train steps 4-6 with exactly the uninterrupted run's
 losses; a resume from another folder, or at another layout, must stop on every rank with
 the file named; ``--no-verify-checkpoint`` loads the damaged one as it is.
@@ -149,3 +149,44 @@ def test_a_resume_at_another_layout_verifies_every_file_it_reads(
                                                    *resume), timeout=300)[0]
     assert message and f"failed on rank 0: checkpoint file {path} is damaged: xxh3_128 " \
                        f"digest {found} found, {expected} expected" in message, message
+
+
+def test_the_agreed_decision_and_the_move_aside(tmp_path, seed):
+    """checkpoint_integrity in one process: the fallback goes to the newest older published
+    checkpoint, a second damaged one with none older stops naming both and moves nothing,
+    another --load stops at once, and moving aside never overwrites an earlier damaged
+    folder."""
+    from types import SimpleNamespace
+
+    from gpt2_ckpt import random_checkpoint
+    from megatron.checkpoint.native_writer import reshard, write_native
+    from megatron.errors import CheckpointDigestError
+    from megatron.training.checkpoint_integrity import damaged_or_none, set_aside_damaged
+
+    root = str(tmp_path / "ckpt")
+    for iteration in (3, 6):
+        ckpt = reshard(random_checkpoint(seed % 1000 + iteration), tp=1, pp=1)
+        ckpt.iteration = iteration
+        write_native(ckpt, root)
+    resumed = SimpleNamespace(checkpoint=SimpleNamespace(load=root, save=root + "/"))
+    listing = sorted(os.walk(root))
+    damaged = []
+    assert damaged_or_none(resumed, 6, None, damaged) is None and damaged == []
+    bad6, bad3 = (CheckpointDigestError(f"checkpoint file F{it} is damaged") for it in (6, 3))
+    assert damaged_or_none(resumed, 6, bad6, damaged) == 3
+    with pytest.raises(CheckpointDigestError) as info:
+        damaged_or_none(resumed, 3, bad3, damaged)
+    assert "iteration 6" in str(info.value) and "F6 is damaged" in str(info.value)
+    assert "iteration 3" in str(info.value) and "F3 is damaged" in str(info.value)
+    assert "no older checkpoint" in str(info.value) and "nothing was moved" in str(info.value)
+    assert sorted(os.walk(root)) == listing
+    elsewhere = SimpleNamespace(checkpoint=SimpleNamespace(load=root, save=None))
+    with pytest.raises(CheckpointDigestError, match="F6 is damaged; point --load at an intact"):
+        damaged_or_none(elsewhere, 6, bad6, [])
+    for suffix in (".damaged", ".damaged-2"):
+        set_aside_damaged(resumed, [(6, [(0, "F6 is damaged")])], 3)
+        assert os.path.isdir(fmt.iteration_dir(root, 6) + suffix)
+        assert not os.path.exists(fmt.iteration_dir(root, 6)) and fmt.read_tracker(root) == 3
+        ckpt = reshard(random_checkpoint(seed % 1000), tp=1, pp=1)
+        ckpt.iteration = 6
+        write_native(ckpt, root)  # saved anew, and damaged again

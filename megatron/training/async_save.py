@@ -9,8 +9,8 @@ waits for the copies, writes the files through the same atomic, flushed, hashing
 why?) and hands every file's digest to rank 0 (the synchronous save's
 :func:`~.checkpoint_integrity.gather_digests`). Only then does rank 0 publish the folder with
 the same manifest a synchronous save writes and rewrite the tracker (``publish_iteration``),
-and the writers agree once more on that, so a crash at any moment of a background write leaves the previous checkpoint as the
-one resume picks, and every rank learns of a failure on any rank. At each step boundary
+and the writers agree once more on that, so a crash at any moment of a background write
+leaves the previous checkpoint as the one resume picks, and every rank learns of a failure on any rank. At each step boundary
 while a write is in flight, the ranks check together whether every writer has finished
 (:meth:`AsyncCheckpointWriter.poll`, one host all-reduce): a failed write stops every rank
 at the same step, a step or two after the failure, not at the next save. The next save and

@@ -96,10 +96,11 @@ def damaged_or_none(cfg: Any, iteration: int, error: Optional[CheckpointDigestEr
                            error_type=CheckpointError,
                            hint="every rank must see the same --load folder")
     if older is None:
-        tried = ", ".join(str(it) for it, _ in damaged)
+        earlier = [summary(f"verifying the checkpoint of iteration {it} in {root}", causes)
+                   for it, causes in damaged[:-1]]
         raise CheckpointDigestError(
-            f"{what}; no older checkpoint in {root} to fall back to (tried iteration(s) "
-            f"{tried}); restore an intact copy, or {SKIP_HINT}")
+            "; ".join(earlier + [what]) + f"; no older checkpoint in {root} verifies, so "
+            f"nothing was moved; restore an intact copy, or {SKIP_HINT}")
     warn_rank_0(f"{what}; falling back to iteration {older}")
     return older
 
