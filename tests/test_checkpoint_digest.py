@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -142,6 +143,14 @@ def test_unlisted_files_and_folders_without_a_manifest(tmp_path, seed):
     torch.save(_state(seed), extra)
     with pytest.raises(CheckpointDigestError, match="extra.pt is not listed in"):
         fmt.load_rank_file(extra)
+    never = os.path.join(folder, "mp_rank_02_000", fmt.MODEL_FILENAME)  # another layout's
+    with pytest.raises(CheckpointError, match="is missing: the checkpoint is incomplete") as info:
+        fmt.load_rank_file(never)
+    assert not isinstance(info.value, CheckpointDigestError)  # not damage: no fallback
+    lost = os.path.join(folder, "mp_rank_01_000")
+    shutil.rmtree(lost)  # a listed rank folder lost whole
+    with pytest.raises(CheckpointDigestError, match=f"{lost}/model_optim_rng.pt is missing"):
+        fmt.load_rank_file(os.path.join(lost, fmt.MODEL_FILENAME))
     os.remove(os.path.join(folder, manifest.MANIFEST_FILENAME))  # as checkpoints saved before
     with manifest.verification() as scope:
         fmt.load_rank_file(extra)

@@ -236,6 +236,8 @@ class Verification:
             self.unverified.add(folder)
             return
         name = relative_name(path, folder)
+        if name not in manifest.files and not os.path.exists(path):
+            return  # never written (another layout's name): the reader says it is missing
         if name not in manifest.files:
             raise CheckpointDigestError(f"checkpoint file {path} is not listed in "
                                         f"{manifest.path}: it does not belong to this "
@@ -251,7 +253,8 @@ class Verification:
         if sub in self._folders_listed:
             return
         self._folders_listed.add(sub)
-        here = set(os.listdir(os.path.join(folder, sub)))
+        where = os.path.join(folder, sub)
+        here = set(os.listdir(where)) if os.path.isdir(where) else set()
         for listed in sorted(manifest.files):
             parent, base = listed.rsplit("/", 1) if "/" in listed else ("", listed)
             if parent == sub and base not in here:
