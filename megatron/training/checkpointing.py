@@ -352,16 +352,16 @@ def _load_foreign(fmt, backend, cfg, load_optim):
     return state
 
 
-def _agreed_load(cfg, load, *args):
+def _agreed_load(cfg, load, *args, verified=True):
     """Collective: ``load(*args)`` on every rank; a failure on any rank (one rank's disk or
-    file) raises on every rank, except a failed verification, returned for the agreed
-    decision of :func:`.checkpoint_integrity.damaged_or_none`. Returns ``(state, this
-    rank's CheckpointDigestError or None)``."""
+    file) raises on every rank, except, when ``verified``, a failed verification, returned
+    for the agreed decision of :func:`.checkpoint_integrity.damaged_or_none`. Returns
+    ``(state, this rank's CheckpointDigestError or None)``."""
     state, error, damage = None, None, None
     try:
         state = load(*args)
     except CheckpointDigestError as exc:
-        damage = exc
+        damage, error = (exc, None) if verified else (None, exc)
     except (MegatronError, OSError) as exc:
         error = exc
     agree(error, f"loading the checkpoint in {cfg.checkpoint.load}", error_type=CheckpointError)
@@ -426,7 +426,8 @@ def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
                     f"starting from scratch")
         return 0
     if foreign is not None:
-        state = _agreed_load(cfg, _load_foreign, foreign, backend, cfg, load_optim)[0]
+        state = _agreed_load(cfg, _load_foreign, foreign, backend, cfg, load_optim,
+                             verified=False)[0]
         iteration, load_optim = state["iteration"], False
     else:
         state, iteration = _load_verified(backend, cfg, iteration, load_optim)
