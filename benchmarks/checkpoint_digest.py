@@ -12,8 +12,10 @@ the machine's load hits all of them alike:
 - ``plain``: ``torch.save`` to a path, the save path without digests (the baseline);
 - ``file object``: ``torch.save`` through a Python file object, no hash (the wrapper's cost);
 - ``xxh3_128`` (the project's choice), ``crc32``, ``blake2b``: ``torch.save`` through
-  :class:`~megatron.checkpoint.digest.DigestingWriter` with that hash
-  (:func:`~megatron.checkpoint.format.write_checkpoint_file` for ``xxh3_128``).
+  :class:`~megatron.checkpoint.digest.DigestingWriter` with that hash, large records hashed on
+  a helper thread while they are written
+  (:func:`~megatron.checkpoint.format.write_checkpoint_file` for ``xxh3_128``);
+- ``xxh3_128 serial``: the same with each record hashed before it is written.
 
 It prints each variant's median and fastest save time and four ratios to ``plain`` (of the
 medians, of the fastest saves, the median of the per-round ratios, which pairs saves made
@@ -75,17 +77,18 @@ def _save_file_object(state, path):
     write_atomic(path, write)
 
 
-def _save_hashed(algorithm):
-    if algorithm == DEFAULT_ALGORITHM:
+def _save_hashed(algorithm, overlap=True):
+    if algorithm == DEFAULT_ALGORITHM and overlap:
         return lambda state, path: write_checkpoint_file(path, state)  # the project's path
     return lambda state, path: write_atomic(
-        path, lambda tmp: save_with_digest(state, tmp, algorithm))
+        path, lambda tmp: save_with_digest(state, tmp, algorithm, overlap))
 
 
 def _variants():
     variants = {"plain": _save_plain, "file object": _save_file_object}
     for algorithm in [DEFAULT_ALGORITHM] + sorted(set(ALGORITHMS) - {DEFAULT_ALGORITHM}):
         variants[algorithm] = _save_hashed(algorithm)
+    variants[f"{DEFAULT_ALGORITHM} serial"] = _save_hashed(DEFAULT_ALGORITHM, overlap=False)
     return variants
 
 
@@ -161,7 +164,7 @@ def main(argv=None):
     base = statistics.median(times["plain"])
     print(f"checkpoint: {size_gb:.3f} GB ({len(state)} fp32 tensors), {args.rounds} saves "
           f"per variant, interleaved")
-    print(f"{'variant':<12} {'median save s':>14} {'min s':>8} {'median / plain':>15} "
+    print(f"{'variant':<15} {'median save s':>14} {'min s':>8} {'median / plain':>15} "
           f"{'min / plain':>12} {'per-round / plain':>18} {'CPU s / plain':>14} "
           f"{'hash s/GB (memory)':>19}")
     for name, values in times.items():
@@ -169,7 +172,7 @@ def main(argv=None):
         paired = statistics.median(v / p for v, p in zip(values, times["plain"]))
         fastest = min(values) / min(times["plain"])
         work = statistics.median(cpu[name]) / statistics.median(cpu["plain"])
-        print(f"{name:<12} {statistics.median(values):>14.3f} {min(values):>8.3f} "
+        print(f"{name:<15} {statistics.median(values):>14.3f} {min(values):>8.3f} "
               f"{statistics.median(values) / base:>15.3f} {fastest:>12.3f} "
               f"{paired:>18.3f} {work:>14.3f} {speed:>19}")
     print(f"load side: verify {verify:.3f} s, torch.load {load:.3f} s, verify / load "

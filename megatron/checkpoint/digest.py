@@ -1,10 +1,12 @@
 """Digests of checkpoint files, computed from the bytes as they are written.
 
 ``torch.save`` writes its archive sequentially through the file object it is given, so a
-thin wrapper (:class:`DigestingWriter`) that feeds every chunk to a hash before passing it
-on yields the digest of the file's bytes without a second pass over them (the same bytes a
-later read hashes: ``tests/test_checkpoint_digest.py`` checks it). Reading one back
-(:func:`file_digest`) streams it through the same hash in fixed-size chunks.
+thin wrapper (:class:`DigestingWriter`) that feeds every chunk to a hash as it passes it on
+yields the digest of the file's bytes without a second pass over them (the same bytes a
+later read hashes: ``tests/test_checkpoint_digest.py`` checks it). A large chunk (a tensor's
+storage) is hashed on a helper thread while the calling thread writes it: the hash and the
+write both release the GIL, so where a core is free the hash hides behind the write. Reading
+one back (:func:`file_digest`) streams it through the same hash in fixed-size chunks.
 
 The hash: XXH3-128 (the ``xxhash`` package). It exists to catch accidental damage (a bad disk,
 a torn copy, a faulty transfer), not tampering, so a non-cryptographic hash with 128 bits
@@ -17,8 +19,9 @@ benchmark and for manifests that name them.
 """
 import hashlib
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -28,6 +31,10 @@ DEFAULT_ALGORITHM = "xxh3_128"
 
 #: Bytes read at a time when a file is hashed back (one reused buffer).
 READ_CHUNK = 16 << 20
+
+#: Records at least this large are hashed on a helper thread while this one writes them
+#: (both release the GIL), so the save takes the longer of the two, not their sum.
+OVERLAP_BYTES = 1 << 20
 
 
 class _Crc32:
@@ -89,18 +96,28 @@ class DigestingWriter:
     Args:
         raw: a binary file opened for writing.
         algorithm: the hash (:data:`ALGORITHMS`).
+        helper: a one-thread executor that hashes large records while they are written
+            (None: hash them on the calling thread first).
     """
 
-    def __init__(self, raw, algorithm: str = DEFAULT_ALGORITHM):
-        self.raw, self.algorithm = raw, algorithm
+    def __init__(self, raw, algorithm: str = DEFAULT_ALGORITHM,
+                 helper: Optional[ThreadPoolExecutor] = None):
+        self.raw, self.algorithm, self._helper = raw, algorithm, helper
         self._hash = new_hash(algorithm)
         self.size = 0
         self.name = getattr(raw, "name", None)  # what a file object answers (fault tests)
 
     def write(self, data) -> int:
         view = memoryview(data)
-        self._hash.update(view)  # XXH3 and hashlib release the GIL on large buffers
-        self.raw.write(view)
+        if self._helper is not None and view.nbytes >= OVERLAP_BYTES:
+            # in order: each record's hash is complete before the next one starts, and
+            # before torch.save may reuse the buffer behind the view
+            hashed = self._helper.submit(self._hash.update, view)
+            self.raw.write(view)
+            hashed.result()
+        else:
+            self._hash.update(view)
+            self.raw.write(view)
         self.size += view.nbytes
         return view.nbytes
 
@@ -118,21 +135,28 @@ class DigestingWriter:
         return FileDigest(self.size, self._hash.hexdigest(), self.algorithm)
 
 
-def save_with_digest(obj: Any, path: str, algorithm: str = DEFAULT_ALGORITHM) -> FileDigest:
+def save_with_digest(obj: Any, path: str, algorithm: str = DEFAULT_ALGORITHM,
+                     overlap: bool = True) -> FileDigest:
     """``torch.save(obj, path)``, hashing the bytes on their way to the file.
 
     Args:
         obj: what to save.
         path: the file to write (created or truncated; not flushed to disk here).
         algorithm: the hash.
+        overlap: hash large records on a helper thread while they are written.
 
     Returns:
         The file's :class:`FileDigest`.
     """
-    with open(path, "wb") as raw:
-        writer = DigestingWriter(raw, algorithm)
-        torch.save(obj, writer)
-        writer.flush()
+    helper = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-digest") if overlap else None
+    try:
+        with open(path, "wb") as raw:
+            writer = DigestingWriter(raw, algorithm, helper)
+            torch.save(obj, writer)
+            writer.flush()
+    finally:
+        if helper is not None:
+            helper.shutdown()
     return writer.result()
 
 
