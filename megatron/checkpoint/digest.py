@@ -5,17 +5,17 @@ thin wrapper (:class:`DigestingWriter`) that feeds every chunk to a hash as it p
 yields the digest of the file's bytes without a second pass over them (the same bytes a
 later read hashes: ``tests/test_checkpoint_digest.py`` checks it). A large chunk (a tensor's
 storage) is hashed on a helper thread while the calling thread writes it: the hash and the
-write both release the GIL, so where a core is free the hash hides behind the write. Reading
+write both release the GIL, so where a core is free the hash can run during the write (that
+it helps was not measurable on the shared 2-core dev machine: docs/benchmarks.md). Reading
 one back (:func:`file_digest`) streams it through the same hash in fixed-size chunks.
 
 The hash: XXH3-128 (the ``xxhash`` package). It exists to catch accidental damage (a bad disk,
 a torn copy, a faulty transfer), not tampering, so a non-cryptographic hash with 128 bits
 (a random corruption goes unnoticed with probability 2^-128) is enough, and it is the only
-one of the candidates fast enough to hide behind the write: on the dev machine (AMD EPYC,
-one core) it hashes about 25 GB/s, zlib's CRC-32 about 5 GB/s and hashlib's BLAKE2b about
-0.9 GB/s, against a save that writes 0.3-1 GB/s (docs/benchmarks.md,
-``benchmarks/checkpoint_digest.py``). The other two stay available by name for the
-benchmark and for manifests that name them.
+one of the candidates whose cost is small beside a save's: on the dev machine it
+hashes a GB in 0.034 s, zlib's CRC-32 in 0.19 s or more and hashlib's BLAKE2b in 0.87 s or
+more, against a save of 0.6 s or more (docs/benchmarks.md, ``benchmarks/checkpoint_digest.py``).
+The other two stay available by name for the benchmark and for manifests that name them.
 """
 import hashlib
 import zlib
