@@ -27,6 +27,7 @@ INSTALL_REQUIRES = [
     "pyyaml",
     "safetensors",
     "tqdm",
+    "xxhash",  # checkpoint digests (megatron/checkpoint/digest.py)
 ]
 
 EXTRAS_REQUIRE = {

@@ -30,6 +30,12 @@ class CheckpointError(MegatronError):
     """A checkpoint that is missing, incomplete or made for another model."""
 
 
+class CheckpointDigestError(CheckpointError):
+    """A checkpoint whose bytes its manifest does not vouch for: a file whose digest or size
+    differs from the recorded one, a listed file that is missing, a file the manifest does
+    not list, or a manifest that cannot be read (megatron/checkpoint/manifest.py)."""
+
+
 class WillNotFitError(MegatronError):
     """A run the memory model predicts will not fit in the device's free memory."""
 

@@ -54,9 +54,18 @@ def test_incomplete_checkpoint(capsys, native, tmp_path):
     assert not os.path.exists(tmp_path / "o" / "iter_0000000")
 
 
+def _without_manifest(native):
+    """As a checkpoint saved before checkpoints carried digests: the checks behind them."""
+    os.remove(os.path.join(native, "iter_0000000", "manifest.json"))
+
+
 def test_unreadable_rank_file(capsys, native, tmp_path):
-    with open(checkpoint_name(native, 0, 1, 0), "wb") as handle:
+    path = checkpoint_name(native, 0, 1, 0)
+    with open(path, "wb") as handle:
         handle.write(b"not a checkpoint")
+    err = _fails(capsys, "--input", native, "--output", str(tmp_path / "o"))
+    assert f"{path} is damaged" in err and "; 16 bytes, " in err, err
+    _without_manifest(native)
     assert "cannot read" in _fails(capsys, "--input", native, "--output", str(tmp_path / "o"))
 
 
@@ -65,6 +74,9 @@ def test_files_from_different_runs(capsys, native, tmp_path):
     state = torch.load(path, weights_only=True)
     state["model"]["transformer.final_layernorm.weight"] += 1.0  # replicated: must agree
     torch.save(state, path)
+    assert f"{path} is damaged" in _fails(capsys, "--input", native, "--output",
+                                          str(tmp_path / "o"))
+    _without_manifest(native)
     assert "differs" in _fails(capsys, "--input", native, "--output", str(tmp_path / "o"))
 
 

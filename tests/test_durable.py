@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron.checkpoint import format as fmt
+from megatron.training.checkpoint_integrity import gather_digests
 
 TRACKER = fmt.TRACKER_FILENAME
 
@@ -39,6 +40,18 @@ def _assert_files_then_tracker_then_folder(seen, root, data_names, published_pre
     assert published and max(published) < tracker[0], seen
 
 
+def _assert_manifest_before_tracker(seen, folder):
+    """The manifest of digests was flushed once, inside the folder, before the tracker, and
+    every file of the published folder verifies against it."""
+    from megatron.checkpoint.manifest import verify_folder
+
+    manifest = [i for i, p in enumerate(seen) if os.path.basename(p) == "manifest.json"]
+    tracker = [i for i, p in enumerate(seen) if os.path.basename(p).startswith(TRACKER)]
+    assert len(manifest) == 1 and manifest[0] < tracker[0], seen
+    found, problems = verify_folder(folder)
+    assert problems == [] and len(found.files) >= 2, problems
+
+
 def _files(tmp_root, iteration, ranks=2):
     return [(fmt.checkpoint_name(tmp_root, iteration, tp, 0), {"w": torch.randn(3, 2) + tp})
             for tp in range(ranks)]
@@ -49,9 +62,11 @@ def test_sync_save_flushes_files_then_tracker_then_folder(tmp_path, fsyncs):
 
     root, tmp_root = str(tmp_path / "ckpt"), str(tmp_path / "ckpt" / ".tmp")
     files = _files(tmp_root, 4)
-    ck._write_files(files)  # what each rank does, then rank 0 publishes
-    fmt.publish_iteration(root, tmp_root, 4)
+    written = ck._write_files(files)  # what each rank does, then rank 0 publishes
+    digests = gather_digests(written, fmt.iteration_dir(tmp_root, 4))
+    fmt.publish_iteration(root, tmp_root, 4, digests=digests)
     _assert_files_then_tracker_then_folder(fsyncs, root, {fmt.MODEL_FILENAME})
+    _assert_manifest_before_tracker(fsyncs, fmt.iteration_dir(root, 4))
     assert fmt.read_tracker(root) == 4
     saved = torch.load(fmt.checkpoint_name(root, 4, 1, 0), weights_only=True)
     assert torch.equal(saved["w"], files[1][1]["w"])
@@ -66,6 +81,7 @@ def test_background_save_flushes_files_then_tracker_then_folder(tmp_path, fsyncs
     writer.submit(root, tmp_root, 6, files)
     writer.wait()
     _assert_files_then_tracker_then_folder(fsyncs, root, {fmt.MODEL_FILENAME})
+    _assert_manifest_before_tracker(fsyncs, fmt.iteration_dir(root, 6))
     assert fmt.read_tracker(root) == 6
 
 
@@ -75,8 +91,9 @@ def test_converter_output_flushes_files_then_tracker_then_folder(tmp_path, fsync
     from megatron.checkpoint.native_writer import reshard, write_native
 
     root = str(tmp_path / "converted")
-    write_native(reshard(random_checkpoint(0), tp=2, pp=1), root)
+    folder = write_native(reshard(random_checkpoint(0), tp=2, pp=1), root)
     _assert_files_then_tracker_then_folder(fsyncs, root, {fmt.MODEL_FILENAME})
+    _assert_manifest_before_tracker(fsyncs, folder)
 
 
 @pytest.mark.parametrize("iteration, folder", [(7, "iter_0000007"), (0, "release")])

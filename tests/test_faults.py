@@ -304,8 +304,9 @@ megatron.training.loop.save_checkpoint = counting_save
 
 if moment == "model_file":
     real_torch_save = torch.save
-    def half_save(obj, path, *a, **k):
-        real_torch_save(obj, path, *a, **k)
+    def half_save(obj, f, *a, **k):
+        real_torch_save(obj, f, *a, **k)
+        path = getattr(f, "name", f)  # the file object that hashes the bytes names its file
         if f"iter_{SECOND:07d}" in str(path):
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)

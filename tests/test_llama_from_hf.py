@@ -92,7 +92,7 @@ def test_from_hf_trains_at_that_layout_with_transformers_first_loss(gpt2_data, t
                  "--virtual-pipeline-model-parallel-size", str(vpp),
                  "--make-vocab-size-divisible-by", "64"]) == 0
     assert sorted(os.listdir(os.path.join(ckpt, "iter_0000000"))) == \
-        [f"mp_rank_{t:02d}_{p:03d}" for t in range(tp) for p in range(pp)]
+        ["manifest.json"] + [f"mp_rank_{t:02d}_{p:03d}" for t in range(tp) for p in range(pp)]
     argv = llama_argv(gpt2_data, tp, pp, "--load", ckpt, "--finetune", vpp=vpp, steps=1)
     ranks = run_distributed(_first_loss_and_transformers, tp * pp, argv, hf_dir, timeout=300)
     ours, theirs, batches = ranks[-1]

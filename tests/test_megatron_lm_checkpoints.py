@@ -366,17 +366,23 @@ def test_wrong_model_and_missing_files_are_reported(reference, tmp_path):
 
 
 def _train_from(argv):
-    """Rank body: pretrain_gpt2.main(argv); (first iteration trained, losses)."""
+    """Rank body: pretrain_gpt2.main(argv); (first iteration trained, losses, its output)."""
+    import contextlib
+    import io
+
     import pretrain_gpt2
 
-    state = pretrain_gpt2.main(argv)
-    return state.iteration - len(state.losses), state.losses
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        state = pretrain_gpt2.main(argv)
+    return state.iteration - len(state.losses), state.losses, out.getvalue()
 
 
 def test_load_of_a_megatron_lm_checkpoint_trains(gpt2_data, tmp_path, seed):
     """``--load`` of a Megatron-LM folder (version 3, tp 2, saved at iteration 2) in a tp 1
     run continues from iteration 2 with the checkpoint's weights: the same loss as a
-    ``--load`` of its conversion to a native checkpoint."""
+    ``--load`` of its conversion to a native checkpoint. The Megatron-LM folder has no
+    manifest and the log says it was loaded unverified; the conversion has one, verified."""
     import json
 
     with open(gpt2_data["vocab"]) as handle:
@@ -393,6 +399,9 @@ def test_load_of_a_megatron_lm_checkpoint_trains(gpt2_data, tmp_path, seed):
                          "--batch-size", "2", "--eval-iters", "0", "--hidden-dropout", "0",
                          "--attention-dropout", "0", *extra)
         runs.append(run_distributed(_train_from, 1, argv, timeout=240)[0])
-    (start, losses), (native_start, native_losses) = runs
+    (start, losses, log), (native_start, native_losses, native_log) = runs
     assert start == native_start == 2 and len(losses) == 1 and np.isfinite(losses[0])
     assert losses == native_losses
+    assert f"{root} is a Megatron-LM checkpoint: it has no manifest of digests, so its files " \
+           f"were loaded unverified" in log, log
+    assert "> verified the 1 checkpoint file(s) rank 0 read" in native_log, native_log

@@ -78,7 +78,8 @@ def test_sigterm_to_one_rank_saves_exits_0_and_resumes_exactly(gpt2_data, tmp_pa
     # one checkpoint, complete: the (single) rank folder of tp=1 x pp=1, nothing half-written
     assert sorted(os.listdir(ckpt)) == sorted([".tmp", TRACKER, f"iter_{at:07d}",
                                                "preempted.txt"])
-    assert os.listdir(os.path.join(ckpt, f"iter_{at:07d}")) == ["mp_rank_00_000"]
+    assert sorted(os.listdir(os.path.join(ckpt, f"iter_{at:07d}"))) == ["manifest.json",
+                                                                       "mp_rank_00_000"]
     assert not os.listdir(os.path.join(ckpt, ".tmp"))
     assert (tmp_path / "ckpt" / "preempted.txt").read_text().split() == \
         ["iteration", str(at), "signal", "SIGTERM", "rank", "1"]

@@ -228,7 +228,9 @@ if os.environ["RANK"] == "1":
 
 # ---------------------------------------------------------------- a checkpoint file
 def test_a_checkpoint_file_one_rank_cannot_read_ends_every_rank(gpt2_data, tmp_path):
-    """tp=2: rank 1's shard is truncated (a half-copied checkpoint); rank 0's loads fine."""
+    """tp=2: rank 1's shard is truncated (a half-copied checkpoint); rank 0's loads fine. The
+    manifest names it before torch.load is tried (without one: tests/test_conversion_errors.py's
+    unreadable file)."""
     ckpt = str(tmp_path / "ckpt")
     argv = _tiny(gpt2_data, "--model-parallel-size", "2")
     run_distributed(train_gpt2, 2, [*argv, "--train-iters", "1", "--save", ckpt], timeout=240)
@@ -240,8 +242,11 @@ def test_a_checkpoint_file_one_rank_cannot_read_ends_every_rank(gpt2_data, tmp_p
     assert time.monotonic() - start < WITHIN_S + 30, messages  # a training run's start-up
     for message in messages:
         assert message is not None and message.startswith(
-            f"loading the checkpoint in {ckpt} failed on rank 1: cannot read checkpoint file "
-            f"{shard}"), messages
+            f"verifying the checkpoint of iteration 1 in {ckpt} failed on rank 1: checkpoint "
+            f"file {shard} is damaged"), messages
+        assert f"; {os.path.getsize(shard)} bytes, {2 * os.path.getsize(shard)}" in message or \
+            f"; {os.path.getsize(shard)} bytes, {2 * os.path.getsize(shard) + 1}" in message, \
+            message
 
 
 # ---------------------------------------------------------------- the dataset index

@@ -5,6 +5,9 @@ Everything about what a checkpoint holds and where, used by training (save/resum
 (:mod:`megatron.checkpoint_conversion`):
 
 - :mod:`.format`: folder and file names, the tracker, atomic publication, what must match;
+- :mod:`.digest` / :mod:`.manifest` / :mod:`.verify`: each file's digest hashed as it is
+  written, the manifest published with the folder, verification before every read and by
+  ``tools/verify_checkpoint.py``;
 - :mod:`.key_maps` (:mod:`.gpt2_keys`, :mod:`.t5_keys`): where each weight of a model lives;
 - :mod:`.native_reader` / :mod:`.native_writer`: any (tp, pp) layout <-> one full state dict;
 - :mod:`.sharding` / :mod:`.recorded_reshard`: the sharding record each rank file carries,

@@ -11,7 +11,10 @@ read. A writer builds the iteration folder under a temporary root, each file flu
 (``fsync``) as it is written; :func:`publish_iteration` flushes the folder's entries, renames
 it into place and flushes its parent, then rewrites the tracker the same way (temporary file,
 flush, rename, flush of the folder), so neither a killed process nor a crashed node leaves a
-tracker naming a half checkpoint (:mod:`megatron.durable`). Every reader here loads with
+tracker naming a half checkpoint (:mod:`megatron.durable`). Every file is written through
+:func:`write_checkpoint_file`, which hashes its bytes as they are written; the folder's
+manifest of those digests (:mod:`.manifest`) is published with it, before the tracker, and
+every reader verifies a file against it before loading it. Every reader here loads with
 ``torch.load(weights_only=True)``: a checkpoint cannot execute code.
 """
 import os
@@ -25,6 +28,8 @@ from .. import durable
 from ..config.run_config import uses_pipeline_engine  # noqa: F401 (part of the format)
 from ..errors import CheckpointError, not_text
 from ..locks import remove_stale_tmps, tmp_name
+from .digest import FileDigest, save_with_digest
+from .manifest import check_file, write_manifest
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FORMAT = "megatron-tds/1"
@@ -42,6 +47,10 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "kv_channels",
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+#: A damaged iteration folder moved aside by a resume keeps its name with this suffix.
+DAMAGED_SUFFIX = ".damaged"
 
 
 # ---------------------------------------------------------------- names
@@ -97,6 +106,22 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
     durable.replace(tmp, path)
 
 
+def write_checkpoint_file(path: str, state) -> FileDigest:
+    """``torch.save(state)`` to ``path`` atomically and durably (:func:`write_atomic`),
+    hashing the bytes as they are written: the one write path of every checkpoint file.
+
+    Args:
+        path: the file, inside a temporary iteration folder.
+        state: what to save.
+
+    Returns:
+        Its :class:`~.digest.FileDigest`, for the folder's manifest.
+    """
+    written = []
+    write_atomic(path, lambda tmp: written.append(save_with_digest(state, tmp)))
+    return written[-1]
+
+
 def write_tracker(root: str, iteration: int) -> None:
     """Point ``root``'s tracker file at ``iteration`` (atomically; one rank calls it)."""
     def write(tmp):
@@ -106,10 +131,24 @@ def write_tracker(root: str, iteration: int) -> None:
     write_atomic(os.path.join(root, TRACKER_FILENAME), write)
 
 
-def publish_iteration(root: str, tmp_root: str, iteration: int) -> None:
-    """Move the finished ``tmp_root`` iteration folder into ``root``, then point the tracker
-    at it. Re-saving an iteration replaces the old folder whole."""
+def publish_iteration(root: str, tmp_root: str, iteration: int, *,
+                      digests: Dict[str, FileDigest]) -> None:
+    """Write the manifest of the finished ``tmp_root`` iteration folder, move the folder into
+    ``root``, then point the tracker at it. Re-saving an iteration replaces the old folder
+    whole.
+
+    Args:
+        root: the ``--save`` folder.
+        tmp_root: where the iteration folder was written.
+        iteration: its iteration.
+        digests: ``{name inside the iteration folder: FileDigest}`` of every file in it
+            (from :func:`write_checkpoint_file`, gathered from every writer).
+
+    Raises:
+        CheckpointError: a file of the folder has no digest (:func:`.manifest.write_manifest`).
+    """
     final = iteration_dir(root, iteration)
+    write_manifest(iteration_dir(tmp_root, iteration), iteration, digests)
     durable.fsync_tree(iteration_dir(tmp_root, iteration))  # the files' names (data: writers)
     if os.path.exists(final):
         old = iteration_dir(os.path.join(root, ".old"), iteration)
@@ -147,8 +186,33 @@ def rank_files(folder: str) -> Dict[Tuple[int, int], str]:
     return files
 
 
+def published_iterations(root: str) -> List[int]:
+    """The iterations of ``root``'s published ``iter_*`` folders, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m)
+
+
+def set_aside(root: str, iteration: int) -> str:
+    """Rename a damaged iteration folder to ``iter_N.damaged`` (``.damaged-2``, ... when that
+    name is taken): out of every reader's way, kept for whoever wants to look at it.
+
+    Returns:
+        Its new path.
+    """
+    folder = iteration_dir(root, iteration)
+    aside, count = folder + DAMAGED_SUFFIX, 1
+    while os.path.exists(aside):
+        count += 1
+        aside = f"{folder}{DAMAGED_SUFFIX}-{count}"
+    durable.replace(folder, aside)
+    return aside
+
+
 def load_rank_file(path: str) -> dict:
-    """One rank file, read without executing pickled code."""
+    """One rank file, verified against its manifest (:func:`.manifest.check_file`), read
+    without executing pickled code."""
+    check_file(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
     try:

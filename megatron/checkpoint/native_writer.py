@@ -11,8 +11,9 @@ no optimizer state and no RNG state. A training run starts from it with ``--fine
 consumed samples and LR schedule carried over from the source; RNG from ``--seed``).
 
 Writing is atomic and durable: every file goes to ``<root>/.tmp_convert_<pid>/`` first and is
-flushed to disk, the finished iteration folder is renamed into place, and the tracker is
-written last (:func:`~.format.publish_iteration`).
+flushed to disk and hashed as it is written, the finished iteration folder gets its manifest
+of digests and is renamed into place, and the tracker is written last
+(:func:`~.format.publish_iteration`).
 """
 import os
 import shutil
@@ -20,12 +21,12 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .. import durable
 from ..errors import CheckpointError, ConfigError
 from ..progress import progress
 from ..tokenizer import vocab_size_with_padding
 from .format import (CHECKPOINT_FORMAT, checkpoint_name, iteration_dir, publish_iteration,
-                     uses_pipeline_engine)
+                     uses_pipeline_engine, write_checkpoint_file)
+from .manifest import relative_name
 from .chunks import SCHEDULE_KEY, VPP_KEY, Bounds
 from .key_maps import key_map_for
 from .native_reader import FullCheckpoint
@@ -150,6 +151,7 @@ def write_native(ckpt: FullCheckpoint, root: str, tp: Optional[int] = None,
     pp = pp or ckpt.args.get("pipeline_model_parallel_size", 1)
     rank_state, args = _rank_writer(ckpt, tp, pp)
     tmp_root = _prepare_output(root, ckpt.iteration)
+    folder, digests = iteration_dir(tmp_root, ckpt.iteration), {}
     try:
         for pp_rank in progress(range(pp), desc="writing stages", unit="stages"):
             for tp_rank in range(tp):
@@ -158,8 +160,8 @@ def write_native(ckpt: FullCheckpoint, root: str, tp: Optional[int] = None,
                          **rank_state(tp_rank, pp_rank), **ckpt.extras}
                 path = checkpoint_name(tmp_root, ckpt.iteration, tp_rank, pp_rank)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                durable.write_file(path, lambda name, state=state: torch.save(state, name))
-        publish_iteration(root, tmp_root, ckpt.iteration)
+                digests[relative_name(path, folder)] = write_checkpoint_file(path, state)
+        publish_iteration(root, tmp_root, ckpt.iteration, digests=digests)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
     return iteration_dir(root, ckpt.iteration)

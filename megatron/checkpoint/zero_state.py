@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..errors import CheckpointError
+from .manifest import check_file
 
 #: What each parameter carries: the fp32 master weight and the two Adam moments.
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -115,8 +116,10 @@ def load_engine_optimizer_file(path: str) -> Dict[str, Any]:
 
     ZeRO and bf16 optimizer states pickle a few DeepSpeed objects: the loss scaler and
     fragment addresses. They are plain attribute holders (no ``__setstate__``, no
-    ``__reduce__``), so allowing exactly these classes still executes no pickled code.
+    ``__reduce__``), so allowing exactly these classes still executes no pickled code. The
+    file is verified against its checkpoint's manifest first (:func:`.manifest.check_file`).
     """
+    check_file(path)
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

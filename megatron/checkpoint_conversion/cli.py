@@ -2,6 +2,8 @@
 import argparse
 import time
 
+from ..checkpoint.manifest import verification
+
 
 def conversion_parser(description, formats):
     """A parser with the flags every conversion tool takes (each adds its tokenizer flags)."""
@@ -44,8 +46,9 @@ def parse_conversion_args(parser, argv=None):
 
 
 def convert_and_report(run, request, args):
-    """Say which format the input holds (when detected), run the conversion and print one
-    line saying what was written."""
+    """Say which format the input holds (when detected), run the conversion, and print what
+    was verified of the input (a native checkpoint's files against its manifest:
+    megatron/checkpoint/manifest.py) and what was written."""
     from .convert import detected
 
     start = time.time()
@@ -53,6 +56,13 @@ def convert_and_report(run, request, args):
         fmt, words = detected(request.input, type(request))
         print(f"{request.input}: {words}", flush=True)
         request.input_format = fmt.name
-    written = run(request)
+    with verification() as scope:
+        written = run(request)
+    if scope.checked:
+        print(f"verified {len(scope.checked)} input file(s) against their manifest", flush=True)
+    else:
+        print(f"{args.input} was read unverified: it has no manifest of digests (a Hugging "
+              f"Face, Megatron-LM or Megatron-Core checkpoint, or a native one saved before "
+              f"checkpoints carried digests)", flush=True)
     print(f"wrote {written} ({args.output_format}) from {args.input} in "
           f"{time.time() - start:.1f}s", flush=True)

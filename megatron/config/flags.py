@@ -177,6 +177,9 @@ def add_checkpoint_args(parser):
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true", help="load weights only")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="load checkpoint files without checking them against the digests in "
+                        "their manifest (docs/fault_tolerance.md)")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="load weights only and start at iteration 0")

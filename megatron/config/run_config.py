@@ -300,6 +300,8 @@ class CheckpointConfig(Section):
     save_interval: Optional[int]
     no_load_optim: bool
     no_load_rng: bool
+    no_verify_checkpoint: bool
+    """Read checkpoint files without checking them against their manifest's digests."""
     no_save_optim: bool
     finetune: bool
     exit_interval: Optional[int]

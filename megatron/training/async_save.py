@@ -3,12 +3,14 @@
 The training thread copies every tensor of the rank's files to host memory (pinned on a GPU,
 the copies queued on the current stream, so later updates of the weights cannot overtake
 them and the training thread never waits for them) and goes on training. A writer thread
-waits for the copies, writes the files through the same atomic, flushed ``write_atomic``, then
-agrees with the other ranks' writers on a gloo group (:func:`megatron.agreement.agree`: did
-every rank write all its files, and if not, which and why?). Only then does rank 0 publish the
-folder and rewrite the tracker (``publish_iteration``), and the writers agree once more on
-that, so a crash at any moment of a background write leaves the previous checkpoint as the
-one resume picks, and every rank learns of a failure on any rank. At each step boundary
+waits for the copies, writes the files through the same atomic, flushed, hashing
+``write_checkpoint_file``, then agrees with the other ranks' writers on a gloo group
+(:func:`megatron.agreement.agree`: did every rank write all its files, and if not, which and
+why?) and hands every file's digest to rank 0 (the synchronous save's
+:func:`~.checkpoint_integrity.gather_digests`). Only then does rank 0 publish the folder with
+the same manifest a synchronous save writes and rewrite the tracker (``publish_iteration``),
+and the writers agree once more on that, so a crash at any moment of a background write
+leaves the previous checkpoint as the one resume picks, and every rank learns of a failure on any rank. At each step boundary
 while a write is in flight, the ranks check together whether every writer has finished
 (:meth:`AsyncCheckpointWriter.poll`, one host all-reduce): a failed write stops every rank
 at the same step, a step or two after the failure, not at the next save. The next save and
@@ -28,7 +30,9 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import agree_on_call
+from ..checkpoint.format import iteration_dir
 from ..errors import CheckpointError
+from .checkpoint_integrity import gather_digests
 from .host_group import new_host_group
 
 #: Appended to the message of a write that failed on any rank.
@@ -91,9 +95,10 @@ class AsyncCheckpointWriter:
     """Writes one checkpoint at a time in the background; collective where noted.
 
     Args:
-        write_file: ``write_file(path, state)`` writes one complete file (atomically).
-        publish: ``publish(root, tmp_root, iteration)``, called on rank 0 once every rank's
-            files are complete.
+        write_file: ``write_file(path, state)`` writes one complete file (atomically) and
+            returns its digest.
+        publish: ``publish(root, tmp_root, iteration, digests=...)``, called on rank 0 once
+            every rank's files are complete, with every file's digest (for the manifest).
     """
 
     def __init__(self, write_file: Callable[[str, dict], None],
@@ -135,13 +140,14 @@ class AsyncCheckpointWriter:
         start = time.perf_counter()
         what = f"the background write of the checkpoint of iteration {iteration} to {root}"
         try:
-            agree_on_call(what, self._write_all, copies, ready, group=self._group,
-                          error_type=CheckpointError, hint=SAVE_FAILED_HINT)
+            written = agree_on_call(what, self._write_all, copies, ready, group=self._group,
+                                    error_type=CheckpointError, hint=SAVE_FAILED_HINT)
+            digests = gather_digests(written, iteration_dir(tmp_root, iteration), self._group)
             rank0 = not dist.is_initialized() or dist.get_rank() == 0
             agree_on_call(f"publishing the checkpoint of iteration {iteration} to {root}",
-                          self._publish if rank0 else lambda *a: None, root, tmp_root,
-                          iteration, group=self._group, error_type=CheckpointError,
-                          hint=SAVE_FAILED_HINT)
+                          self._publish if rank0 else lambda *a, **k: None, root, tmp_root,
+                          iteration, digests=digests, group=self._group,
+                          error_type=CheckpointError, hint=SAVE_FAILED_HINT)
         except Exception as exc:  # reported by wait() / poll(), on the training thread
             self._error = str(exc) if isinstance(exc, CheckpointError) else \
                 f"{what} failed: {type(exc).__name__}: {exc}"
@@ -150,8 +156,7 @@ class AsyncCheckpointWriter:
     def _write_all(self, copies, ready):
         if ready is not None:
             ready.synchronize()
-        for path, state in copies:
-            self._write_file(path, state)
+        return [(path, self._write_file(path, state)) for path, state in copies]
 
     def poll(self) -> None:
         """Collective at a step boundary while a write is in flight: when every rank's writer

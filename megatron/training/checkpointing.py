@@ -3,10 +3,12 @@
 The format on disk (Megatron's layout, the tracker, atomic publication, weights-only loads)
 is :mod:`megatron.checkpoint`'s; this module decides what a run puts into it and how a run
 takes it back, through the backend's :class:`~.state_io.OptimizerStateIO`. A save goes to
-``<save>/.tmp/iter_*`` first, each file flushed to disk; rank 0 publishes the folder once every
-rank's files are complete, then rewrites the tracker, so a crash (of a process or of a node)
-at any point leaves the previous checkpoint in place, and a failure on one rank (a full disk)
-stops every rank with the same error.
+``<save>/.tmp/iter_*`` first, each file flushed to disk and hashed as it is written; rank 0
+publishes the folder with the manifest of every file's digest once every rank's files are
+complete, then rewrites the tracker, so a crash (of a process or of a node) at any point
+leaves the previous checkpoint in place, and a failure on one rank (a full disk) stops every
+rank with the same error. A resume verifies every file it reads against the manifest
+(:mod:`.checkpoint_integrity` decides, on every rank alike, what a damaged one means).
 """
 import os
 import random
@@ -21,12 +23,14 @@ from .. import mpu
 from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker: public here)
     CHECKPOINT_FORMAT, TRACKER_FILENAME, check_compatible, checkpoint_name, iteration_dir,
     megatron_v2_name, optimizer_shard_name, publish_iteration, read_tracker,
-    saved_optimizer_files, write_atomic, write_tracker)
+    saved_optimizer_files, write_checkpoint_file, write_tracker)
 from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs, weights_for_run
+from ..checkpoint.manifest import check_file, verification
 from ..agreement import agree, agree_on_call, agree_on_value
 from ..config import args_to_dict
-from ..errors import CheckpointError, MegatronError
+from ..errors import CheckpointDigestError, CheckpointError, MegatronError
 from ..utils import print_rank_0, warn_rank_0
+from . import checkpoint_integrity as integrity
 from .async_save import SAVE_FAILED_HINT, AsyncCheckpointWriter
 from .schedule_change import resume_schedule
 
@@ -101,19 +105,20 @@ def _sharding_record(module):
 
 def _write_file(path, state):
     """One complete file (atomically and durably: a killed writer or a crashed node leaves
-    no half file)."""
+    no half file); returns its digest, hashed as it was written, for the manifest."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_atomic(path, lambda tmp: torch.save(state, tmp))
+    return write_checkpoint_file(path, state)
 
 
 def _write_files(files):
-    for path, state in files:
-        _write_file(path, state)
+    """Write ``(path, state)`` pairs; returns their ``(path, digest)`` pairs."""
+    return [(path, _write_file(path, state)) for path, state in files]
 
 
-def _publish(root, tmp_root, iteration):
-    """Rank 0, once every rank's files are complete: folder into place, then the tracker."""
-    publish_iteration(root, tmp_root, iteration)
+def _publish(root, tmp_root, iteration, digests):
+    """Rank 0, once every rank's files are complete: the manifest, the folder into place,
+    then the tracker."""
+    publish_iteration(root, tmp_root, iteration, digests=digests)
     print(f"> saved checkpoint at iteration {iteration} to {root}", flush=True)
 
 
@@ -134,7 +139,7 @@ def new_async_writer() -> Any:
     # through the module's names, so a test's patch of _write_file or publish_iteration
     # reaches the writer
     return AsyncCheckpointWriter(lambda path, state: _write_file(path, state),
-                                 lambda *a: _publish(*a))
+                                 lambda *a, **k: _publish(*a, **k))
 
 
 def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
@@ -183,11 +188,13 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
     if writer is not None:
         writer.submit(root, tmp_root, iteration, files)
         return
-    agree_on_call(save_step("writing the files", iteration, root), _write_files, files,
-                  error_type=CheckpointError, hint=SAVE_FAILED_HINT)
+    written = agree_on_call(save_step("writing the files", iteration, root), _write_files,
+                            files, error_type=CheckpointError, hint=SAVE_FAILED_HINT)
+    digests = integrity.gather_digests(written, iteration_dir(tmp_root, iteration))
     agree_on_call(f"publishing the checkpoint of iteration {iteration} to {root}",  # as async
-                  publish_iteration if dist.get_rank() == 0 else lambda *a: None,
-                  root, tmp_root, iteration, error_type=CheckpointError, hint=SAVE_FAILED_HINT)
+                  publish_iteration if dist.get_rank() == 0 else lambda *a, **k: None,
+                  root, tmp_root, iteration, digests=digests, error_type=CheckpointError,
+                  hint=SAVE_FAILED_HINT)
     print_rank_0(f"> saved checkpoint at iteration {iteration} to {root}")
 
 
@@ -199,6 +206,7 @@ def _read_own_file(cfg, iteration):
     if not os.path.isfile(path) and pp == 0 and \
             os.path.isfile(megatron_v2_name(root, iteration, tp)):
         path = megatron_v2_name(root, iteration, tp)
+    check_file(path)  # against the manifest, before a byte of it is used
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint in {root} is "
                               f"incomplete or was made with another layout")
@@ -334,12 +342,47 @@ def _load_foreign(fmt, backend, cfg, load_optim):
                  f"tp={full.args['tensor_model_parallel_size']}, "
                  f"pp={full.args.get('pipeline_model_parallel_size', 1)}, loaded at "
                  f"tp={cfg.parallel.tp}, pp={cfg.parallel.pp}")
+    warn_rank_0(f"{root} is a {fmt.DESCRIPTION}: it has no manifest of digests, so its files "
+                f"were loaded unverified")
     if load_optim:
         warn_rank_0(f"{root} is a {found}: only its weights, iteration, consumed samples and "
                     f"LR schedule position were taken; its optimizer state is not read, so "
                     f"Adam starts fresh (pass --no-load-optim or --finetune to say so)")
     state = {"iteration": full.iteration, "foreign": fmt.DESCRIPTION, **full.extras}
     return state
+
+
+def _agreed_load(cfg, load, *args, verified=True):
+    """Collective: ``load(*args)`` on every rank; a failure on any rank (one rank's disk or
+    file) raises on every rank, except, when ``verified``, a failed verification, returned
+    for the agreed decision of :func:`.checkpoint_integrity.damaged_or_none`. Returns
+    ``(state, this rank's CheckpointDigestError or None)``."""
+    state, error, damage = None, None, None
+    try:
+        state = load(*args)
+    except CheckpointDigestError as exc:
+        damage, error = (exc, None) if verified else (None, exc)
+    except (MegatronError, OSError) as exc:
+        error = exc
+    agree(error, f"loading the checkpoint in {cfg.checkpoint.load}", error_type=CheckpointError)
+    return state, damage
+
+
+def _load_verified(backend, cfg, iteration, load_optim):
+    """Collective: load ``iteration``, each file verified as it is read; when a file fails
+    on any rank, every rank falls back to the newest older checkpoint that verifies (a
+    resumed run: ``--load`` = ``--save``) or raises. Returns ``(state, iteration loaded)``."""
+    damaged = []
+    while True:
+        with verification(not cfg.checkpoint.no_verify_checkpoint) as scope:
+            state, damage = _agreed_load(cfg, _load_state, backend, cfg, iteration, load_optim)
+        older = integrity.damaged_or_none(cfg, iteration, damage, damaged)
+        if older is None:
+            break
+        iteration = older
+    integrity.set_aside_damaged(cfg, damaged, iteration)
+    integrity.report(cfg, iteration, scope)
+    return state, iteration
 
 
 def _restore_rng(cfg, state):
@@ -365,9 +408,13 @@ def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
     name the same folder for automatic resume); a ``--load`` folder that does not exist was
     already refused by validation unless the run asked for it (``--load-if-exists``, or
     ``--load`` = ``--save``). An incompatible or incomplete checkpoint raises
-    :class:`CheckpointError` on every rank. A folder in one of the model family's foreign
-    formats (``foreign_checkpoints``: Megatron-LM's for GPT-2) is loaded weights-first
-    through it (:func:`_load_foreign`).
+    :class:`CheckpointError` on every rank. Every file read is verified against the
+    checkpoint's manifest first (unless ``--no-verify-checkpoint``); a damaged checkpoint is
+    replaced by the newest older one that verifies when ``--load`` is ``--save``, and raises
+    :class:`~megatron.errors.CheckpointDigestError` on every rank otherwise
+    (:mod:`.checkpoint_integrity`). A folder in one of the model family's foreign formats
+    (``foreign_checkpoints``: Megatron-LM's for GPT-2) is loaded weights-first through it
+    (:func:`_load_foreign`), unverified (it has no manifest), and the log says so.
     """
     ckpt = cfg.checkpoint
     if not ckpt.load:
@@ -378,16 +425,12 @@ def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
         warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
                     f"starting from scratch")
         return 0
-    state, error = None, None
-    try:
-        if foreign is not None:
-            state = _load_foreign(foreign, backend, cfg, load_optim)
-            iteration, load_optim = state["iteration"], False
-        else:
-            state = _load_state(backend, cfg, iteration, load_optim)
-    except (MegatronError, OSError) as exc:  # one rank's disk or file: told to every rank
-        error = exc
-    agree(error, f"loading the checkpoint in {ckpt.load}", error_type=CheckpointError)
+    if foreign is not None:
+        state = _agreed_load(cfg, _load_foreign, foreign, backend, cfg, load_optim,
+                             verified=False)[0]
+        iteration, load_optim = state["iteration"], False
+    else:
+        state, iteration = _load_verified(backend, cfg, iteration, load_optim)
     if not load_optim:
         backend.state_io.after_weights_only_load()
     if ckpt.finetune:
