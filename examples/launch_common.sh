@@ -112,10 +112,13 @@ megatron_launch() {
   local entry=$1 flags=$2 cmd script
   script=${BASH_SOURCE[1]:-run script}
   cd "$repo"
-  megatron_log_to_file
+  [ "${CHECK_ONLY:-0}" = 1 ] || megatron_log_to_file
   megatron_cpu_threads
   ${PYTHON:-python} -m megatron.launch.check --script "$script" \
     --world-size $(( GPUS_PER_NODE * NNODES )) "$entry" $flags || exit $?
+  # CHECK_ONLY=1: the verdict only (a planned layout's line, tools/plan_layout.py, checked
+  # before a cluster is booked)
+  [ "${CHECK_ONLY:-0}" = 1 ] && exit 0
   if [ "$LAUNCHER" = deepspeed ]; then
     # The DeepSpeed launcher reaches the hosts of a hostfile over passwordless ssh (pdsh);
     # on one node it starts the processes itself.
