@@ -361,8 +361,8 @@ def _restore_rng(cfg, state):
 def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
     """Resume from ``--load`` if it holds a checkpoint (collective). Returns the iteration.
 
-    A missing tracker starts from scratch with a warning (so ``--save`` and ``--load`` can
-    name the same folder for automatic resume); a ``--load`` folder that does not exist was
+    A missing tracker starts from scratch: one line when ``--load`` is ``--save`` (the run
+    scripts' automatic resume: a first run), a warning otherwise; a ``--load`` folder that does not exist was
     already refused by validation unless the run asked for it (``--load-if-exists``, or
     ``--load`` = ``--save``). An incompatible or incomplete checkpoint raises
     :class:`CheckpointError` on every rank. A folder in one of the model family's foreign
@@ -375,8 +375,12 @@ def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
     load_optim = not ckpt.no_load_optim and not ckpt.finetune
     foreign, iteration = _agreed_contents(cfg)
     if foreign is None and iteration is None:
-        warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
-                    f"starting from scratch")
+        if ckpt.save and os.path.abspath(ckpt.save) == os.path.abspath(ckpt.load):
+            # the run scripts' automatic resume (--load = --save): a first run is normal
+            print_rank_0(f"> new run: no checkpoint in {ckpt.load} yet")
+        else:
+            warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
+                        f"starting from scratch")
         return 0
     state, error = None, None
     try:
