@@ -128,25 +128,56 @@ def _flush_interval(cfg, state, pending, backend, timers, writer):
     state.loss_scale = backend.loss_scale
     # [n] losses of the interval: one host read for all of them
     losses = torch.stack([p["lm loss"] for p in pending]).tolist() if pending else []
-    state.losses.extend(losses)
-    stats = {"lm loss": sum(losses) / len(losses)} if losses else {}
     norms = [p["grad norm"] for p in pending
              if p.get("grad norm") is not None and not p["skipped"]]
-    if norms:  # device tensors (DDP) or floats (DeepSpeed engines): read once, here
-        stats["grad norm"] = float(sum(norms)) / len(norms)
-    log_training_step(cfg, state, stats, timers("interval").elapsed(), writer)
+    # device tensors (DDP) or floats (DeepSpeed engines): read once, here
+    norm = float(sum(norms)) / len(norms) if norms else None
+    losses, norm = _last_stage_values(cfg, losses, norm)
+    state.losses.extend(losses)
+    stats = {"lm loss": sum(losses) / len(losses)} if losses else {}
+    if norm is not None:
+        stats["grad norm"] = norm
+    compiled = _interval_compile_seconds(cfg)
+    steps_s = max(timers("interval").elapsed() - compiled, 1e-6)  # the steps' time alone
+    log_training_step(cfg, state, stats, steps_s, writer, compile_s=compiled)
     state.steps_in_interval = state.skipped_in_interval = 0
+
+
+def _last_stage_values(cfg, losses, norm):
+    """The interval's losses and mean gradient norm as the last pipeline stage has them, on
+    every rank (each node's first process prints the line): at pp > 1 one small broadcast
+    at the log interval (:func:`~.training_log.from_last_stage`)."""
+    import math
+
+    from .training_log import from_last_stage
+
+    shared = from_last_stage(cfg, losses + [math.nan if norm is None else norm])
+    return shared[:-1], (None if math.isnan(shared[-1]) else shared[-1])
+
+
+def _interval_compile_seconds(cfg):
+    """Seconds the log interval spent in ``torch.compile`` on the slowest rank (0 without
+    ``--compile``): left out of its step time, tokens/s and MFU (megatron/compile_watch.py)."""
+    if not cfg.kernels.compile:
+        return 0.0
+    from .. import compile_watch
+    from .training_log import slowest_compile
+
+    return slowest_compile(cfg, compile_watch.take())
 
 
 def _first_step_done(cfg, seconds):
     """Record the first step's time (host wall time: no device sync is added to it) and print
     the start-up line (megatron/startup_times.py); with ``--compile`` it names the graphs the
-    step compiled (later steps reuse them; evaluation compiles its own at its first call)."""
+    step compiled and this rank's compile time in it (later steps reuse them; evaluation
+    compiles its own at its first call)."""
     label = "first step"
     if cfg.kernels.compile:
+        from .. import compile_watch
         from ..model.compile import compiled_graph_count
 
-        label = f"first step (includes torch.compile of {compiled_graph_count()} graph(s))"
+        label = (f"first step (includes torch.compile of {compiled_graph_count()} graph(s): "
+                 f"{compile_watch.run_seconds():.1f} s)")
     startup = get_startup_times()
     if startup is None:  # train() called outside pretrain()
         print_rank_0(f"> {label}: {seconds:.1f} s")

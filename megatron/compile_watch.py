@@ -1,0 +1,129 @@
+"""``--compile``'s compile time: measured apart from the steps, and said while it runs.
+
+A first step under ``torch.compile`` can take minutes, all of it compiling (dynamo, the
+backward graph on its first call, Inductor's kernels). :func:`install` (called by
+:func:`megatron.model.compile.prepare_for_compile`) registers torch's compile callbacks
+(``torch._dynamo.callback_handler``: a start when the first of nested compiles begins, an
+end when the last one ends, the lazily compiled backward included) and:
+
+- counts this process's wall time inside compiles (:func:`seconds`; :func:`take`: since the
+  last look), so the training log takes it out of the interval it fell in (step time,
+  tokens/s and MFU are the steps') and says it apart, and the start-up line gives the
+  first step's share of it;
+- from a thread, prints ``> compiling: 12 graphs so far, 40 s`` on each node's first
+  process every ``MEGATRON_COMPILE_PROGRESS_INTERVAL`` seconds (default 20) that a compile
+  has been running, so a long first step is not silence.
+"""
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+#: Seconds between progress lines while a compile runs.
+DEFAULT_INTERVAL_S = 20.0
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompileWatch:
+    """The compile callbacks' clock and the progress thread (one per process)."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._done = 0.0  # seconds of finished compiles
+        self._since: Optional[float] = None  # start of the compile running now
+        self._taken = self._mark = 0.0  # seconds() at the last take() / mark()
+        self._wake = threading.Event()
+
+    def start(self, _args=None) -> None:
+        with self._lock:
+            self._since = time.monotonic()
+        self._wake.set()
+
+    def end(self, _args=None) -> None:
+        with self._lock:
+            if self._since is not None:
+                self._done += time.monotonic() - self._since
+                self._since = None
+
+    def seconds(self) -> float:
+        """Wall seconds spent compiling so far (a compile running now counted to now)."""
+        with self._lock:
+            running = time.monotonic() - self._since if self._since is not None else 0.0
+            return self._done + running
+
+    def take(self) -> float:
+        """Compile seconds since the last :meth:`take` (or :meth:`mark`)."""
+        now = self.seconds()
+        taken, self._taken = now - self._taken, now
+        return taken
+
+    def mark(self) -> None:
+        """Start counting :meth:`take` and :meth:`run_seconds` from now (a new run in this
+        process)."""
+        self._taken = self._mark = self.seconds()
+
+    def run_seconds(self) -> float:
+        """Compile seconds since the last :meth:`mark`."""
+        return self.seconds() - self._mark
+
+    def compiling(self) -> bool:
+        with self._lock:
+            return self._since is not None
+
+    def run(self) -> None:
+        """The progress thread: a line each ``interval_s`` of a compile (daemon)."""
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            last = time.monotonic()
+            while self.compiling():
+                time.sleep(min(1.0, self.interval_s / 4))
+                if self.compiling() and time.monotonic() - last >= self.interval_s:
+                    last = time.monotonic()
+                    print(f"> compiling: {_graphs()} graphs so far, {self.seconds():.0f} s",
+                          file=sys.stdout, flush=True)
+
+
+_WATCH: Optional[CompileWatch] = None
+
+
+def install() -> CompileWatch:
+    """Register the callbacks and start the progress thread (once per process); each call
+    starts a new run's count (:func:`take`)."""
+    global _WATCH
+    if _WATCH is not None:
+        _WATCH.mark()
+        return _WATCH
+    import torch._dynamo
+
+    interval = float(os.environ.get("MEGATRON_COMPILE_PROGRESS_INTERVAL", DEFAULT_INTERVAL_S))
+    watch = CompileWatch(interval)
+    torch._dynamo.callback_handler.register_start_callback(watch.start)
+    torch._dynamo.callback_handler.register_end_callback(watch.end)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # each node's first process says it
+        threading.Thread(target=watch.run, name="compile-progress", daemon=True).start()
+    _WATCH = watch
+    return watch
+
+
+def seconds() -> float:
+    """This process's compile wall time so far (0 when nothing was installed)."""
+    return _WATCH.seconds() if _WATCH is not None else 0.0
+
+
+def run_seconds() -> float:
+    """This run's compile seconds so far (since its :func:`install`; 0 when none was)."""
+    return _WATCH.run_seconds() if _WATCH is not None else 0.0
+
+
+def take() -> float:
+    """Compile seconds since the last call (or since this run's :func:`install`): what a log
+    interval leaves out of its step time (0 when nothing was installed)."""
+    return _WATCH.take() if _WATCH is not None else 0.0
