@@ -75,8 +75,9 @@ def _args(argv):
                    help="per GPU memory tensors cannot use: CUDA context, NCCL buffers, "
                         "allocator fragmentation (e.g. 4GiB)")
     p.add_argument("--nodes", type=int, default=None, help="default: gpus / 8")
-    p.add_argument("--vocab-size", type=int, default=50257,
-                   help="tokenizer vocabulary (padded as the run would)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="tokenizer vocabulary (padded as the run would); default: GPT-2's "
+                        "50257, T5's 32100 (32000 sentencepiece pieces and 100 sentinels)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step (default: the config's micro-batch x gas x dp)")
     p.add_argument("--gpu", choices=sorted(PRESETS), default="h100",
@@ -94,6 +95,8 @@ def _args(argv):
     args = p.parse_args(argv)
     if args.family is None:
         args.family = default_family(args.config)
+    if args.vocab_size is None:
+        args.vocab_size = 32100 if args.family == "t5" else 50257
     dev = PRESETS[args.gpu]
     for flag, value in (("peak_tflops", dev.peak_tflops), ("hbm_gbps", dev.hbm_gbps),
                         ("intra_node_gbps", dev.intra_gbps), ("inter_node_gbps", dev.inter_gbps)):
@@ -257,6 +260,13 @@ def _row(label, p, hw):
           f"peak/stage GiB: {stages}{fits}")
 
 
+def _config_flags(args, family):
+    """The config's settings as command-line words (the non-script families' run lines)."""
+    from megatron.config import build_parser, config_file_flags
+
+    return config_file_flags(build_parser(family=family), args.config)
+
+
 def _nothing_fits(args, hw, base, batch, candidates):
     """The refusal when no layout fits, with its reason."""
     from megatron.memory.report import GIB
@@ -343,6 +353,7 @@ def main(argv=None):
     if not plans:
         raise ConfigError(_nothing_fits(args, hw, base, batch, candidates))
     settings = cfg.to_dict()
+    config_flags = _config_flags(args, family)
     if not args.json:
         print(f"  {len(plans)} of them fit; the fastest first:")
         for p in plans[:args.top]:
@@ -350,7 +361,7 @@ def main(argv=None):
         print("\n".join("  " + line for line in LEGEND.splitlines()))
         for i, p in enumerate(plans[:args.run_lines]):
             print(f"run #{i + 1} ({p.layout()}):\n  "
-                  f"{run_line(p.spec, family.name, hw.nodes, settings, args.config)}")
+                  f"{run_line(p.spec, family.name, hw.nodes, settings, config_flags)}")
         return 0
     json.dump({"config": args.config, "family": family.name, "gpu": args.gpu,
                "gpus": args.gpus, "nodes": hw.nodes, "gpu_memory_bytes": hw.gpu_memory,
@@ -360,7 +371,7 @@ def main(argv=None):
                "config_layout": mine.to_dict() if mine else None,
                "config_layout_note": why,
                "layouts": [dict(p.to_dict(), run=run_line(p.spec, family.name, hw.nodes,
-                                                          settings, args.config))
+                                                          settings, config_flags))
                            for p in plans]},
               real_stdout, indent=1)
     real_stdout.write("\n")

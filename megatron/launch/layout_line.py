@@ -4,16 +4,17 @@ tools/plan_layout.py prints, for its best rows, the line that starts that layout
 
     GPUS_PER_NODE=8 NNODES=8 mp_size=2 cp_size=1 pp_size=4 vpp_size=1 PIPELINE_SCHEDULE=zbv
       BATCHSIZE=2 GAS=12 NLAYERS=40 ... PRECISION=fp16
-      EXTRA_ARGS="--config configs/gpt2/gpt2_13b.yaml --sequence-parallel --zero-stage 1"
-      bash examples/run_gpt2.sh
+      EXTRA_ARGS='--zero-stage 1 --sequence-parallel' bash examples/run_gpt2.sh
 
 for a family with a run script (GPT-2: examples/run_gpt2.sh, T5: examples/run_t5.sh), and
-the training flags for any other (``--tensor-model-parallel-size 2 ...``). The run script
-passes its model and batch variables as flags, which win over the YAML's values, so the
-line sets them from the configuration; what has no variable (sequence parallelism, the ZeRO
-stage, selective recompute) goes into ``EXTRA_ARGS`` with ``--config``, which carries the
-rest of the YAML. ``CHECK_ONLY=1`` in front of the line checks the settings without
-launching (examples/launch_common.sh).
+the training flags for any other (the config's settings as flags, then the layout's:
+``--num-layers 32 ... --tensor-model-parallel-size 2 ...``). The run script passes its own
+model, batch and schedule values as flags, so the line sets its variables from the
+configuration; what has no variable (sequence parallelism, the ZeRO stage, selective
+recompute, a feed-forward width) goes into ``EXTRA_ARGS``. The YAML itself is not passed:
+its layout (a ``parallel_config``, ``sequence_parallel: true``, a recompute) would override
+the row's where no flag turns it off. ``CHECK_ONLY=1`` in front of a run-script line checks
+the settings without launching (examples/launch_common.sh).
 """
 import shlex
 from typing import Any, Dict, List, Optional
@@ -31,6 +32,20 @@ _MODEL_VARIABLES = {
            ("DEC_SEQLEN", "dec_seq_length")),
 }
 _PRECISION = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+
+#: Settings (dests) that make up a layout: the row's, never the YAML's.
+LAYOUT_DESTS = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "cp_comm_type", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "pipeline_schedule", "micro_batch_size", "gas",
+    "global_batch_size", "sequence_parallel", "checkpoint_activations",
+    "checkpoint_num_layers", "recompute_granularity", "recompute_method",
+    "recompute_num_layers", "recompute_activations", "zero_stage", "deepspeed",
+    "expected_data_parallel_size"})
+#: The YAML's model settings a run-script line passes in EXTRA_ARGS (the scripts have no
+#: variable for them); the rest of the script's run (optimizer, logging) is the script's.
+SCRIPT_EXTRAS = ("ffn_hidden_size", "kv_channels", "make_vocab_size_divisible_by",
+                 "t5_ff", "untie_embeddings", "relative_attention_num_buckets")
 
 
 def _recompute_flags(spec: Any) -> List[str]:
@@ -88,7 +103,8 @@ def _script_variables(spec: Any, family: str, settings: Dict[str, Any]) -> Dict[
         if settings.get(key) is not None:
             out[variable] = str(settings[key])
     out["PRECISION"] = _PRECISION[spec.dtype]
-    out["ATTENTION_BACKEND"] = "unfused" if spec.attention == "unfused" else "auto"
+    if spec.attention == "unfused":  # the script's auto would be SDPA
+        out["ATTENTION_BACKEND"] = "unfused"
     for variable, key in (("HIDDEN_DROPOUT", "hidden_dropout"),
                           ("ATTENTION_DROPOUT", "attention_dropout")):
         if settings.get(key) is not None:
@@ -100,9 +116,11 @@ def _script_variables(spec: Any, family: str, settings: Dict[str, Any]) -> Dict[
     return out
 
 
-def _extra_args(spec: Any, config: Optional[str]) -> List[str]:
+def _extra_args(spec: Any, family: str, config_flags: Dict[str, List[str]]) -> List[str]:
     """What the run script has no variable for."""
-    extra = ["--config", config] if config else []
+    covered = {key for _, key in _MODEL_VARIABLES[family]}
+    extra = [w for dest in SCRIPT_EXTRAS if dest not in covered
+             for w in config_flags.get(dest, [])]
     if spec.cp > 1 and spec.cp_comm != "p2p":
         extra += ["--cp-comm-type", spec.cp_comm]
     extra += _recompute_flags(spec)
@@ -114,9 +132,9 @@ def _extra_args(spec: Any, config: Optional[str]) -> List[str]:
 
 
 def run_line(spec: Any, family: str, nodes: int, settings: Dict[str, Any],
-             config: Optional[str] = None) -> str:
+             config_flags: Optional[Dict[str, List[str]]] = None) -> str:
     """The line that starts the layout ``spec``: the run script's variables for a family with
-    one (:data:`RUN_SCRIPTS`), else its training flags (for the family's entry script).
+    one (:data:`RUN_SCRIPTS`), else the training flags (for the family's entry script).
 
     Args:
         spec: the layout (a planner row).
@@ -124,19 +142,21 @@ def run_line(spec: Any, family: str, nodes: int, settings: Dict[str, Any],
         nodes: nodes of the plan (GPUs per node = world / nodes).
         settings: the run configuration's flat values (``RunConfig.to_dict()``): model
             sizes, dropout and learning rate the run script would otherwise set to its own.
-        config: the YAML the plan was made from (passed on in ``--config``), or None.
+        config_flags: the YAML's settings as words by dest
+            (:func:`megatron.config.config_file_flags`); its layout ones are left out.
     """
+    config_flags = config_flags or {}
     if family not in RUN_SCRIPTS:
-        flags = layout_flags(spec) + (["--config", config] if config else [])
+        flags = [w for dest, words in config_flags.items() if dest not in LAYOUT_DESTS
+                 for w in words] + layout_flags(spec)
         return (f"{spec.world // nodes} processes on each of {nodes} node(s): "
                 + " ".join(shlex.quote(f) for f in flags))
     variables = {"GPUS_PER_NODE": str(spec.world // nodes), "NNODES": str(nodes),
                  **_script_variables(spec, family, settings)}
+    extra = _extra_args(spec, family, config_flags)
     if spec.recompute == "full" and (spec.recompute_method, spec.recompute_num_layers) == \
-            ("uniform", 1):
+            ("uniform", 1):  # --checkpoint-activations: full, uniform, 1 layer
         variables["RECOMPUTE"] = "1"
-    extra = _extra_args(spec, config)
-    if "RECOMPUTE" in variables:  # --checkpoint-activations: full, uniform, 1 layer
         extra = _without_recompute(extra, spec)
     words = [f"{k}={v}" for k, v in variables.items()]
     if extra:
