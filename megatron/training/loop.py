@@ -176,7 +176,7 @@ def _first_step_done(cfg, seconds):
         from .. import compile_watch
         from ..model.compile import compiled_graph_count
 
-        label = (f"first step (includes torch.compile of {compiled_graph_count()} graph(s): "
+        label = (f"first step (includes torch.compile of {compiled_graph_count()} graph(s), "
                  f"{compile_watch.run_seconds():.1f} s)")
     startup = get_startup_times()
     if startup is None:  # train() called outside pretrain()
