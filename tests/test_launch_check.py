@@ -145,3 +145,17 @@ def test_the_tiny_cpu_config_is_the_demo():
         assert float(cfg[key]) == float(demo[name]), (key, cfg[key], demo[name])
     assert cfg["hidden_dropout"] == cfg["attention_dropout"] == 0.0
     assert float(demo["HIDDEN_DROPOUT"]) == float(demo["ATTENTION_DROPOUT"]) == 0.0
+
+
+def test_the_demo_installs_the_tensorboard_it_writes_events_with():
+    """The demo's install line takes the extra that holds tensorboard (setup.py), so the
+    run's TensorBoard events, which it names at the end, are written."""
+    import ast
+
+    tree = ast.parse(_text("setup.py"))
+    extras = next(ast.literal_eval(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Assign) and
+                  getattr(node.targets[0], "id", "") == "EXTRAS_REQUIRE")
+    install = re.search(r'pip install -q -e "\.\[(\w+)\]"', _text("examples/demo_gpt2.sh"))
+    assert install, "the demo installs the package with an extra"
+    assert "tensorboard" in extras[install.group(1)]

@@ -217,3 +217,29 @@ def test_node_first_process_prints_the_last_stages_losses_with_one_broadcast_per
     assert re.search(r"> run ended at iteration 6: checkpoint \S+iter_0000006 \|", out0), out0
     for sign in ("iteration ", "validation loss", "run ended"):
         assert sign not in out1, (sign, out1[-2000:])
+
+
+def test_the_closing_line_names_only_what_exists(tmp_path, monkeypatch):
+    """A checkpoint folder, log file or event file that is not there is not named as if it
+    were; a run with --tensorboard-dir that wrote no events says why."""
+    from megatron.training import run_summary
+
+    save, events, log = tmp_path / "ckpt", tmp_path / "tb" / "events.out.x", tmp_path / "n0.log"
+    cfg = saved_run_config(dict(save=str(save), tensorboard_dir=str(tmp_path / "tb")))
+    monkeypatch.setenv(run_summary.LOG_FILE_ENV, str(log))
+    line = run_summary.closing_line(cfg, 3, None)
+    assert "no checkpoint" in line and "log: this output only" in line, line
+    assert f"no TensorBoard events in {tmp_path / 'tb'}" in line, line
+    (save / "iter_0000003").mkdir(parents=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("3")
+    log.write_text("x")
+    events.parent.mkdir()
+    events.write_text("x")
+    line = run_summary.closing_line(cfg, 3, str(events))
+    assert line == (f"> run ended at iteration 3: checkpoint {save / 'iter_0000003'} | log "
+                    f"{log} (this node's) | TensorBoard events {events}"), line
+    elsewhere = run_summary.closing_line(cfg, 3, str(tmp_path / "other" / "events.out.y"))
+    assert "events.out.y (on the last rank's node)" in elsewhere, elsewhere
+    monkeypatch.setattr(run_summary.importlib.util, "find_spec", lambda name: None)
+    assert "no TensorBoard events (tensorboard is not installed: pip install tensorboard)" \
+        in run_summary.closing_line(cfg, 3, None)
