@@ -23,6 +23,7 @@ from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker:
     megatron_v2_name, optimizer_shard_name, publish_iteration, read_tracker,
     saved_optimizer_files, write_atomic, write_tracker)
 from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs, weights_for_run
+from ..checkpoint.sharding import module_classes
 from ..agreement import agree, agree_on_call, agree_on_value
 from ..config import args_to_dict
 from ..errors import CheckpointError, MegatronError
@@ -75,6 +76,7 @@ def _main_state(iteration, backend, cfg, train_state, rng_states):
         "model": backend.module().state_dict(),
         # how each tensor is split (megatron.checkpoint.sharding): layout change reads it
         "sharding": _sharding_record(backend.module()), "family": cfg.family,
+        "module_classes": module_classes(backend.module()),  # a structural match's (resume)
         "rng_state": rng_states,
         "consumed_train_samples": train_state.consumed_train_samples,
         "consumed_valid_samples": train_state.consumed_valid_samples,
@@ -240,8 +242,11 @@ def _load_optimizer(backend, state, cfg, iteration):
 
 def _load_at_new_layout(backend, cfg, iteration, load_optim):
     """Another tp or pp: this rank's slice of the whole checkpoint (megatron.checkpoint)."""
+    module = backend.module()
+    shapes = {k: list(v.shape) for k, v in module.state_dict().items()}
     rank = read_at_new_layout(cfg.checkpoint.load, iteration, cfg, load_optim,
-                              own=_sharding_record(backend.module()))
+                              own=_sharding_record(module),
+                              own_layout={"classes": module_classes(module), "shapes": shapes})
     backend.module().load_state_dict(rank.model)
     if rank.optimizer is not None:
         backend.state_io.load_named(rank.optimizer)

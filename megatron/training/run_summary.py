@@ -94,4 +94,5 @@ def print_closing_line(cfg: Any, iteration: int, events: Optional[str]) -> None:
         shared = [events]
         dist.broadcast_object_list(shared, src=dist.get_world_size() - 1)
         events = shared[0]
-    print_node_first(cfg, closing_line(cfg, iteration, events))
+    if not dist.is_initialized() or cfg.parallel.local_rank == 0:  # print_node_first's
+        print_node_first(cfg, closing_line(cfg, iteration, events))
