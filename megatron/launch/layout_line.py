@@ -31,8 +31,6 @@ _MODEL_VARIABLES = {
            ("FF_HIDDEN", "ffn_hidden_size"), ("ENC_SEQLEN", "enc_seq_length"),
            ("DEC_SEQLEN", "dec_seq_length")),
 }
-_PRECISION = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
-
 #: Settings (dests) that make up a layout: the row's, never the YAML's.
 LAYOUT_DESTS = frozenset({
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -102,7 +100,7 @@ def _script_variables(spec: Any, family: str, settings: Dict[str, Any]) -> Dict[
     for variable, key in _MODEL_VARIABLES[family]:
         if settings.get(key) is not None:
             out[variable] = str(settings[key])
-    out["PRECISION"] = _PRECISION[spec.dtype]
+    out["PRECISION"] = spec.dtype  # fp32 | fp16 | bf16: the script's names
     if spec.attention == "unfused":  # the script's auto would be SDPA
         out["ATTENTION_BACKEND"] = "unfused"
     for variable, key in (("HIDDEN_DROPOUT", "hidden_dropout"),
@@ -113,7 +111,16 @@ def _script_variables(spec: Any, family: str, settings: Dict[str, Any]) -> Dict[
         out["LR"] = f"{settings['lr']:g}"
     if spec.backend == "engine" and spec.pp == 1:
         out["USE_DEEPSPEED"] = "1"
+    if _checkpoint_activations(spec):
+        out["RECOMPUTE"] = "1"
     return out
+
+
+def _checkpoint_activations(spec: Any) -> bool:
+    """Full recompute of uniform groups of one layer: the run scripts' ``RECOMPUTE=1``
+    (``--checkpoint-activations``)."""
+    return spec.recompute == "full" and (spec.recompute_method,
+                                         spec.recompute_num_layers) == ("uniform", 1)
 
 
 def _extra_args(spec: Any, family: str, config_flags: Dict[str, List[str]]) -> List[str]:
@@ -123,7 +130,8 @@ def _extra_args(spec: Any, family: str, config_flags: Dict[str, List[str]]) -> L
              for w in config_flags.get(dest, [])]
     if spec.cp > 1 and spec.cp_comm != "p2p":
         extra += ["--cp-comm-type", spec.cp_comm]
-    extra += _recompute_flags(spec)
+    if not _checkpoint_activations(spec):
+        extra += _recompute_flags(spec)
     if spec.backend == "engine":
         extra += ["--zero-stage", str(spec.zero_stage)]
     if spec.sequence_parallel:
@@ -154,20 +162,7 @@ def run_line(spec: Any, family: str, nodes: int, settings: Dict[str, Any],
     variables = {"GPUS_PER_NODE": str(spec.world // nodes), "NNODES": str(nodes),
                  **_script_variables(spec, family, settings)}
     extra = _extra_args(spec, family, config_flags)
-    if spec.recompute == "full" and (spec.recompute_method, spec.recompute_num_layers) == \
-            ("uniform", 1):  # --checkpoint-activations: full, uniform, 1 layer
-        variables["RECOMPUTE"] = "1"
-        extra = _without_recompute(extra, spec)
     words = [f"{k}={v}" for k, v in variables.items()]
     if extra:
         words.append("EXTRA_ARGS=" + shlex.quote(" ".join(extra)))
     return " ".join(words + ["bash", RUN_SCRIPTS[family]])
-
-
-def _without_recompute(extra: List[str], spec: Any) -> List[str]:
-    """``extra`` less the recompute flags (``RECOMPUTE=1`` passes them)."""
-    drop = _recompute_flags(spec)
-    for i in range(len(extra) - len(drop) + 1):
-        if extra[i:i + len(drop)] == drop:
-            return extra[:i] + extra[i + len(drop):]
-    return extra

@@ -113,7 +113,7 @@ def from_last_stage(cfg: Any, values: List[float]) -> List[float]:
     already (reduced over data and context parallelism), and nothing is sent.
 
     Collective at pp > 1: every rank calls it with as many values (a log interval's, or an
-    evaluation's); NaN stands for a value a rank lacks.
+    evaluation's; a value a rank lacks is any float there, NaN say: the last rank's wins).
 
     Args:
         cfg: the run configuration (its pipeline size).
@@ -122,12 +122,16 @@ def from_last_stage(cfg: Any, values: List[float]) -> List[float]:
     if not values or cfg.parallel.pp <= 1 or not dist.is_initialized() or \
             dist.get_world_size() == 1:
         return list(values)
-    from ..device import get_device
-
-    device = get_device() if dist.get_backend() == "nccl" else torch.device("cpu")
-    shared = torch.tensor(values, dtype=torch.float64, device=device)  # [n]
+    shared = torch.tensor(values, dtype=torch.float64, device=_collective_device())  # [n]
     dist.broadcast(shared, src=dist.get_world_size() - 1)
     return shared.tolist()
+
+
+def _collective_device():
+    """Where a collective's tensor lives: this rank's GPU under NCCL, else the CPU."""
+    from ..device import get_device
+
+    return get_device() if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def slowest_compile(cfg: Any, seconds: float) -> float:
@@ -141,10 +145,7 @@ def slowest_compile(cfg: Any, seconds: float) -> float:
     """
     if not cfg.kernels.compile or not dist.is_initialized() or dist.get_world_size() == 1:
         return seconds
-    from ..device import get_device
-
-    device = get_device() if dist.get_backend() == "nccl" else torch.device("cpu")
-    most = torch.tensor([seconds], dtype=torch.float64, device=device)  # [1]
+    most = torch.tensor([seconds], dtype=torch.float64, device=_collective_device())  # [1]
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return float(most.item())
 
