@@ -12,7 +12,8 @@ end when the last one ends, the lazily compiled backward included) and:
   first step's share of it;
 - from a thread, prints ``> compiling: 12 graphs so far, 40 s`` on each node's first
   process every ``MEGATRON_COMPILE_PROGRESS_INTERVAL`` seconds (default 20) that a compile
-  has been running, so a long first step is not silence.
+  has been running, or that a first step which compiled has not ended (a pipeline stage
+  waits for the others' compiles: said so), so a long first step is not silence.
 """
 import os
 import sys
@@ -39,6 +40,7 @@ class CompileWatch:
         self._done = 0.0  # seconds of finished compiles
         self._since: Optional[float] = None  # start of the compile running now
         self._taken = self._mark = 0.0  # seconds() at the last take() / mark()
+        self._first_step = True  # until the run's first step ends (first_step_done)
         self._wake = threading.Event()
 
     def start(self, _args=None) -> None:
@@ -66,8 +68,13 @@ class CompileWatch:
 
     def mark(self) -> None:
         """Start counting :meth:`take` and :meth:`run_seconds` from now (a new run in this
-        process)."""
+        process, its first step to come)."""
         self._taken = self._mark = self.seconds()
+        self._first_step = True
+
+    def first_step_done(self) -> None:
+        """The first step ended: lines only while a compile runs from now on."""
+        self._first_step = False
 
     def run_seconds(self) -> float:
         """Compile seconds since the last :meth:`mark`."""
@@ -77,18 +84,27 @@ class CompileWatch:
         with self._lock:
             return self._since is not None
 
+    def _busy(self) -> bool:
+        """A compile runs, or the first step that compiled is not over (this rank may wait
+        for another's compile in the pipeline: still the first step's compiling)."""
+        return self.compiling() or self._first_step
+
     def run(self) -> None:
-        """The progress thread: a line each ``interval_s`` of a compile (daemon)."""
+        """The progress thread: a line each ``interval_s`` of a compile, or of a first step
+        that compiled (daemon)."""
         while True:
             self._wake.wait()
             self._wake.clear()
             last = time.monotonic()
-            while self.compiling():
+            while self._busy():
                 time.sleep(min(1.0, self.interval_s / 4))
-                if self.compiling() and time.monotonic() - last >= self.interval_s:
+                if self._busy() and time.monotonic() - last >= self.interval_s:
                     last = time.monotonic()
-                    print(f"> compiling: {_graphs()} graphs so far, {self.seconds():.0f} s",
-                          file=sys.stdout, flush=True)
+                    waiting = "" if self.compiling() else \
+                        "; this process's are done, the first step goes on (other ranks " \
+                        "may still compile)"
+                    print(f"> compiling: {_graphs()} graphs so far, {self.seconds():.0f} s"
+                          f"{waiting}", file=sys.stdout, flush=True)
 
 
 _WATCH: Optional[CompileWatch] = None
@@ -116,6 +132,12 @@ def install() -> CompileWatch:
 def seconds() -> float:
     """This process's compile wall time so far (0 when nothing was installed)."""
     return _WATCH.seconds() if _WATCH is not None else 0.0
+
+
+def first_step_done() -> None:
+    """The run's first step ended (the training loop says so)."""
+    if _WATCH is not None:
+        _WATCH.first_step_done()
 
 
 def run_seconds() -> float:

@@ -176,6 +176,7 @@ def _first_step_done(cfg, seconds):
         from .. import compile_watch
         from ..model.compile import compiled_graph_count
 
+        compile_watch.first_step_done()
         label = (f"first step (includes torch.compile of {compiled_graph_count()} graph(s), "
                  f"{compile_watch.run_seconds():.1f} s)")
     startup = get_startup_times()
