@@ -294,6 +294,16 @@ def _recorded_merge_and_slice(states, cfg, own, true_vocab, folder, renamed=None
     return merge, slice_of
 
 
+def _same_family(states, cfg, folder):
+    """The family the checkpoint records (None: not recorded), refused if not the run's."""
+    family = states[(0, 0)].get("family")
+    if family and cfg.family and family != cfg.family:
+        raise CheckpointError(f"checkpoint {folder} holds a {family!r} model but this run "
+                              f"trains {cfg.family!r}; point --load at a {cfg.family!r} "
+                              f"checkpoint")
+    return family
+
+
 def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
                        own: Optional[Dict[str, list]] = None,
                        own_layout: Optional[Dict[str, dict]] = None) -> "RankState":
@@ -315,11 +325,7 @@ def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
             cannot move (see the module docstring).
     """
     states, saved, folder = _rank_states(root, iteration)
-    family = states[(0, 0)].get("family")
-    if family and cfg.family and family != cfg.family:
-        raise CheckpointError(f"checkpoint {folder} holds a {family!r} model but this run "
-                              f"trains {cfg.family!r}; point --load at a {cfg.family!r} "
-                              f"checkpoint")
+    family = _same_family(states, cfg, folder)
     check_compatible(saved, cfg, folder, ignore=LAYOUT_KEYS)
     true_vocab = resolve_true_vocab_size(saved, cfg.model.true_vocab_size)
     _check_vocab(saved, cfg, folder)
