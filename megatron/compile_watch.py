@@ -6,10 +6,11 @@ backward graph on its first call, Inductor's kernels). :func:`install` (called b
 (``torch._dynamo.callback_handler``: a start when the first of nested compiles begins, an
 end when the last one ends, the lazily compiled backward included) and:
 
-- counts this process's wall time inside compiles (:func:`seconds`; :func:`take`: since the
-  last look), so the training log takes it out of the interval it fell in (step time,
-  tokens/s and MFU are the steps') and says it apart, and the start-up line gives the
-  first step's share of it;
+- counts this process's wall time inside compiles (:func:`seconds`) and keeps their spans
+  on the wall clock (:func:`take_spans`), so the training log takes the time some rank
+  compiled (the union of every rank's spans: a pipeline's stages compile one after another,
+  each waiting for the last) out of the interval it fell in (step time, tokens/s and MFU
+  are the steps') and says it apart, and the start-up line gives the first step's share;
 - from a thread, prints ``> compiling: 12 graphs so far, 40 s`` on each node's first
   process every ``MEGATRON_COMPILE_PROGRESS_INTERVAL`` seconds (default 20) that a compile
   has been running, or that a first step which compiled has not ended (a pipeline stage
@@ -19,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from typing import Optional
+from typing import List, Optional, Tuple
 
 #: Seconds between progress lines while a compile runs.
 DEFAULT_INTERVAL_S = 20.0
@@ -39,19 +40,22 @@ class CompileWatch:
         self._lock = threading.Lock()
         self._done = 0.0  # seconds of finished compiles
         self._since: Optional[float] = None  # start of the compile running now
-        self._taken = self._mark = 0.0  # seconds() at the last take() / mark()
+        self._since_wall = 0.0  # the same on the wall clock (comparable across processes)
+        self._spans: List[Tuple[float, float]] = []  # wall-clock spans since take_spans()
+        self._mark = 0.0  # seconds() at the last mark()
         self._first_step = True  # until the run's first step ends (first_step_done)
         self._wake = threading.Event()
 
     def start(self, _args=None) -> None:
         with self._lock:
-            self._since = time.monotonic()
+            self._since, self._since_wall = time.monotonic(), time.time()
         self._wake.set()
 
     def end(self, _args=None) -> None:
         with self._lock:
             if self._since is not None:
                 self._done += time.monotonic() - self._since
+                self._spans.append((self._since_wall, time.time()))
                 self._since = None
 
     def seconds(self) -> float:
@@ -60,16 +64,22 @@ class CompileWatch:
             running = time.monotonic() - self._since if self._since is not None else 0.0
             return self._done + running
 
-    def take(self) -> float:
-        """Compile seconds since the last :meth:`take` (or :meth:`mark`)."""
-        now = self.seconds()
-        taken, self._taken = now - self._taken, now
-        return taken
+    def take_spans(self) -> List[Tuple[float, float]]:
+        """``[(start, end)]`` on the wall clock of this process's compiles since the last
+        call (or :meth:`mark`); a compile running now counts to now, the rest next time."""
+        with self._lock:
+            spans, self._spans = self._spans, []
+            if self._since is not None:
+                now = time.time()
+                spans.append((self._since_wall, now))
+                self._since_wall = now
+            return spans
 
     def mark(self) -> None:
-        """Start counting :meth:`take` and :meth:`run_seconds` from now (a new run in this
-        process, its first step to come)."""
-        self._taken = self._mark = self.seconds()
+        """Start counting :meth:`take_spans` and :meth:`run_seconds` from now (a new run in
+        this process, its first step to come)."""
+        self.take_spans()
+        self._mark = self.seconds()
         self._first_step = True
 
     def first_step_done(self) -> None:
@@ -145,7 +155,22 @@ def run_seconds() -> float:
     return _WATCH.run_seconds() if _WATCH is not None else 0.0
 
 
-def take() -> float:
-    """Compile seconds since the last call (or since this run's :func:`install`): what a log
-    interval leaves out of its step time (0 when nothing was installed)."""
-    return _WATCH.take() if _WATCH is not None else 0.0
+def take_spans() -> List[Tuple[float, float]]:
+    """This process's compile spans (wall clock) since the last call or this run's
+    :func:`install` (none when nothing was installed)."""
+    return _WATCH.take_spans() if _WATCH is not None else []
+
+
+def union_seconds(spans: List[Tuple[float, float]]) -> float:
+    """Seconds of wall time inside at least one of ``spans`` (several processes' compiles:
+    the time some rank compiled, when a pipeline's stages wait on one another's).
+
+    Args:
+        spans: ``[(start, end)]``.
+    """
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

@@ -243,3 +243,15 @@ def test_the_closing_line_names_only_what_exists(tmp_path, monkeypatch):
     monkeypatch.setattr(run_summary.importlib.util, "find_spec", lambda name: None)
     assert "no TensorBoard events (tensorboard is not installed: pip install tensorboard)" \
         in run_summary.closing_line(cfg, 3, None)
+
+
+def test_compile_time_is_the_union_of_the_ranks_compile_spans():
+    """A pipeline's stages compile one after another (each waits for the last): the
+    interval's compile time is the wall time in which some rank compiled, not the most of
+    one rank; overlapping spans count once."""
+    from megatron.compile_watch import union_seconds
+
+    stage0, stage1 = [(0.0, 40.0), (95.0, 100.0)], [(40.0, 90.0)]  # forward, backward
+    assert union_seconds(stage0 + stage1) == pytest.approx(95.0)
+    assert union_seconds([(0.0, 10.0), (2.0, 5.0), (8.0, 12.0)]) == pytest.approx(12.0)
+    assert union_seconds([]) == 0.0

@@ -156,14 +156,14 @@ def _last_stage_values(cfg, losses, norm):
 
 
 def _interval_compile_seconds(cfg):
-    """Seconds the log interval spent in ``torch.compile`` on the slowest rank (0 without
+    """Wall seconds of the log interval in which some rank ran ``torch.compile`` (0 without
     ``--compile``): left out of its step time, tokens/s and MFU (megatron/compile_watch.py)."""
     if not cfg.kernels.compile:
         return 0.0
     from .. import compile_watch
-    from .training_log import slowest_compile
+    from .training_log import compile_seconds
 
-    return slowest_compile(cfg, compile_watch.take())
+    return compile_seconds(cfg, compile_watch.take_spans())
 
 
 def _first_step_done(cfg, seconds):

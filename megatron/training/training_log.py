@@ -134,20 +134,23 @@ def _collective_device():
     return get_device() if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def slowest_compile(cfg: Any, seconds: float) -> float:
-    """The most compile seconds any rank spent in a log interval (every rank waits for the
-    slowest in its first step): one all-reduce at the log interval under ``--compile``.
+def compile_seconds(cfg: Any, spans: List[Tuple[float, float]]) -> float:
+    """The wall seconds of a log interval in which some rank compiled (the union of every
+    rank's compile spans, :func:`megatron.compile_watch.union_seconds`): one gather of
+    those spans at the log interval under ``--compile``, none between.
 
     Args:
         cfg: the run configuration.
-        seconds: this rank's compile seconds in the interval
-            (:func:`megatron.compile_watch.take`).
+        spans: this rank's compile spans in the interval
+            (:func:`megatron.compile_watch.take_spans`).
     """
+    from ..compile_watch import union_seconds
+
     if not cfg.kernels.compile or not dist.is_initialized() or dist.get_world_size() == 1:
-        return seconds
-    most = torch.tensor([seconds], dtype=torch.float64, device=_collective_device())  # [1]
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return float(most.item())
+        return union_seconds(spans)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, spans)
+    return union_seconds([span for rank in every for span in rank])
 
 
 def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s: float,
