@@ -112,16 +112,26 @@ megatron_launch() {
   local entry=$1 flags=$2 cmd script
   script=${BASH_SOURCE[1]:-run script}
   cd "$repo"
-  megatron_log_to_file
+  [ "${CHECK_ONLY:-0}" = 1 ] || megatron_log_to_file
   megatron_cpu_threads
   ${PYTHON:-python} -m megatron.launch.check --script "$script" \
     --world-size $(( GPUS_PER_NODE * NNODES )) "$entry" $flags || exit $?
+  # CHECK_ONLY=1: the verdict only (a planned layout's line, tools/plan_layout.py, checked
+  # before a cluster is booked)
+  [ "${CHECK_ONLY:-0}" = 1 ] && exit 0
   if [ "$LAUNCHER" = deepspeed ]; then
     # The DeepSpeed launcher reaches the hosts of a hostfile over passwordless ssh (pdsh);
-    # on one node it starts the processes itself.
-    local hosts=""
-    [ "$NNODES" -gt 1 ] && hosts="--hostfile $HOSTFILE"
-    cmd="deepspeed $hosts --num_nodes $NNODES --num_gpus $GPUS_PER_NODE \
+    # on one node it starts the processes itself. Its runner and per-node launch processes
+    # log at INFO by default (the command, the world, "Setting CUDA_VISIBLE_DEVICES" even on
+    # a CPU, each process spawned and exited): WARNING here. On one node its runner still
+    # looks for a hostfile (/job/hostfile) and warns that it found none, though none is
+    # wanted: ERROR there. Without a GPU, DS_ACCELERATOR=cpu names the accelerator that its
+    # detection would otherwise warn it fell back to, in the runner and the launch process
+    # (the workers name it themselves: tds/__init__.py).
+    local hosts="" level=error
+    [ "$NNODES" -gt 1 ] && hosts="--hostfile $HOSTFILE" && level=warning
+    megatron_has_gpu || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+    cmd="deepspeed $hosts --log_level $level --num_nodes $NNODES --num_gpus $GPUS_PER_NODE \
       --master_addr $MASTER_ADDR --master_port $MASTER_PORT $entry $flags"
   else
     cmd="${PYTHON:-python} -m megatron.launch.torchrun --nproc_per_node $GPUS_PER_NODE \

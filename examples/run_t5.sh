@@ -47,6 +47,8 @@ BATCHSIZE=${BATCHSIZE:-8}             # micro-batch per process
 GAS=${GAS:-8}                         # gradient accumulation (= micro-batches per pipeline step)
 TRAIN_ITERS=${TRAIN_ITERS:-100000}
 LR=${LR:-1.0e-4}
+HIDDEN_DROPOUT=${HIDDEN_DROPOUT:-0.1}  # dropout of the layers' outputs (--hidden-dropout)
+ATTENTION_DROPOUT=${ATTENTION_DROPOUT:-0.1}  # of the attention probabilities
 PRECISION=${PRECISION:-auto}          # fp32 | fp16 | bf16 | auto (bf16 on GPUs, fp32 on a CPU;
                                       # T5 overflows easily in fp16)
 
@@ -63,6 +65,8 @@ EXTRA_ARGS=${EXTRA_ARGS:-}
 RECOMPUTE=${RECOMPUTE:-0}             # 1: activation recompute (--checkpoint-activations)
 ATTENTION_BACKEND=${ATTENTION_BACKEND:-auto}  # auto|flash|fused: SDPA; unfused|local: bmm
 COMPILE=${COMPILE:-0}                 # 1: torch.compile each pipeline chunk (pp 1: the model)
+USE_DEEPSPEED=${USE_DEEPSPEED:-0}     # 1: DeepSpeed data parallelism (ZeRO) at pp_size 1
+CHECK_ONLY=${CHECK_ONLY:-0}           # 1: check the settings, print the verdict, launch nothing
 
 source "$script_dir/launch_common.sh"
 megatron_precision_and_deepspeed_args bf16
@@ -78,6 +82,7 @@ t5_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --enc-seq-length $ENC_SEQLEN --dec-seq-length $DEC_SEQLEN \
   $batch_args --train-iters $TRAIN_ITERS \
   --lr $LR --min-lr 1.0e-5 --lr-decay-style cosine --warmup 0.01 --weight-decay 0.01 \
+  --hidden-dropout $HIDDEN_DROPOUT --attention-dropout $ATTENTION_DROPOUT \
   --clip-grad 1.0 $speed_args \
   --data-path $DATA_PATH --data-impl mmap --split 949,50,1 \
   --tokenizer-type SentencePieceTokenizer --tokenizer-model $TOKENIZER_MODEL \

@@ -17,6 +17,18 @@ def print_rank_last(message):
         print(message, flush=True)
 
 
+def print_node_first(cfg, message):
+    """Print on each node's first process (local rank 0: global rank 0 on node 0), where a
+    person watches the node's terminal (or always, before torch.distributed starts).
+
+    Args:
+        cfg: the run configuration (``cfg.parallel.local_rank``).
+        message: the line(s).
+    """
+    if not dist.is_initialized() or cfg.parallel.local_rank == 0:
+        print(message, flush=True)
+
+
 def warn_rank_0(message):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"WARNING: {message}", file=sys.stderr, flush=True)

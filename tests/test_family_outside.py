@@ -1,9 +1,11 @@
 """A model family defined here, outside the package, gets what GPT-2 and T5 get: it loads
 its own checkpoint (no registration), the log shows its FLOPs, a resume with another value
 of a setting it declares is refused, a flag it does not implement is refused at start-up,
-and --compile says so when it compiled nothing; a Megatron-style provider run logs the FLOPs
+--compile says so when it compiled nothing and says its compile time apart
+from the steps'; a Megatron-style provider run logs the FLOPs
 it is given, or n/a."""
 import dataclasses
+import os
 import re
 
 import pytest
@@ -83,7 +85,11 @@ def outside_family_runs(data, ckpt):
 
     # --compile takes the user's whole model (and the family's loss) as one region, whatever
     # compile_classes names (an empty tuple means "compile nothing": test_compile.py)
-    runs["compile"] = _captured(argv(1, "--compile"), _family(compile_classes=(torch.nn.GRU,)))
+    # (two steps, a line each: the first's compile is said apart, a progress line each 0.5 s
+    # of it)
+    os.environ["MEGATRON_COMPILE_PROGRESS_INTERVAL"] = "0.5"
+    runs["compile"] = _captured(argv(2, "--compile", "--log-interval", "1"),
+                                _family(compile_classes=(torch.nn.GRU,)))
     runs["provider"] = _captured(argv(4), flops_per_step=my_flops, **_providers())
     runs["provider n/a"] = _captured(argv(4), **_providers())
     return runs
@@ -109,8 +115,29 @@ def test_a_family_from_a_test_file_is_first_class(gpt2_data, tmp_path):
     assert "--checkpoint-activations is not supported by the 'mine' model family" in message
     assert "iteration" not in log  # refused before any step
     losses, log = runs["compile"]
-    assert len(losses) == 1 and "--compile: the model as one region, its loss included" in log
-    assert "includes torch.compile of 1 graph(s)" in log, log
+    assert len(losses) == 2 and "--compile: the model as one region, its loss included" in log
+    _compile_is_said_apart(log)
+
+
+def _compile_is_said_apart(log):
+    """While the first step compiles, progress lines; its compile time is said apart and left
+    out of the first interval's step time, tokens/s and MFU (the first-step wall time of the
+    start-up line, less the compile time, is what the first line's step time is)."""
+    assert re.search(r"> compiling: \d+ graphs so far, \d+ s", log), log
+    first = re.search(r"first step \(includes torch\.compile of 1 graph\(s\), ([0-9.]+) s\) "
+                      r"([0-9.]+) s", log)
+    assert first, log
+    compiled, wall = float(first.group(1)), float(first.group(2))
+    lines = [line for line in log.splitlines() if line.startswith("iteration")]
+    said = re.search(r"compile \(not in the step time\): ([0-9.]+) s", lines[0])
+    assert len(lines) == 2 and said and "compile" not in lines[1], lines
+    assert float(said.group(1)) == pytest.approx(compiled, abs=0.051)
+    ms = [float(re.search(r"per iteration \(ms\): ([0-9.]+)", x).group(1)) for x in lines]
+    tokens = [float(re.search(r"tokens/s: ([0-9.]+)", x).group(1)) for x in lines]
+    assert compiled > 1.0 and ms[0] / 1e3 < wall - compiled + 0.5, (compiled, wall, ms)
+    assert tokens[0] == pytest.approx(8 * 32 / (ms[0] / 1e3), rel=0.02)  # batch 8 x 32 tokens
+    tflops = float(re.search(r"TFLOP/s/device: ([0-9.e+-]+)", lines[0]).group(1))
+    assert tflops == pytest.approx(FLOPS / (ms[0] / 1e3) / 1e12, rel=0.05)
 
 
 def _logs_its_flops(losses, log):

@@ -32,9 +32,10 @@ def test_two_nodes_on_one_machine_match_one_node(gpt2_data, gpt2_one_node_losses
 @pytest.mark.slow
 def test_two_nodes_started_apart_train_at_the_full_world(gpt2_data, gpt2_one_node_losses,
                                                          tmp_path):
-    """A user starts node 0, then node 1 by hand 45 s later (issue 44's case), with the
-    scripts' defaults (MIN_NODES = NNODES): node 0 says whom it waits for and waits; the run then trains at
-    world 4 to the end, once (no restart), with the one-node run's losses. The script's
+    """A user starts node 0, then node 1 by hand 45 s later, with the scripts' defaults
+    (MIN_NODES = NNODES): node 0 says whom it waits for and waits; the run then trains at
+    world 4 to the end, once (no restart), with the one-node run's losses, which node 0's
+    output shows with the closing line though the loss is on node 1's stage. The script's
     PIPELINE_SCHEDULE reaches the run: ZB-H1 takes 1F1B's very steps in fp32 (so the losses
     are the one-node 1F1B run's), and the log names it."""
     port = str(free_port())
@@ -56,6 +57,13 @@ def test_two_nodes_started_apart_train_at_the_full_world(gpt2_data, gpt2_one_nod
         assert sign not in text, (sign, text[-3000:])
     assert any("pipeline schedule: zb-h1" in text for text in outputs), "the log names it"
     assert log_losses(outputs) == gpt2_one_node_losses
+    # node 0 (its terminal is where people watch) holds stage 0 only, yet shows the run:
+    # every loss line and the closing summary; so does node 1, each line once
+    by_node = {j[0][0]: text for j, text in zip(joined, outputs)}
+    for node, text in by_node.items():
+        assert log_losses([text]) == gpt2_one_node_losses, (node, text[-3000:])
+        assert text.count("> run ended at iteration 6: checkpoint ") == 1, (node, text[-3000:])
+        assert len(re.findall(r"iteration\s+6/\s+6 \|", text)) == 1, (node, text[-3000:])
 
 
 def _step_ms(text, skip=3):
@@ -69,10 +77,16 @@ def _step_ms(text, skip=3):
 @pytest.mark.slow
 def test_deepspeed_launcher_matches_torchrun(gpt2_data, gpt2_one_node_losses, tmp_path):
     """One node: the DeepSpeed launcher starts the ranks itself (a hostfile needs ssh), with
-    the same losses as torchrun's."""
+    the same losses as torchrun's, and without its launcher's noise on a CPU (its INFO
+    lines, the hostfile one node does not need, the accelerator it could not detect)."""
     env = launch_env(gpt2_data, tmp_path, LAUNCHER="deepspeed")
     env.pop("OMP_NUM_THREADS")  # what the scripts set, not the test
-    assert log_losses(finish([launch(env)])) == gpt2_one_node_losses  # torchrun's
+    env.pop("DS_ACCELERATOR", None)
+    text = finish([launch(env)])[0]
+    assert log_losses([text]) == gpt2_one_node_losses  # torchrun's
+    for sign in ("[INFO]", "Setting CUDA_VISIBLE_DEVICES", "Unable to find hostfile",
+                 "unable to detect it", "[WARNING]"):
+        assert sign not in text, (sign, text[-3000:])
 
 
 @pytest.mark.exhaustive  # ~80 s: four 30-step runs; a timing bound on a shared machine
@@ -96,9 +110,10 @@ def test_deepspeed_launcher_steps_as_fast_as_torchrun(gpt2_data, tmp_path):
 
 @pytest.mark.slow
 def test_the_demo_prints_each_line_once_and_names_its_log_and_events(gpt2_data, tmp_path):
-    """examples/demo_gpt2.sh (steps 2-4 find their files: the gpt2_data fixture's): no line
-    of its output is printed once per rank, and it ends naming the log file and the
-    TensorBoard event file it wrote."""
+    """examples/demo_gpt2.sh (steps 2-4 find their files: the gpt2_data fixture's), run again
+    over an earlier run: it says what it replaces, no line of its output is printed once per
+    rank or is one to ignore, and it ends naming the log file and the TensorBoard event file
+    it wrote (both exist; the earlier run's events are gone)."""
     demo = tmp_path / "demo"
     (demo / "tokenizer").mkdir(parents=True)
     shutil.copy(gpt2_data["corpus"], demo / "corpus.jsonl")
@@ -106,7 +121,14 @@ def test_the_demo_prints_each_line_once_and_names_its_log_and_events(gpt2_data, 
     shutil.copy(gpt2_data["merges"], demo / "tokenizer" / "merges.txt")
     for ext in (".bin", ".idx"):
         shutil.copy(gpt2_data["prefix"] + ext, demo / f"corpus_text_document{ext}")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    # a run before this one: its checkpoints and events are replaced, and that is said
+    (demo / "checkpoints").mkdir()
+    (demo / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("300")
+    (demo / "logs" / "tensorboard").mkdir(parents=True)
+    old_events = demo / "logs" / "tensorboard" / "events.out.tfevents.1.old.1.0"
+    old_events.write_bytes(b"an earlier run's")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
+                                                            "TENSORBOARD_DIR")}
     env.update(SKIP_INSTALL="1", DEMO_DIR=str(demo), TRAIN_ITERS="8",
                MASTER_PORT=str(free_port()))
     proc = subprocess.run(["bash", "examples/demo_gpt2.sh"], cwd=REPO, env=env, text=True,
@@ -134,3 +156,11 @@ def test_the_demo_prints_each_line_once_and_names_its_log_and_events(gpt2_data, 
     assert os.path.getsize(events) > 0
     assert re.search(r"iteration\s+8/\s+8", open(log).read())  # the log holds the run
     assert "===== continuation =====" in text  # and the demo sampled from the checkpoint
+    assert (f"> re-run: replacing the last run's checkpoints in {demo}/checkpoints (iteration "
+            f"300) and its TensorBoard events in {demo}/logs/tensorboard") in text, text[:3000]
+    assert not old_events.exists()
+    assert os.listdir(demo / "logs" / "tensorboard") == [os.path.basename(events)]
+    # nothing a user must ignore: no warning, no memory figure of 0.00, one node waits for
+    # nobody, a first run is no warning (the install and the native builds: not run here)
+    for sign in ("WARNING", " 0.00 GiB", "waiting for 1 node", "Traceback"):
+        assert sign not in training, (sign, training[-3000:])

@@ -144,4 +144,44 @@ def test_the_tiny_cpu_config_is_the_demo():
     for key, name in pairs.items():
         assert float(cfg[key]) == float(demo[name]), (key, cfg[key], demo[name])
     assert cfg["hidden_dropout"] == cfg["attention_dropout"] == 0.0
-    assert "--hidden-dropout 0.0 --attention-dropout 0.0" in _text("examples/demo_gpt2.sh")
+    assert float(demo["HIDDEN_DROPOUT"]) == float(demo["ATTENTION_DROPOUT"]) == 0.0
+
+
+def test_the_demo_installs_the_tensorboard_it_writes_events_with():
+    """The demo's install line takes the extra that holds tensorboard (setup.py), so the
+    run's TensorBoard events, which it names at the end, are written."""
+    import ast
+
+    tree = ast.parse(_text("setup.py"))
+    extras = next(ast.literal_eval(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Assign) and
+                  getattr(node.targets[0], "id", "") == "EXTRAS_REQUIRE")
+    install = re.search(r'pip install -q -e "\.\[(\w+)\]"', _text("examples/demo_gpt2.sh"))
+    assert install, "the demo installs the package with an extra"
+    assert "tensorboard" in extras[install.group(1)]
+
+
+def test_cp_size_2_with_the_scripts_defaults_is_refused_naming_the_variable(gpt2_data,
+                                                                            tmp_path):
+    """cp_size=2 with run_gpt2.sh's own dropout (0.1): refused before any launcher, the line
+    naming ATTENTION_DROPOUT (context-parallel attention has no dropout); with
+    ATTENTION_DROPOUT=0 the same settings pass the check (CHECK_ONLY=1: nothing launched)."""
+    extra = "--log-interval 1 --make-vocab-size-divisible-by 64 --split 98,2,0 --eval-iters 0"
+    env = launch_env(gpt2_data, tmp_path, cp_size="2", GPUS_PER_NODE="8", EXTRA_ARGS=extra)
+    for name in ("HIDDEN_DROPOUT", "ATTENTION_DROPOUT", "CHECK_ONLY"):
+        env.pop(name, None)
+    proc = subprocess.run(["bash", "examples/run_gpt2.sh"], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    line = next(x for x in out.splitlines() if "does not implement attention dropout" in x)
+    assert "(--attention-dropout 0.1)" in line, line
+    assert line.endswith("[run_gpt2.sh: cp_size, ATTENTION_DROPOUT]"), line
+    assert "torchrun" not in out
+    env.update(ATTENTION_DROPOUT="0", CHECK_ONLY="1")
+    proc = subprocess.run(["bash", "examples/run_gpt2.sh"], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "> settings checked for a world of 8 processes" in out, \
+        out[-3000:]
+    assert "torchrun" not in out

@@ -132,6 +132,8 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     assert "forcefully exiting" not in text and took < 60, (took, text[-3000:])
     assert "aborted by SIGINT" in text and "Traceback" not in text, text[-3000:]
     assert "restart" not in text  # a stopped run is not restarted
+    # the abort is said once, not again by torch elastic's agent and per worker
+    assert "death signal" not in text and "closing signal" not in text, text[-3000:]
 
 
 def test_a_user_error_is_not_restarted(tmp_path):

@@ -17,7 +17,7 @@ LAYERS = [
               "megatron.agreement", "megatron.durable", "megatron.device",
               "megatron.timers", "megatron.utils", "megatron.build_utils",
               "megatron.global_vars", "megatron.metrics_writers", "megatron.run_plots",
-              "megatron.startup_times"]),
+              "megatron.startup_times", "megatron.compile_watch"]),
     ("pipeline", ["tds.pipe", "tds.comm_ready"]),  # the schedules: generic, no megatron
     ("kernels", ["megatron.fused_kernels"]),  # below mpu: mpu's fused norms call them
     ("mpu", ["megatron.mpu"]),

@@ -96,3 +96,30 @@ def test_the_llama_examples_memory_is_predicted(capsys):
             worst["peak"] = max(worst["peak"], abs(pred["peak"] / r["peak"] - 1))
     with capsys.disabled():
         print(f"Llama example (micro-batch {micro}): largest |error| {worst}")
+
+
+def test_an_encoder_decoder_that_is_not_t5_is_told_it_has_no_description(tmp_path):
+    """No generic encoder-decoder description exists (only T5's, read from T5's settings):
+    a family naming one gets the reason, at start-up as a line and from the planner as its
+    refusal, not a T5 model silently missing its settings."""
+    import dataclasses
+
+    from megatron.errors import ConfigError
+    from megatron.families import load_family
+    from megatron.memory.describe import describe
+
+    with pytest.raises(ConfigError, match=r"describes T5's encoder-decoder only \('t5'"):
+        describe("encoder-decoder", None)
+    llama = load_family(FAMILY)
+    family = dataclasses.replace(llama, name="bart_like", memory_model="encoder-decoder")
+    globals()["BART_LIKE"] = family
+    config = tmp_path / "tiny.yaml"
+    config.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+                      "seq_length: 64\nbatch_size: 1\nglobal_batch_size: 8\n")
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import plan_layout
+
+    with pytest.raises(ConfigError, match=r"memory model 'encoder-decoder': the memory model "
+                                          r"describes T5's encoder-decoder only"):
+        plan_layout.main(["--config", str(config), "--family", f"{__name__}:BART_LIKE",
+                          "--gpus", "8"])

@@ -1,6 +1,8 @@
-"""The training log: Megatron's FLOP count, the progress line, TensorBoard scalars."""
+"""The training log: Megatron's FLOP count, the progress line, TensorBoard scalars, and
+which process prints it (each node's first) at what cost (one broadcast per log interval)."""
 import contextlib
 import io
+import re
 
 import pytest
 
@@ -132,3 +134,124 @@ def test_mfu_peak_of_the_emulated_device_and_precision(monkeypatch, name, memory
     assert mfu == (pytest.approx(tflops / peak) if peak else None)
     override = saved_run_config(dict(sizes, compute_dtype=dtype, peak_tflops=123.0))
     assert training_log.peak_tflops(override) == 123.0
+
+
+# ---------------------------------------------------------------- node 0 shows the run
+#: torch.distributed's collectives and point-to-point calls, counted per step below
+#: (``isend`` / ``irecv`` through ``batch_isend_irecv``: a ``P2POp`` takes only the originals).
+_COUNTED = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce",
+            "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "barrier",
+            "broadcast_object_list", "all_gather_object", "gather", "scatter", "send", "recv",
+            "batch_isend_irecv")
+
+
+def _counted_run(argv):
+    """Rank body: ``pretrain_gpt2.main(argv)`` with every call of :data:`_COUNTED` counted
+    per training step (a step: from its ``train_step`` to the next one's, so the log flush
+    after step k counts in step k); the losses this rank holds and what it printed."""
+    import collections
+
+    import torch.distributed as dist
+
+    import pretrain_gpt2
+    from megatron.training import loop
+
+    steps, originals = [], {}
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            if steps:
+                src = kwargs.get("src", args[1] if len(args) > 1 else None)
+                steps[-1][f"{name}(src={src})" if name == "broadcast" else name] += 1
+            return original(*args, **kwargs)
+        return call
+
+    def step(*args, **kwargs):
+        steps.append(collections.Counter())
+        return original_step(*args, **kwargs)
+
+    for name in _COUNTED:
+        originals[name] = getattr(dist, name)
+        setattr(dist, name, counted(name, originals[name]))
+    original_step, loop.train_step = loop.train_step, step
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            state = pretrain_gpt2.main(argv)
+    finally:
+        loop.train_step = original_step
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return [dict(c) for c in steps], state.losses, out.getvalue()
+
+
+def test_node_first_process_prints_the_last_stages_losses_with_one_broadcast_per_interval(
+        gpt2_data, tmp_path):
+    """At pp 2 the losses exist on the last stage only; rank 0 (the node's first process)
+    prints the training lines, the validation line and the closing line with the last
+    stage's values, and the last rank prints none of them. What it takes: one broadcast
+    from the last rank at each log interval, nothing in the steps between (every
+    torch.distributed call counted per step: a step between log lines makes the very calls
+    of another, a logging step those and one broadcast more)."""
+    argv = gpt2_argv(gpt2_data, "--pipe-parallel-size", "2", "--batch-size", "2", "--gas", "2",
+                     "--train-iters", "6", "--log-interval", "2", "--eval-interval", "6",
+                     "--hidden-dropout", "0", "--attention-dropout", "0",
+                     "--save", str(tmp_path / "ckpt"), "--save-interval", "100")
+    (steps0, losses0, out0), (steps1, losses1, out1) = run_distributed(_counted_run, 2, argv,
+                                                                       timeout=300)
+    for steps in (steps0, steps1):
+        assert len(steps) == 6
+        quiet, logging = steps[2], steps[3]  # step 3: between lines; step 4: a line
+        assert steps[4] == quiet and steps[1] == logging, steps
+        extra = {k: logging.get(k, 0) - quiet.get(k, 0) for k in set(logging) | set(quiet)}
+        # at a line: the losses' broadcast, and the divergence check's agreement that was
+        # there before it (megatron/training/divergence.py); every step also has the
+        # engine's own loss broadcast to its pipeline group (DeepSpeed's
+        # _aggregate_total_loss, tds/pipe/engine.py), which the line does not rely on
+        assert {k: v for k, v in extra.items() if v} == {"broadcast(src=1)": 1,
+                                                         "all_reduce": 1}, extra
+    assert len(losses1) == 6 and losses0 == losses1  # every rank has the last stage's
+    printed = [float(x) for x in re.findall(r"iteration\s+\d+/\s+6 \|.*?lm loss: (\S+)", out0)]
+    assert printed == pytest.approx([sum(losses1[i:i + 2]) / 2 for i in (0, 2, 4)], rel=1e-6)
+    assert "validation loss at iteration 6" in out0
+    assert re.search(r"> run ended at iteration 6: checkpoint \S+iter_0000006 \|", out0), out0
+    for sign in ("iteration ", "validation loss", "run ended"):
+        assert sign not in out1, (sign, out1[-2000:])
+
+
+def test_the_closing_line_names_only_what_exists(tmp_path, monkeypatch):
+    """A checkpoint folder, log file or event file that is not there is not named as if it
+    were; a run with --tensorboard-dir that wrote no events says why."""
+    from megatron.training import run_summary
+
+    save, events, log = tmp_path / "ckpt", tmp_path / "tb" / "events.out.x", tmp_path / "n0.log"
+    cfg = saved_run_config(dict(save=str(save), tensorboard_dir=str(tmp_path / "tb")))
+    monkeypatch.setenv(run_summary.LOG_FILE_ENV, str(log))
+    line = run_summary.closing_line(cfg, 3, None)
+    assert "no checkpoint" in line and "log: this output only" in line, line
+    assert f"no TensorBoard events in {tmp_path / 'tb'}" in line, line
+    (save / "iter_0000003").mkdir(parents=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("3")
+    log.write_text("x")
+    events.parent.mkdir()
+    events.write_text("x")
+    line = run_summary.closing_line(cfg, 3, str(events))
+    assert line == (f"> run ended at iteration 3: checkpoint {save / 'iter_0000003'} | log "
+                    f"{log} (this node's) | TensorBoard events {events}"), line
+    elsewhere = run_summary.closing_line(cfg, 3, str(tmp_path / "other" / "events.out.y"))
+    assert "events.out.y (on the last rank's node)" in elsewhere, elsewhere
+    monkeypatch.setattr(run_summary.importlib.util, "find_spec", lambda name: None)
+    assert "no TensorBoard events (tensorboard is not installed: pip install tensorboard)" \
+        in run_summary.closing_line(cfg, 3, None)
+
+
+def test_compile_time_is_the_union_of_the_ranks_compile_spans():
+    """A pipeline's stages compile one after another (each waits for the last): the
+    interval's compile time is the wall time in which some rank compiled, not the most of
+    one rank; overlapping spans count once."""
+    from megatron.compile_watch import union_seconds
+
+    stage0, stage1 = [(0.0, 40.0), (95.0, 100.0)], [(40.0, 90.0)]  # forward, backward
+    assert union_seconds(stage0 + stage1) == pytest.approx(95.0)
+    assert union_seconds([(0.0, 10.0), (2.0, 5.0), (8.0, 12.0)]) == pytest.approx(12.0)
+    assert union_seconds([]) == 0.0

@@ -43,23 +43,41 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
 
+#: What each column of the table means (printed under it, and by --help).
+LEGEND = """\
+columns: tok/s/GPU: tokens per second per GPU at the global batch; s/step: seconds per step;
+  TFLOP/s: model TFLOP/s per GPU; then the layout: tp / cp / pp: tensor-, context- and
+  pipeline-parallel sizes (pp with its schedule: 1f1b, zb-h1, zbv, interleaved/vN = N model
+  chunks per stage); dp: data-parallel size; mb: micro-batch size; m: micro-batches per step
+  on each data-parallel rank (gradient accumulation: global batch = mb x m x dp);
+  recompute: none, full (whole layers) or selective (the attention core); zero: DeepSpeed
+  ZeRO stage (0: none); sp: sequence parallelism (1: on); bubble: the share of the step a
+  pipeline stage idles; peak/stage GiB: the predicted peak memory of each pipeline stage.
+run: the run-script variables (or, for a family without a run script, the flags) that
+  start a row's layout; CHECK_ONLY=1 in front checks the settings without launching."""
+
+
 def _args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=LEGEND,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="a run config YAML (configs/); required unless --paper")
     p.add_argument("--paper", choices=["narayanan2021", "korthikanti2022"], default=None,
                    help="evaluate a published table's own layouts instead (A100 preset)")
-    p.add_argument("--family", default="gpt2",
+    p.add_argument("--family", default=None,
                    help="the model family: a registered name (gpt2, t5, or one registered by "
                         "megatron.families.register) or an import path package.module:OBJECT "
-                        "(a ModelFamily with a memory model; docs/memory.md)")
+                        "(a ModelFamily with a memory model; docs/memory.md); default: by "
+                        "the config's folder (configs/t5/: t5, configs/llama/: the Llama "
+                        "example), else gpt2")
     p.add_argument("--gpus", type=int, default=None, help="required unless --paper")
     p.add_argument("--gpu-memory", default="80GiB", help="per GPU, e.g. 80GiB")
     p.add_argument("--reserve", default="4GiB",
                    help="per GPU memory tensors cannot use: CUDA context, NCCL buffers, "
                         "allocator fragmentation (e.g. 4GiB)")
     p.add_argument("--nodes", type=int, default=None, help="default: gpus / 8")
-    p.add_argument("--vocab-size", type=int, default=50257,
-                   help="tokenizer vocabulary (padded as the run would)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="tokenizer vocabulary (padded as the run would); default: GPT-2's "
+                        "50257, T5's 32100 (32000 sentencepiece pieces and 100 sentinels)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step (default: the config's micro-batch x gas x dp)")
     p.add_argument("--gpu", choices=sorted(PRESETS), default="h100",
@@ -71,8 +89,14 @@ def _args(argv):
     p.add_argument("--intra-node-gbps", type=float, default=None, help="NVLink, GB/s")
     p.add_argument("--inter-node-gbps", type=float, default=None, help="InfiniBand, GB/s")
     p.add_argument("--top", type=int, default=20, help="layouts printed (text output)")
+    p.add_argument("--run-lines", type=int, default=3,
+                   help="the best rows whose run-script line (or flags) is printed")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.family is None:
+        args.family = default_family(args.config)
+    if args.vocab_size is None:
+        args.vocab_size = 32100 if args.family == "t5" else 50257
     dev = PRESETS[args.gpu]
     for flag, value in (("peak_tflops", dev.peak_tflops), ("hbm_gbps", dev.hbm_gbps),
                         ("intra_node_gbps", dev.intra_gbps), ("inter_node_gbps", dev.inter_gbps)):
@@ -95,7 +119,40 @@ class _PlannedGPU:
         return True
 
 
+#: The planner's defaults for what a config may leave out (its own values win).
+PLAN_DEFAULTS = {"lr": 1e-4, "train_iters": 1}
+
+#: configs/<folder>/ -> the family its YAML files describe (the --family default).
+CONFIG_FOLDERS = {"gpt2": "gpt2", "t5": "t5", "llama": "examples.llama.llama_model:LLAMA"}
+
+
+def default_family(config):
+    """The family of a config by its folder (configs/t5/... -> t5), else gpt2."""
+    folder = os.path.basename(os.path.dirname(os.path.abspath(config or "")))
+    return CONFIG_FOLDERS.get(folder, "gpt2")
+
+
+def _own_world(args, family):
+    """``(world to validate the config at, why the config's own layout is not evaluated on
+    --gpus or "")``: --gpus when the config's layout divides it, else the layout's own size
+    (the plan is for --gpus all the same)."""
+    from megatron.config import read_flags
+
+    ns = read_flags(["--config", args.config], family, PLAN_DEFAULTS)
+    tp, pp = max(ns.tensor_model_parallel_size, 1), max(ns.pipeline_model_parallel_size, 1)
+    cp = max(getattr(ns, "context_parallel_size", 1) or 1, 1)
+    dp = getattr(ns, "expected_data_parallel_size", None)
+    size = tp * cp * pp
+    if args.gpus % size == 0 and dp in (None, args.gpus // size):
+        return args.gpus, ""
+    own = size * (dp or 1)
+    return own, (f"its layout tp {tp} x cp {cp} x pp {pp}"
+                 f"{f' x dp {dp}' if dp else ''} needs "
+                 f"{f'{own}' if dp else f'a multiple of {size}'} GPUs, not {args.gpus}")
+
+
 def _base(args):
+    """``(cfg, family, base spec, why the config's layout is not evaluated or "")``."""
     from megatron.config import build_run_config
     from megatron.families import load_family
     from megatron.memory.spec import spec_from_run_config
@@ -106,13 +163,14 @@ def _base(args):
                           f"planned for it; set its memory_model ('decoder' for GPT-2-like "
                           f"layers, or a megatron.memory.LayerDescription of its layers) to "
                           f"describe it (docs/memory.md)")
-    argv = ["--config", args.config, "--lr", "1e-4", "--train-iters", "1"]
-    cfg, _ = build_run_config(argv, family, world_size=args.gpus, rank=0, check_files=False,
+    world, why = _own_world(args, family)
+    cfg, _ = build_run_config(["--config", args.config], family, defaults=PLAN_DEFAULTS,
+                              world_size=world, rank=0, check_files=False,
                               accelerator=_PlannedGPU())
     divisible = cfg.model.make_vocab_size_divisible_by * 8  # padded for tp up to 8
     vocab = -(-args.vocab_size // divisible) * divisible
     cfg = cfg.replace(padded_vocab_size=vocab, true_vocab_size=args.vocab_size)
-    return cfg, family, spec_from_run_config(cfg, device="cuda")
+    return cfg, family, spec_from_run_config(cfg, device="cuda"), why
 
 
 def _check(args):
@@ -139,15 +197,15 @@ def _check(args):
         raise ConfigError("plan_layout: " + "; ".join(problems))
 
 
-def _config_plan(cfg, base, hw, batch, flops):
-    """The config's own layout at ``batch`` (None when it is for another GPU count or the
-    batch does not split into its micro-batches), and why not."""
+def _config_plan(base, hw, batch, flops, why):
+    """The config's own layout at ``batch`` (None when it is for another GPU count, ``why``,
+    or the batch does not split into its micro-batches), and why not."""
     from dataclasses import replace
 
     from megatron.memory.planner import evaluate
 
-    if base.world != hw.gpus:
-        return None, f"the config's layout uses {base.world} GPUs"
+    if why or base.world != hw.gpus:
+        return None, why or f"the config's layout uses {base.world} GPUs"
     per_replica = batch // base.dp if batch % base.dp == 0 else 0
     if not per_replica or per_replica % base.micro_batch:
         return None, (f"global batch {batch} does not split into dp {base.dp} x micro-batch "
@@ -161,7 +219,7 @@ def _setup(args):
     from megatron.memory.planner import Hardware
 
     _check(args)
-    cfg, family, base = _base(args)
+    cfg, family, base, why = _base(args)
     nodes = args.nodes or max(1, args.gpus // 8)
     hw = Hardware(gpus=args.gpus, gpu_memory=parse_bytes(args.gpu_memory), nodes=nodes,
                   peak_tflops=args.peak_tflops, efficiency=args.efficiency,
@@ -170,7 +228,7 @@ def _setup(args):
     batch = args.global_batch or cfg.batch.global_batch_size
     flops = family.flops_per_step(cfg.replace(global_batch_size=batch)) \
         if family.flops_per_step else 1.0
-    return cfg, family, base, hw, batch, flops
+    return cfg, family, base, hw, batch, flops, why
 
 
 def _header(args, hw, base, batch, candidates, mine, why):
@@ -182,7 +240,8 @@ def _header(args, hw, base, batch, candidates, mine, why):
           f"peak, GEMMs at up to {hw.efficiency:.0%}")
     print("  config: the YAML's own layout at the same global batch" if mine else
           f"  config: not evaluated ({why})")
-    print(f"  {'':6s} {'tok/s/GPU':>9s} {'s/step':>8s} {'TFLOP/s':>7s}  layout")
+    print(f"  {'':6s} {'tok/s/GPU':>9s} {'s/step':>8s} {'TFLOP/s':>7s}  layout "
+          f"(the columns: under the table, or --help)")
     if mine:
         _row("config", mine, hw)
     sys.stdout.flush()  # the configured layout's row before the ranking runs
@@ -199,6 +258,30 @@ def _row(label, p, hw):
     print(f"  {label:6s} {p.tokens_per_gpu_s:9.0f} {p.step_time:8.3f} "
           f"{p.tflops_per_gpu:7.1f}  {p.layout():66s} bubble {p.bubble:.2f}  "
           f"peak/stage GiB: {stages}{fits}")
+
+
+def _config_flags(args, family):
+    """The config's settings as command-line words (the non-script families' run lines)."""
+    from megatron.config import build_parser, config_file_flags
+
+    return config_file_flags(build_parser(family=family), args.config)
+
+
+def _nothing_fits(args, hw, base, batch, candidates):
+    """The refusal when no layout fits, with its reason."""
+    from megatron.memory.report import GIB
+
+    where = f"{args.config} on {args.gpus} GPUs at global batch {batch}"
+    if not candidates:
+        return (f"plan_layout: no layout of {where}: no data-parallel size splits the global "
+                f"batch into whole micro-batches with the model's heads, vocabulary and "
+                f"layers; give --global-batch (a multiple of the GPU count) or another "
+                f"--gpus")
+    return (f"plan_layout: none of the {len(candidates)} layouts of {where} fits in "
+            f"{hw.usable / GIB:.1f} GiB per GPU (--gpu-memory {args.gpu_memory} less "
+            f"--reserve {args.reserve}): the {base.dtype} model's weights, gradients and "
+            f"optimizer state with its activations need more; plan for more GPUs or more "
+            f"memory per GPU")
 
 
 def _paper(args, real_stdout):
@@ -252,11 +335,12 @@ def main(argv=None):
     real_stdout = sys.stdout
     if args.paper:
         return _paper(args, real_stdout)
+    from megatron.launch.layout_line import run_line
     from megatron.memory.planner import layouts, rank
 
     with contextlib.redirect_stdout(sys.stderr):
-        cfg, family, base, hw, batch, flops = _setup(args)
-        mine, why = _config_plan(cfg, base, hw, batch, flops)
+        cfg, family, base, hw, batch, flops, why = _setup(args)
+        mine, why = _config_plan(base, hw, batch, flops, why)
         candidates = list(layouts(base, hw, batch))
     if not args.json:
         _header(args, hw, base, batch, len(candidates), mine, why)
@@ -266,10 +350,18 @@ def main(argv=None):
               file=sys.stderr, flush=True)
     with contextlib.redirect_stdout(sys.stderr):
         plans = rank(candidates, hw, flops)
+    if not plans:
+        raise ConfigError(_nothing_fits(args, hw, base, batch, candidates))
+    settings = cfg.to_dict()
+    config_flags = _config_flags(args, family)
     if not args.json:
         print(f"  {len(plans)} of them fit; the fastest first:")
         for p in plans[:args.top]:
             _row("", p, hw)
+        print("\n".join("  " + line for line in LEGEND.splitlines()))
+        for i, p in enumerate(plans[:args.run_lines]):
+            print(f"run #{i + 1} ({p.layout()}):\n  "
+                  f"{run_line(p.spec, family.name, hw.nodes, settings, config_flags)}")
         return 0
     json.dump({"config": args.config, "family": family.name, "gpu": args.gpu,
                "gpus": args.gpus, "nodes": hw.nodes, "gpu_memory_bytes": hw.gpu_memory,
@@ -277,7 +369,10 @@ def main(argv=None):
                "dtype": base.dtype, "efficiency": hw.efficiency,
                "peak_tflops": hw.peak_tflops, "candidates": len(candidates),
                "config_layout": mine.to_dict() if mine else None,
-               "config_layout_note": why, "layouts": [p.to_dict() for p in plans]},
+               "config_layout_note": why,
+               "layouts": [dict(p.to_dict(), run=run_line(p.spec, family.name, hw.nodes,
+                                                          settings, config_flags))
+                           for p in plans]},
               real_stdout, indent=1)
     real_stdout.write("\n")
     return 0

@@ -38,6 +38,7 @@ from .native_reader import check_complete, merge_layout
 from .native_writer import check_layout, layout_args, stage_state
 from .optimizer_names import MOMENTS, named_adam_state
 from .sharding import has_records, merge_recorded, slice_recorded
+from .structural_match import FIX, match_names, pipeline_order, signature
 from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size
 from .zero_state import is_zero_state, load_engine_optimizer_file, named_from_saved
 
@@ -264,32 +265,78 @@ def weights_for_run(full: Any, cfg: Any, where: str) -> Dict[str, torch.Tensor]:
     return _this_rank(full.state, _target_args(full.args, cfg, keys), keys, true_vocab)
 
 
-def _uses_record(states, cfg, own, folder) -> bool:
-    """Whether to move this checkpoint by its sharding record (:mod:`.sharding`): it has
-    one, and the saved names include every tensor of the run's model. GPT-2's and T5's
-    serial and pipeline models name their tensors differently, so between pp = 1 and
-    pp > 1 (and for checkpoints written before the record) their key maps translate."""
+def _uses_record(states, cfg, own, folder, own_layout=None):
+    """Whether to move this checkpoint by its sharding record (:mod:`.sharding`), and how
+    its names become the run's model's: ``(True, None)`` when the saved names include every
+    tensor of the run's model; ``(True, {saved: own})`` for a family without a key map
+    whose serial model names its tensors unlike its pipeline (the same family's checkpoint,
+    matched by structure: :mod:`.structural_match`); ``(False, None)``: GPT-2's and T5's
+    serial and pipeline models name their tensors differently, so between pp = 1 and pp > 1
+    (and for checkpoints written before the record) their key maps translate."""
     if own is None or not has_records(states.values()):
-        return False
+        return False, None
     saved = set().union(*(s["sharding"] for s in states.values()))
     if set(own) <= saved:
-        return True
+        return True, None
     family = getattr(cfg, "model_family", None)
-    if family is not None and family.keys is None:
-        missing = sorted(set(own) - saved)
-        raise CheckpointError(f"checkpoint {folder} has no "
-                              f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
-                              f": it was saved by another model (the {family.name!r} family "
-                              f"has no key map to translate names)")
-    return False
+    if family is None or family.keys is not None:
+        return False, None
+    if states[(0, 0)].get("family") == cfg.family:  # this family, saved at another pp
+        return True, _structural_names(states, cfg, own, folder, own_layout or {})
+    missing = sorted(set(own) - saved)
+    raise CheckpointError(f"checkpoint {folder} has no "
+                          f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                          f": it was saved by another model (the {family.name!r} family "
+                          f"has no key map to translate names)")
 
 
-def _recorded_merge_and_slice(states, cfg, own, true_vocab, folder):
-    """The record-driven ``merge(getter, where)`` and ``slice_of(full, strict)``."""
+def _structural_names(states, cfg, own, folder, own_layout):
+    """``{saved name: own name}``: the checkpoint's pipeline names matched to the run's
+    serial model by structure (:func:`.structural_match.match_names`)."""
+    saved_pp = max(p for _, p in states) + 1
+    if cfg.parallel.pp > 1:
+        raise CheckpointError(
+            f"checkpoint {folder} was saved at pp={saved_pp} by a model whose tensor names "
+            f"are not this pipeline's ({', '.join(sorted(set(own))[:3])} ...): a pipeline "
+            f"stage holds part of the model, which cannot be matched to a whole one by "
+            f"structure; resume it at pp=1 (any tp) and save, or {FIX}")
+    records, tp = {}, cfg.parallel.tp
+    for state in states.values():
+        for key, record in state["sharding"].items():
+            records.setdefault(key, record)
+    shapes, seen = {}, set()
+    for (t, _), state in sorted(states.items()):
+        for key, tensor in state.get("model", {}).items():
+            if (t, key) in seen:  # a tied module's copy on another stage
+                continue
+            seen.add((t, key))
+            dim = records[key][0]
+            shape = shapes.setdefault(key, list(tensor.shape))
+            if dim >= 0 and t > 0:
+                shape[dim] += tensor.shape[dim]  # whole = the shards side by side
+    classes = {}
+    for state in states.values():
+        classes.update(state.get("module_classes") or {})
+    saved = pipeline_order({k: list(s.get("model", {})) for k, s in states.items()})
+    sig_saved = {k: signature(k, shapes[k], records[k], classes.get(k)) for k in saved}
+    own_classes, own_shapes = own_layout.get("classes", {}), own_layout.get("shapes", {})
+    sig_own = {}
+    for key, record in own.items():
+        shape = list(own_shapes.get(key, []))
+        if record[0] >= 0 and shape:
+            shape[record[0]] *= tp
+        sig_own[key] = signature(key, shape, record, own_classes.get(key) if classes else None)
+    return match_names(saved, sig_saved, list(own), sig_own, f"checkpoint {folder}")
+
+
+def _recorded_merge_and_slice(states, cfg, own, true_vocab, folder, renamed=None):
+    """The record-driven ``merge(getter, where)`` and ``slice_of(full, strict)``; with
+    ``renamed`` (``{saved name: own name}``) the merged tensors take the run's names."""
     records = {k: s["sharding"] for k, s in states.items()}
 
     def merge(get, where):
-        return merge_recorded({k: get(*k) for k in states}, records, true_vocab, where)
+        full = merge_recorded({k: get(*k) for k in states}, records, true_vocab, where)
+        return {renamed[k]: v for k, v in full.items()} if renamed else full
 
     def slice_of(full, strict=True):
         mine = own if strict else {k: v for k, v in own.items() if k in full}
@@ -299,8 +346,19 @@ def _recorded_merge_and_slice(states, cfg, own, true_vocab, folder):
     return merge, slice_of
 
 
+def _same_family(states, cfg, folder):
+    """The family the checkpoint records (None: not recorded), refused if not the run's."""
+    family = states[(0, 0)].get("family")
+    if family and cfg.family and family != cfg.family:
+        raise CheckpointError(f"checkpoint {folder} holds a {family!r} model but this run "
+                              f"trains {cfg.family!r}; point --load at a {cfg.family!r} "
+                              f"checkpoint")
+    return family
+
+
 def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
-                       own: Optional[Dict[str, list]] = None) -> "RankState":
+                       own: Optional[Dict[str, list]] = None,
+                       own_layout: Optional[Dict[str, dict]] = None) -> "RankState":
     """This rank's part of ``root`` at ``iteration`` for the run's layout (no collectives).
 
     Args:
@@ -310,22 +368,23 @@ def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
         load_optim: also re-slice the optimizer state.
         own: the sharding record of this rank's model (:func:`.sharding.sharding_record`):
             with it, a checkpoint that records its sharding moves without a key map.
+        own_layout: ``{"classes": .sharding.module_classes(model), "shapes": {key: shape}}``
+            of this rank's model: with them, a serial model named unlike the pipeline that
+            saved the checkpoint is matched by structure (:mod:`.structural_match`).
 
     Raises:
         CheckpointError: another model, an incomplete checkpoint, or optimizer state that
             cannot move (see the module docstring).
     """
     states, saved, folder = _rank_states(root, iteration)
-    family = states[(0, 0)].get("family")
-    if family and cfg.family and family != cfg.family:
-        raise CheckpointError(f"checkpoint {folder} holds a {family!r} model but this run "
-                              f"trains {cfg.family!r}; point --load at a {cfg.family!r} "
-                              f"checkpoint")
+    family = _same_family(states, cfg, folder)
     check_compatible(saved, cfg, folder, ignore=LAYOUT_KEYS)
     true_vocab = resolve_true_vocab_size(saved, cfg.model.true_vocab_size)
     _check_vocab(saved, cfg, folder)
-    if _uses_record(states, cfg, own, folder):
-        merge, slice_of = _recorded_merge_and_slice(states, cfg, own, true_vocab, folder)
+    recorded, renamed = _uses_record(states, cfg, own, folder, own_layout)
+    if recorded:
+        merge, slice_of = _recorded_merge_and_slice(states, cfg, own, true_vocab, folder,
+                                                    renamed)
         weights = merge(lambda t, p: states[(t, p)].get("model", {}), folder)
     else:
         keys = key_map_for(saved, getattr(cfg, "model_family", None),

@@ -47,6 +47,21 @@ def sharding_record(module: torch.nn.Module, stage: int = 0,
     return record
 
 
+def module_classes(module: torch.nn.Module) -> Dict[str, str]:
+    """``{state-dict key: class name of the module holding it}`` (saved beside the record:
+    a layout change matches a serial model named unlike its pipeline by it,
+    :mod:`.structural_match`).
+
+    Args:
+        module: the rank's model (serial model or pipeline stage).
+    """
+    owners = {}
+    for prefix, sub in module.named_modules():
+        for name in list(sub._parameters) + list(sub._buffers):
+            owners[f"{prefix}.{name}" if prefix else name] = type(sub).__name__
+    return {key: owners.get(key, "") for key in module.state_dict()}
+
+
 def pipeline_chunk_of(module: torch.nn.Module) -> Optional[Callable[[str], int]]:
     """key -> global model chunk for a tds PipelineModule (layer-spec keys ``"3.<...>"``;
     -1 for tied modules, which live on several chunks); None for other modules."""

@@ -26,6 +26,74 @@ from .convert import BaseConversionRequest
 from .formats import NATIVE, hf_format
 
 
+class LeadingOne(str):
+    """An HF name in a name table whose tensor has a leading dimension of 1 that ours lacks:
+    ``LeadingOne("final_logits_bias")`` maps BART's ``[1, V]`` bias onto a
+    ``VocabParallelBias`` ``[V]`` (unsqueezed on the way out, squeezed on the way in)."""
+
+    def to_hf(self, tensor):
+        """Ours -> theirs: ``[V] -> [1, V]``."""
+        return tensor.unsqueeze(0)
+
+    def from_hf(self, tensor):
+        """Theirs -> ours: ``[1, V] -> [V]`` (a tensor without the leading 1 is left as
+        it is, and the shape check names it)."""
+        return tensor.squeeze(0) if tensor.dim() > 0 and tensor.shape[0] == 1 else tensor
+
+
+def _to_hf(hf_name, tensor):
+    return hf_name.to_hf(tensor) if isinstance(hf_name, LeadingOne) else tensor
+
+
+def _from_hf(hf_name, tensor):
+    return hf_name.from_hf(tensor) if isinstance(hf_name, LeadingOne) else tensor
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def shape_problems(state: Dict[str, Any], expected: Dict[str, list], record: Dict[str, list],
+                   names: Dict[str, str], true_vocab: int, path: str) -> list:
+    """What in an HF state dict (under our names, declared reshapes applied) has another
+    shape than our model's tensor: a shape mismatch named as one, or, where only the
+    vocabulary rows differ, the vocabulary advice.
+
+    Args:
+        state: our name -> the HF tensor.
+        expected: our name -> the model's whole shape at tp 1 (vocabulary rows padded).
+        record: the model's sharding record (which dimension holds vocabulary rows).
+        names: our name -> HF name.
+        true_vocab: the HF config's vocabulary size.
+        path: the HF directory, for messages.
+    """
+    problems = []
+    for ours, tensor in state.items():
+        want = list(expected[ours])
+        dim, _, vocab = record[ours][:3]
+        if vocab:
+            want[max(dim, 0)] = true_vocab  # the HF side holds the real rows
+        got = list(tensor.shape)
+        if got == want:
+            continue
+        rows_only = vocab and len(got) == len(want) and all(
+            g == w for i, (g, w) in enumerate(zip(got, want)) if i != max(dim, 0))
+        if rows_only:
+            problems.append(f"{names[ours]} has {got[max(dim, 0)]} vocabulary rows, the "
+                            f"config.json's vocab_size is {true_vocab}: fix the vocab_size "
+                            f"(or pass --true-vocab-size)")
+            continue
+        problems.append(
+            f"{path}: {names[ours]} has shape {_shape(got)} but the model's {ours} has "
+            f"{_shape(want)}: the name table maps one onto the other without a reshape; "
+            f"declare it in the name table "
+            + (f"(megatron.checkpoint_conversion.hf_table.LeadingOne({names[ours]!r}) for "
+               f"the leading 1)" if got[:1] == [1] and got[1:] == want else
+               "(a LeadingOne entry for a leading 1)")
+            + f", or give the model a parameter of shape {_shape(got)}")
+    return problems
+
+
 @dataclass(frozen=True)
 class HFNameTable:
     """How a family's whole tensors and a ``transformers`` model's state dict name the same
@@ -33,7 +101,8 @@ class HFNameTable:
 
     Attributes:
         names: ``names(args) -> {our name: HF name}`` for the model the saved args describe;
-            every tensor of ours, each to one of theirs of the same shape.
+            every tensor of ours, each to one of theirs of the same shape, or to a
+            :class:`LeadingOne` name (theirs ``[1, V]``, ours ``[V]``).
         to_hf_config: ``f(args) -> config.json dict`` (``model_type``, ``architectures``,
             the sizes, the real vocabulary size).
         from_hf_config: ``f(config.json dict) -> settings``: the saved-args entries of our
@@ -68,13 +137,17 @@ def _tensor_parallel_one() -> Iterator[None]:
         mpu.set_tensor_model_parallel_rank(None)
 
 
-def serial_record(family: Any, args: Dict[str, Any]) -> Dict[str, list]:
-    """The sharding record of ``family``'s serial model for the saved ``args``, read from the
-    model built on the "meta" device (on the CPU if a layer cannot be built there).
+def serial_record(family: Any, args: Dict[str, Any]):
+    """The sharding record of ``family``'s serial model for the saved ``args`` and its
+    tensors' shapes, read from the model built on the "meta" device (on the CPU if a layer
+    cannot be built there).
 
     Args:
         family: the :class:`~megatron.families.ModelFamily`.
         args: saved args (the model's sizes, ``padded_vocab_size``).
+
+    Returns:
+        ``(record, {name: shape})``.
     """
     import torch
 
@@ -90,7 +163,8 @@ def serial_record(family: Any, args: Dict[str, Any]) -> Dict[str, list]:
                 model = family.build_model(cfg, False)
         except (NotImplementedError, RuntimeError):  # an op with no meta kernel
             model = family.build_model(cfg, False)
-        return sharding_record(model)
+        return sharding_record(model), {k: list(v.shape) for k, v in
+                                        model.state_dict().items()}
 
 
 class NameTableAdapter:
@@ -118,7 +192,8 @@ class NameTableAdapter:
             raise CheckpointError(f"the {self.FAMILY!r} name table does not match the "
                                   f"checkpoint: tensors it does not name {unnamed[:4]}, names "
                                   f"it lacks {absent[:4]}")
-        state = {hf: ckpt.state[ours].contiguous() for ours, hf in names.items()}
+        state = {str(hf): _to_hf(hf, ckpt.state[ours]).contiguous()
+                 for ours, hf in names.items()}
         hf_io.write_hf_dir(path, self.table.to_hf_config(ckpt.args), state)
 
     def read_hf(self, path: str, request: Any) -> FullCheckpoint:
@@ -140,11 +215,16 @@ class NameTableAdapter:
                     make_vocab_size_divisible_by=divisible_by,
                     padded_vocab_size=vocab_size_with_padding(settings["true_vocab_size"],
                                                               divisible_by, 1))
-        record = serial_record(self.family, args)
+        record, shapes = serial_record(self.family, args)
         if set(record) != set(names):
             raise CheckpointError(f"the {self.FAMILY!r} name table names other tensors than "
                                   f"its model holds: {sorted(set(record) ^ set(names))[:4]}")
-        state = {ours: weights[src] for ours, src in sources.items()}
+        state = {ours: _from_hf(names[ours], weights[src]) for ours, src in sources.items()}
+        problems = shape_problems(state, shapes, record, names, settings["true_vocab_size"],
+                                  path)
+        if problems:
+            raise CheckpointError("; ".join(problems[:4]) +
+                                  (f" ... ({len(problems)} in all)" if len(problems) > 4 else ""))
         return FullCheckpoint(state, args, request.iteration or 0, stage_records={0: record},
                               family=self.FAMILY)
 

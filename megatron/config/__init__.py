@@ -7,14 +7,16 @@
 Nothing outside this package changes a configuration: a :class:`RunConfig` is frozen.
 """
 from .parser import (CHECK_ONLY_ENV, args_to_dict, build_parser, build_run_config, parse_args,
-                     saved_run_config, settings_check_only)
+                     read_flags, saved_run_config, settings_check_only)
 from .run_config import (SECTIONS, BatchConfig, CheckpointConfig, DataConfig, FrozenConfigError,
                          KernelConfig, LoggingConfig, ModelDims, OptimizerConfig, ParallelDims,
                          PrecisionConfig, RunConfig, Section, uses_pipeline_engine)
 from .validation import parse_data_path
+from .yaml_file import config_file_flags
 
 __all__ = ["CHECK_ONLY_ENV", "SECTIONS", "BatchConfig", "CheckpointConfig", "DataConfig",
            "FrozenConfigError", "KernelConfig", "LoggingConfig", "ModelDims", "OptimizerConfig", "ParallelDims",
            "PrecisionConfig", "RunConfig", "Section", "args_to_dict", "build_parser",
-           "build_run_config", "parse_args", "parse_data_path", "saved_run_config",
+           "config_file_flags",
+           "build_run_config", "parse_args", "parse_data_path", "read_flags", "saved_run_config",
            "settings_check_only", "uses_pipeline_engine"]

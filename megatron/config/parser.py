@@ -71,6 +71,19 @@ def _parse(argv, extra_args_provider, defaults, family):
     return parser.parse_args(argv)
 
 
+def read_flags(argv: Sequence[str], family: Optional[Any] = None,
+               defaults: Optional[Dict[str, Any]] = None) -> argparse.Namespace:
+    """The flags and the YAML file's values as parsed, before any check or derived value
+    (a tool reads the configured layout with it before choosing the world to validate for).
+
+    Args:
+        argv: command-line arguments (``--config`` included).
+        family: the :class:`~megatron.families.ModelFamily` whose flags join the parser.
+        defaults: defaults under the file's and the command line's values.
+    """
+    return _parse(argv, None, defaults, family)
+
+
 class RankFileProblems(ConfigError):
     """The run's files as this rank alone sees them are wrong (missing, unreadable), while
     the flags are valid: raised by :func:`build_run_config` in a run of several processes.

@@ -147,6 +147,41 @@ def config_defaults(parser: argparse.ArgumentParser, path: str) -> Dict[str, Any
     return defaults
 
 
+def _words(parser, action, value):
+    """The command-line words that give ``action``'s dest the (converted) ``value``."""
+    if isinstance(value, bool):
+        wanted = argparse._StoreTrueAction if value else argparse._StoreFalseAction
+        same = [a for a in parser._actions if a.dest == action.dest and isinstance(a, wanted)]
+        return [same[0].option_strings[-1]] if same else []
+    if value is None:
+        return []
+    option = next((o for o in action.option_strings if o.startswith("--")),
+                  action.option_strings[0])
+    values = value if isinstance(value, list) else [value]
+    return [option, *(f"{v:g}" if isinstance(v, float) else str(v) for v in values)]
+
+
+def config_file_flags(parser: argparse.ArgumentParser, path: str) -> Dict[str, list]:
+    """The top-level settings of the YAML file at ``path`` as command-line words, by dest
+    (``{"ffn_hidden_size": ["--ffn-hidden-size", "11008"], "fp16": ["--fp16"]}``), checked
+    as :func:`config_defaults` checks them; the ``parallel_config`` block is left out (a
+    layout).
+
+    Args:
+        parser: the run's parser (its family's flags included).
+        path: the YAML file.
+    """
+    data = load_config_file(path)
+    data.pop("parallel_config", None)
+    config_defaults(parser, path)  # every key known and well typed
+    index = _option_index(parser)
+    out = {}
+    for key, value in data.items():
+        action = index[str(key).replace("-", "_")]
+        out[action.dest] = _words(parser, action, _convert(action, key, value, path))
+    return out
+
+
 def apply_config_file(parser: argparse.ArgumentParser, path: str) -> None:
     """Set ``parser``'s defaults from the YAML file at ``path``."""
     parser.set_defaults(**config_defaults(parser, path), config=path)

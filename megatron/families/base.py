@@ -163,7 +163,7 @@ class ModelFamily:
     memory_model: Any = None
     """The startup memory check's and tools/plan_layout.py's description of the model:
     ``"gpt2"`` / ``"decoder"`` / ``"encoder"`` (GPT-2's layers with the run's sizes),
-    ``"t5"`` / ``"encoder-decoder"``, a ``megatron.memory.LayerDescription`` of the family's
+    ``"t5"`` (T5's, from T5's settings), a ``megatron.memory.LayerDescription`` of the family's
     layers (or a function of the run configuration returning one), or None (no memory
     model: said so); megatron/memory/describe.py."""
 

@@ -43,6 +43,8 @@ SCRIPT_VARIABLES = (
     (r"--global-batch-size|--gas", "GAS"),
     (r"--train-iters", "TRAIN_ITERS"),
     (r"--lr", "LR"),
+    (r"--hidden-dropout", "HIDDEN_DROPOUT"),
+    (r"--attention-dropout", "ATTENTION_DROPOUT"),
     (r"--fp16|--bf16", "PRECISION"),
     (r"--data-path|data prefix", "DATA_PATH"),
     (r"--vocab-file", "VOCAB_FILE"),

@@ -9,9 +9,9 @@ torchrun's own elastic agent, with the changes a user who launches by hand needs
   SIGTERM, kills them 30 s later, and exits 1 with a ``SignalException`` traceback.) Workers
   that end after the signal are not restarted. A second signal is torchrun's: it shuts the
   workers down with that signal, and a second SIGINT ends a worker at once.
-- **Rendezvous.** Each node prints whom it waits for (``> waiting for 2 nodes at host:port``)
-  and, once they joined, how many did; a start with fewer than ``--nnodes MIN:MAX``'s MAX
-  says so.
+- **Rendezvous.** Each node of a multi-node run prints whom it waits for (``> waiting for
+  2 nodes at host:port``) and, once they joined, how many did; a start with fewer than
+  ``--nnodes MIN:MAX``'s MAX says so. One node prints its ranks.
 - **No restart on a user error.** A worker that exits 2 (a setting or input error its own
   line names, found after start-up: a corrupt index, a checkpoint of another model) ends the
   run: ``--max-restarts`` would only print the same error again.
@@ -83,9 +83,22 @@ def _on_signal(signum, frame):
             except ProcessLookupError:
                 pass
         return
-    # torchrun's own handling: the agent shuts its workers down with this signal
+    # torchrun's own handling: the agent shuts its workers down with this signal. Its
+    # agent (agent/server/api.py: "Received 2 death signal, shutting down workers") and its
+    # process context (multiprocessing/api.py: "Sending process N closing signal", one per
+    # worker) then log a warning each, which say again what main()'s one line says.
+    _quiet_shutdown_warnings()
     raise SignalException(f"Process {os.getpid()} got signal: {signum}",
                           sigval=signal.Signals(signum))
+
+
+def _quiet_shutdown_warnings():
+    """Raise torch elastic's agent and process-context loggers to ERROR (the abort is ours
+    to say, once)."""
+    import logging
+
+    for module in (agent_api, mp_api):
+        logging.getLogger(module.logger.name).setLevel(logging.ERROR)
 
 
 def _invoke_run(original):
@@ -102,15 +115,17 @@ def _rendezvous(original):
         nodes = (f"{_Launch.max_nodes}" if _Launch.min_nodes == _Launch.max_nodes
                  else f"{_Launch.min_nodes} to {_Launch.max_nodes}")
         again = f"restart {restart} of {spec.max_restarts}: " if restart else ""
-        _say(f"{again}{socket.gethostname()} waiting for {nodes} node"
-             f"{'s' if nodes != '1' else ''} at {_Launch.endpoint} "
-             f"({spec.local_world_size} processes each)")
+        if _Launch.max_nodes > 1 or restart:  # one node waits for nobody
+            _say(f"{again}{socket.gethostname()} waiting for {nodes} node"
+                 f"{'s' if nodes != '1' else ''} at {_Launch.endpoint} "
+                 f"({spec.local_world_size} processes each)")
         original(self, worker_group)
         joined, ranks = worker_group.group_world_size, [w.global_rank for w in
                                                         worker_group.workers]
         world = worker_group.workers[0].world_size if worker_group.workers else 0
         line = (f"{joined} of {_Launch.max_nodes} nodes joined; this is node "
-                f"{worker_group.group_rank}: ranks {min(ranks)}-{max(ranks)} of {world}")
+                f"{worker_group.group_rank}: ranks {min(ranks)}-{max(ranks)} of {world}"
+                if _Launch.max_nodes > 1 else f"ranks 0-{world - 1} on this node")
         if joined < _Launch.max_nodes:
             line += (f" -- fewer nodes than asked (MIN_NODES {_Launch.min_nodes}): a smaller "
                      f"data-parallel size, the same global batch")

@@ -90,12 +90,16 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
     """
     from .. import mpu
     from ..utils import print_rank_0
-    from .spec import memory_model_of, spec_from_run_config
+    from .spec import spec_from_run_config
 
     line = recompute_line(cfg, mpu.get_device().type)
     if line:
         print_rank_0(line)
-    if memory_model_of(cfg) is None:
+    kind, why = _kind(cfg)
+    if why:  # a description the model cannot serve: the run still trains
+        print_rank_0(f"> memory model: no prediction ({why})")
+        return
+    if kind is None:
         who = (f"the {cfg.family!r} model family" if cfg.family else
                "a model built by a model_provider")
         print_rank_0(f"> memory model: none for {who}, so no per-stage prediction and no "
@@ -122,6 +126,17 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
             print(line, flush=True)  # every rank, as the refusal would be
 
 
+def _kind(cfg):
+    """``(the memory model's kind of the run's model or None, why it has none or "")``: a
+    family's description that describes nothing here is said, not raised."""
+    from .spec import memory_model_of
+
+    try:
+        return memory_model_of(cfg), ""
+    except ConfigError as exc:
+        return None, str(exc)
+
+
 def recompute_line(cfg, device_type: str) -> Optional[str]:
     """The start-up line saying what the run recomputes (None without recompute): under
     selective recompute, whether its attention keeps ``s x s`` tensors to recompute.
@@ -133,11 +148,10 @@ def recompute_line(cfg, device_type: str) -> Optional[str]:
     from ..config.recompute import describe
     from ..model.attention import resolve_attention_backend
     from ..model.recompute import core_keeps_scores
-    from .spec import memory_model_of
 
     m = cfg.model
     backend = resolve_attention_backend(cfg.kernels.attention_backend)
     keeps = core_keeps_scores(backend, device_type, m.attention_dropout,
-                              mask_needs_grad=memory_model_of(cfg) == "t5")
+                              mask_needs_grad=_kind(cfg)[0] == "t5")
     return describe(m.recompute_granularity, m.recompute_method, m.recompute_num_layers,
                     keeps, backend)

@@ -6,7 +6,10 @@ A family's ``memory_model`` is one of:
   biases, learned positions, the output layer tied to the embedding) with the run's sizes
   (``--num-layers``, ``--hidden-size``, heads, ``--ffn-hidden-size``, sequence, vocabulary);
   an encoder's bidirectional attention keeps the same bytes;
-- ``"t5"`` / ``"encoder-decoder"``: T5's description with the run's sizes;
+- ``"t5"``: T5's description with the run's sizes, read from T5's settings (encoder and
+  decoder lengths, feed-forward kind, relative-position buckets): T5, or a family built on
+  T5's flags. There is no generic encoder-decoder description: another encoder-decoder
+  family (BART-style: learned positions, LayerNorm, biases) sets None;
 - a :class:`LayerDescription`, or ``f(cfg) -> LayerDescription``: a decoder- or encoder-only
   model whose layers differ from GPT-2's in the ways the memory model counts (norms, a
   gated MLP, grouped-query attention, rotary positions, biases, dropout, an untied head);
@@ -18,8 +21,13 @@ from typing import Any, Dict, Optional
 from ..errors import ConfigError
 
 #: The generic descriptions by name, and the memory model's family kind for each.
-KINDS = {"gpt2": "gpt2", "decoder": "gpt2", "encoder": "gpt2", "t5": "t5",
-         "encoder-decoder": "t5"}
+KINDS = {"gpt2": "gpt2", "decoder": "gpt2", "encoder": "gpt2", "t5": "t5"}
+#: Names a family may give that describe no model here, and why.
+NOT_DESCRIBED = {"encoder-decoder": (
+    "the memory model describes T5's encoder-decoder only ('t5', read from T5's settings: "
+    "encoder and decoder lengths, feed-forward, relative-position buckets), not an "
+    "encoder-decoder in general; a T5 family says 't5', another encoder-decoder None (no "
+    "per-stage prediction, no plan)")}
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,9 @@ def describe(memory_model: Any, cfg: Any) -> Optional[tuple]:
     if memory_model is None:
         return None
     if isinstance(memory_model, str):
+        if memory_model in NOT_DESCRIBED:
+            raise ConfigError(f"memory model {memory_model!r}: {NOT_DESCRIBED[memory_model]} "
+                              f"(docs/memory.md)")
         if memory_model not in KINDS:
             raise ConfigError(f"memory model {memory_model!r}: a family's memory_model is one "
                               f"of {', '.join(KINDS)}, a LayerDescription, a function of the "

@@ -146,26 +146,34 @@ def autocast_weight_copies(spec: MemorySpec, layers: StageLayers) -> int:
     return total
 
 
+def byte_unit(size: int):
+    """``(divisor, name)`` to print ``size`` bytes and its parts with: GiB from 1 GiB up, else
+    MiB (a small model's figures, not a column of 0.00 GiB)."""
+    return (GIB, "GiB") if size >= GIB else (2 ** 20, "MiB")
+
+
 def format_stage(stage: StageMemory, pp: int) -> str:
-    """One start-up line: ``stage 1/4: predicted peak 12.3 GiB per rank = weights ...``.
+    """One start-up line: ``stage 1/4: predicted peak 12.3 GiB per rank = weights ...``
+    (in MiB for a stage under 1 GiB).
 
     Args:
         stage: a stage's prediction.
         pp: pipeline stages (for the ``stage/pp`` label).
     """
     s = stage.states
-    head = f"stage {stage.stage}/{pp}: predicted peak {stage.peak / GIB:.2f} GiB per rank"
-    states = (f"weights {s.weight_bytes / GIB:.2f} + grads {s.grad_bytes / GIB:.2f} + "
-              f"optimizer {s.optimizer_bytes / GIB:.2f}")
-    late = f" - grads not yet allocated {stage.late_grads / GIB:.2f}" if stage.late_grads \
+    div, unit = byte_unit(stage.peak)
+    head = f"stage {stage.stage}/{pp}: predicted peak {stage.peak / div:.2f} {unit} per rank"
+    states = (f"weights {s.weight_bytes / div:.2f} + grads {s.grad_bytes / div:.2f} + "
+              f"optimizer {s.optimizer_bytes / div:.2f}")
+    late = f" - grads not yet allocated {stage.late_grads / div:.2f}" if stage.late_grads \
         else ""
-    during = (f"activations {stage.activations / GIB:.2f} ({stage.in_flight} micro-batches x "
+    during = (f"activations {stage.activations / div:.2f} ({stage.in_flight} micro-batches x "
               f"{stage.activations_per_micro_batch / 2**20:.1f} MiB) + buffers "
-              f"{stage.buffers / GIB:.2f} + transient {stage.transient / GIB:.2f}")
+              f"{stage.buffers / div:.2f} + transient {stage.transient / div:.2f}")
     if stage.weight_copies:
-        during += f" + autocast weight copies {stage.weight_copies / GIB:.2f}"
+        during += f" + autocast weight copies {stage.weight_copies / div:.2f}"
     if stage.step_peak > stage.schedule_peak:
         return (f"{head} at the optimizer step = {states} + step buffers "
-                f"{stage.step / GIB:.2f}; forward/backward {stage.schedule_peak / GIB:.2f} = "
+                f"{stage.step / div:.2f}; forward/backward {stage.schedule_peak / div:.2f} = "
                 f"states{late} + {during}")
     return f"{head} = {states}{late} + {during}"

@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
-from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker: public here)
-    CHECKPOINT_FORMAT, TRACKER_FILENAME, check_compatible, checkpoint_name, iteration_dir,
-    megatron_v2_name, optimizer_shard_name, publish_iteration, read_tracker,
-    saved_optimizer_files, write_checkpoint_file, write_tracker)
+from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker, write_tracker:
+    CHECKPOINT_FORMAT, TRACKER_FILENAME, check_compatible, checkpoint_name,  # public here)
+    iteration_dir, megatron_v2_name, optimizer_shard_name, publish_iteration, read_tracker,
+    write_checkpoint_file, write_tracker)
 from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs, weights_for_run
 from ..checkpoint.manifest import check_file, verification
+from ..checkpoint.sharding import module_classes
 from ..agreement import agree, agree_on_call, agree_on_value
 from ..config import args_to_dict
 from ..errors import CheckpointDigestError, CheckpointError, MegatronError
@@ -79,6 +80,7 @@ def _main_state(iteration, backend, cfg, train_state, rng_states):
         "model": backend.module().state_dict(),
         # how each tensor is split (megatron.checkpoint.sharding): layout change reads it
         "sharding": _sharding_record(backend.module()), "family": cfg.family,
+        "module_classes": module_classes(backend.module()),  # a structural match's (resume)
         "rng_state": rng_states,
         "consumed_train_samples": train_state.consumed_train_samples,
         "consumed_valid_samples": train_state.consumed_valid_samples,
@@ -241,8 +243,11 @@ def _load_optimizer(backend, state, cfg, iteration):
 
 def _load_at_new_layout(backend, cfg, iteration, load_optim):
     """Another tp or pp: this rank's slice of the whole checkpoint (megatron.checkpoint)."""
+    module = backend.module()
+    shapes = {k: list(v.shape) for k, v in module.state_dict().items()}
     rank = read_at_new_layout(cfg.checkpoint.load, iteration, cfg, load_optim,
-                              own=_sharding_record(backend.module()))
+                              own=_sharding_record(module),
+                              own_layout={"classes": module_classes(module), "shapes": shapes})
     backend.module().load_state_dict(rank.model)
     if rank.optimizer is not None:
         backend.state_io.load_named(rank.optimizer)
@@ -404,8 +409,8 @@ def _restore_rng(cfg, state):
 def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
     """Resume from ``--load`` if it holds a checkpoint (collective). Returns the iteration.
 
-    A missing tracker starts from scratch with a warning (so ``--save`` and ``--load`` can
-    name the same folder for automatic resume); a ``--load`` folder that does not exist was
+    A missing tracker starts from scratch: one line when ``--load`` is ``--save`` (the run
+    scripts' automatic resume: a first run), a warning otherwise; a ``--load`` folder that does not exist was
     already refused by validation unless the run asked for it (``--load-if-exists``, or
     ``--load`` = ``--save``). An incompatible or incomplete checkpoint raises
     :class:`CheckpointError` on every rank. Every file read is verified against the
@@ -422,8 +427,12 @@ def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
     load_optim = not ckpt.no_load_optim and not ckpt.finetune
     foreign, iteration = _agreed_contents(cfg)
     if foreign is None and iteration is None:
-        warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
-                    f"starting from scratch")
+        if ckpt.save and os.path.abspath(ckpt.save) == os.path.abspath(ckpt.load):
+            # the run scripts' automatic resume (--load = --save): a first run is normal
+            print_rank_0(f"> new run: no checkpoint in {ckpt.load} yet")
+        else:
+            warn_rank_0(f"no checkpoint in {ckpt.load} ({TRACKER_FILENAME} is missing); "
+                        f"starting from scratch")
         return 0
     if foreign is not None:
         state = _agreed_load(cfg, _load_foreign, foreign, backend, cfg, load_optim,

@@ -144,7 +144,7 @@ def _flush_interval(cfg, state, pending, backend, timers, writer):
     check_pending(cfg, state.iteration, pending)
     state.lr = backend.lr
     state.loss_scale = backend.loss_scale
-    # [n, k] stats of the interval: one host read for all of them
+    # [n, k] stats of the interval, on every rank (_shared): one host read for all of them
     names = ["lm loss"] + sorted(k for k in (pending[0] if pending else {})
                                  if k not in _STEP_KEYS and k != "lm loss")
     values = torch.stack([torch.stack([p[n].detach().float().reshape(()) for n in names])
@@ -155,21 +155,38 @@ def _flush_interval(cfg, state, pending, backend, timers, writer):
         if values else {}
     norms = [p["grad norm"] for p in pending
              if p.get("grad norm") is not None and not p["skipped"]]
-    if norms:  # device tensors (DDP) or floats (DeepSpeed engines): read once, here
+    if norms:  # device tensors (the project's step) or floats (DeepSpeed's): read once, here
         stats["grad norm"] = float(sum(norms)) / len(norms)
-    log_training_step(cfg, state, stats, timers("interval").elapsed(), writer)
+    compiled = _interval_compile_seconds(cfg)
+    steps_s = max(timers("interval").elapsed() - compiled, 1e-6)  # the steps' time alone
+    log_training_step(cfg, state, stats, steps_s, writer, compile_s=compiled)
     state.steps_in_interval = state.skipped_in_interval = 0
+
+
+def _interval_compile_seconds(cfg):
+    """Wall seconds of the log interval in which some rank ran ``torch.compile`` (0 without
+    ``--compile``): left out of its step time, tokens/s and MFU (megatron/compile_watch.py)."""
+    if not cfg.kernels.compile:
+        return 0.0
+    from .. import compile_watch
+    from .training_log import compile_seconds
+
+    return compile_seconds(cfg, compile_watch.take_spans())
 
 
 def _first_step_done(cfg, seconds):
     """Record the first step's time (host wall time: no device sync is added to it) and print
     the start-up line (megatron/startup_times.py); with ``--compile`` it names the graphs the
-    step compiled (later steps reuse them; evaluation compiles its own at its first call)."""
+    step compiled and this rank's compile time in it (later steps reuse them; evaluation
+    compiles its own at its first call)."""
     label = "first step"
     if cfg.kernels.compile:
+        from .. import compile_watch
         from ..model.compile import compiled_graph_count
 
-        label = f"first step (includes torch.compile of {compiled_graph_count()} graph(s))"
+        compile_watch.first_step_done()
+        label = (f"first step (includes torch.compile of {compiled_graph_count()} graph(s), "
+                 f"{compile_watch.run_seconds():.1f} s)")
     startup = get_startup_times()
     if startup is None:  # train() called outside pretrain()
         print_rank_0(f"> {label}: {seconds:.1f} s")

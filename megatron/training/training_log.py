@@ -1,10 +1,17 @@
-"""The training log line: throughput, TFLOP/s per device and MFU, plus TensorBoard scalars."""
+"""The training log line: throughput, TFLOP/s per device and MFU, plus TensorBoard scalars.
+
+The lines (and the evaluation lines) are printed by every node's first process, global rank 0
+included, where people watch a run: the values a pipeline's loss stage alone computes reach
+the other stages in one broadcast at the log interval (the loop's ``_shared``), never in a
+step. The last rank writes the TensorBoard scalars.
+"""
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-from ..utils import print_rank_last
+from ..utils import print_node_first
 
 #: Dense peaks (TFLOP/s per device) by GPU model: (bf16/fp16 tensor cores, TF32 tensor cores,
 #: FP32 without tensor cores), from the vendors' data sheets (dense, not 2:4 sparse).
@@ -100,8 +107,27 @@ def throughput(cfg: Any, seconds_per_step: float, flops_per_step: Optional[float
     return tokens, tflops, (tflops / peak if peak else None)
 
 
+def compile_seconds(cfg: Any, spans: List[Tuple[float, float]]) -> float:
+    """The wall seconds of a log interval in which some rank compiled (the union of every
+    rank's compile spans, :func:`megatron.compile_watch.union_seconds`): one gather of
+    those spans at the log interval under ``--compile``, none between.
+
+    Args:
+        cfg: the run configuration.
+        spans: this rank's compile spans in the interval
+            (:func:`megatron.compile_watch.take_spans`).
+    """
+    from ..compile_watch import union_seconds
+
+    if not cfg.kernels.compile or not dist.is_initialized() or dist.get_world_size() == 1:
+        return union_seconds(spans)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, spans)
+    return union_seconds([span for rank in every for span in rank])
+
+
 def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s: float,
-                      writer: Optional[Any]) -> None:
+                      writer: Optional[Any], compile_s: float = 0.0) -> None:
     """Print the progress line for the last ``cfg.logging.log_interval`` steps and write scalars.
 
     Args:
@@ -109,8 +135,9 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
         state: TrainState (iteration, consumed samples, skipped steps, current lr/scale,
             ``flops_per_step``: 0 when the model gave none, and TFLOP/s and MFU say n/a).
         stats: dict name -> average over the interval (loss, grad norm).
-        interval_s: wall time of the interval.
+        interval_s: wall time of the interval's steps (compile time left out).
         writer: TensorBoard SummaryWriter or None.
+        compile_s: seconds the interval spent in ``torch.compile`` (said apart).
     """
     steps = max(state.steps_in_interval, 1)
     seconds = interval_s / steps
@@ -128,7 +155,9 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
               f"tokens/s: {tokens_s:.0f}",
               f"TFLOP/s/device: {tflops:.3g}" if tflops is not None else "TFLOP/s/device: n/a",
               f"MFU: {mfu * 100:.1f}%" if mfu is not None else "MFU: n/a"]
-    print_rank_last(" | ".join(parts))
+    if compile_s >= 0.05:
+        parts.append(f"compile (not in the step time): {compile_s:.1f} s")
+    print_node_first(cfg, " | ".join(parts))
     if writer is not None:
         it = state.iteration
         for name, value in stats.items():
@@ -146,10 +175,11 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
 
 def log_evaluation(cfg: Any, iteration: int, prefix: str, loss: float,
                    writer: Optional[Any]) -> None:
-    """``validation loss at iteration N | lm loss: x | lm loss PPL: y``."""
+    """``validation loss at iteration N | lm loss: x | lm loss PPL: y`` (every rank has the
+    loss: a pipeline's evaluation shares it from the stage that computes it)."""
     ppl = math.exp(min(20.0, loss))
     line = f"{prefix} loss at iteration {iteration} | lm loss: {loss:.6E} | lm loss PPL: {ppl:.6E}"
-    print_rank_last("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+    print_node_first(cfg, "-" * len(line) + "\n" + line + "\n" + "-" * len(line))
     if writer is not None:
         writer.add_scalar(scalar_tag(prefix, "lm loss"), loss, iteration)
         writer.add_scalar(scalar_tag(prefix, "lm loss ppl"), ppl, iteration)
