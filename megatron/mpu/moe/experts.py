@@ -99,7 +99,7 @@ class GroupedExperts(nn.Module):
             sizes: ``[E/ep]`` rows per local expert, on the device.
             sizes_host: the same on the host, when the caller has it (the loop needs it).
         """
-        if use_grouped(rows, self.grouped, sizes_host):
+        if use_grouped(rows, self.grouped, self.weight1, self.weight2):
             offsets = expert_offsets(sizes)
             hidden = self.activation(grouped_linear(rows, self.weight1, offsets))
             return grouped_linear(hidden, self.weight2, offsets)

@@ -3,8 +3,9 @@ the per-expert loop it is tested against (Megatron-core's ``SequentialMLP``).
 
 ``torch._grouped_mm(x [N, k], w [G, k, n], offs)`` multiplies rows ``offs[g-1]:offs[g]`` by
 ``w[g]`` in one call, the group sizes read on the device (no host read). It runs on CUDA
-(sm90+, bf16) and, in torch 2.13, on the CPU (bf16 and fp32); where it does not, the first
-call finds out (:func:`grouped_mm_runs`) and the loop is used, with one warning.
+(sm90+, bf16) and, in torch 2.13, on the CPU (bf16 and fp32), for rows whose strides are
+multiples of 16 bytes (bf16: widths divisible by 8); where it does not, the first call finds
+out (:func:`grouped_mm_runs`, one warning) and the loop is used, as it is for other widths.
 """
 import functools
 import warnings
@@ -85,6 +86,14 @@ def expert_offsets(sizes: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(sizes, 0).to(torch.int32)
 
 
-def use_grouped(x: torch.Tensor, requested: bool, sizes_host: Optional[List[int]]) -> bool:
-    """Grouped when asked and it runs; the loop otherwise (the reference path)."""
-    return requested and grouped_mm_runs(x.device.type, compute_dtype(x))
+def use_grouped(x: torch.Tensor, requested: bool, *weights: torch.Tensor) -> bool:
+    """Grouped when asked, when it runs for the compute dtype and when every width of
+    ``x`` and the ``[G, out, in]`` weights is a multiple of 16 bytes; else the loop."""
+    if not requested:
+        return False
+    dtype = compute_dtype(x)
+    size = torch.empty((), dtype=dtype).element_size()
+    widths = [x.shape[-1]] + [d for w in weights for d in w.shape[1:]]
+    if any((width * size) % 16 for width in widths):
+        return False
+    return grouped_mm_runs(x.device.type, dtype)

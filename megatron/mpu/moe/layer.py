@@ -9,7 +9,10 @@ feed-forward (Megatron-core's ``MoELayer``).
 Expert parallelism splits the experts over the expert-parallel group (carved out of the
 data x context ranks); each expert's FFN is split over tp like a dense one, so the routed
 output is a partial sum over tp, reduced once (``copy`` in / ``reduce`` out: the Megatron-LM
-"f" and "g" operators around the experts). The router sees the same tokens on every tp rank.
+"f" and "g" operators around the experts). The router sees the same tokens on every tp rank;
+its combine weights enter the experts' region through ``copy`` too, so their gradient (a
+partial sum over tp, like the experts' outputs) is all-reduced: ``[T, k]`` numbers, not the
+``[T k, h]`` rows Megatron-core reduces before combining.
 """
 import torch
 from torch import nn
@@ -83,8 +86,12 @@ class MoELayer(nn.Module):
         if record:
             self.routing_stats.record(routing)
         tp = self.tp_group is not None and self.tp > 1
-        rows = copy_to_tensor_model_parallel_region(x, self.tp_group) if tp else x
-        out = self._dispatch(rows, routing, self.experts, self.config.num_experts,
+        rows, weights = x, routing
+        if tp:  # the experts' outputs are partial over tp: so are the gradients they send back
+            rows = copy_to_tensor_model_parallel_region(x, self.tp_group)
+            weights = routing._replace(
+                probs=copy_to_tensor_model_parallel_region(routing.probs, self.tp_group))
+        out = self._dispatch(rows, weights, self.experts, self.config.num_experts,
                              self.ep_group)  # [T, h] fp32, partial over tp
         if tp:
             out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
