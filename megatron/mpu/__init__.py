@@ -131,3 +131,4 @@ from .weight_grad import (
     set_weight_grad_deferral,
     weight_grad_store_of,
 )
+from . import moe  # noqa: E402 (mixture of experts: megatron.mpu.moe)

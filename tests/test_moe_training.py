@@ -1,0 +1,96 @@
+"""GPT-2 with MoE layers end to end through pretrain(): layouts against the serial run.
+
+The serial reference runs the same micro-batches (2 samples each; gas = dp of the other run's
+total), so every routing loss sees the same tokens. What runs today: expert parallelism 1
+(experts replicated), gas 1. The acceptance matrix (ep > 1, pipelines, routing losses in the
+log) needs the training step that implements the MoE contract (docs/moe.md): those tests are
+marked xfail(strict) and must be unmarked the day they pass.
+"""
+import pytest
+
+from gpt2_runs import gpt2_argv, train_gpt2
+from harness import run_distributed
+
+STEPS = 8
+MICRO = 2
+GLOBAL = 8
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-z-loss-coeff", "1e-3", "--moe-ffn-hidden-size", "48"]
+NEEDS_STEP = pytest.mark.xfail(reason="needs the new training step", strict=True)
+
+
+def _argv(data, tp=1, pp=1, dp=1, cp=1, ep=1, *extra, global_batch=GLOBAL):
+    gas = global_batch // (MICRO * dp)
+    return gpt2_argv(data, "--num-layers", "4", "--model-parallel-size", str(tp),
+                     "--pipe-parallel-size", str(pp), "--context-parallel-size", str(cp),
+                     "--expert-model-parallel-size", str(ep), "--batch-size", str(MICRO),
+                     "--gas", str(gas), "--train-iters", str(STEPS), "--hidden-dropout", "0",
+                     "--attention-dropout", "0", "--log-interval", "1", *MOE, *extra)
+
+
+def _rel(a, b):
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def train_with_routing(argv):
+    """Rank body: ``(losses, routing losses per logged step)``; the step logs them as
+    ``state.routing_stats`` (a list of ``{kind: float}``, one per log line)."""
+    import pretrain_gpt2
+
+    state = pretrain_gpt2.main(argv)
+    return state.losses, getattr(state, "routing_stats")
+
+
+@pytest.mark.slow
+def test_moe_tp2_equals_serial(gpt2_data):
+    """ep 1 at tp 2 (each expert's FFN split over tp, gas 1): the serial losses."""
+    runs = [run_distributed(train_gpt2, tp, _argv(gpt2_data, tp, global_batch=MICRO),
+                            timeout=300)[0][0] for tp in (1, 2)]
+    assert len(runs[0]) == STEPS and runs[0][-1] < runs[0][0]
+    assert _rel(runs[1], runs[0]) < 1e-5, runs
+
+
+def _serial(data):
+    return run_distributed(train_with_routing, 1, _argv(data), timeout=400)[0]
+
+
+def _assert_equal_to_serial(serial, per_rank):
+    losses, routing = per_rank[0]
+    assert len(losses) == STEPS and _rel(losses, serial[0]) < 1e-5, (losses, serial[0])
+    assert len(routing) == STEPS
+    for got, want in zip(routing, serial[1]):
+        for kind in want:
+            assert abs(got[kind] - want[kind]) <= 1e-5 * max(1.0, abs(want[kind])), (kind, got,
+                                                                                    want)
+
+
+#: (tp, pp, cp, ep, extra flags) of a 4-rank run; the default run's covering subset.
+LAYOUTS = [(1, 1, 1, 2, ()), (1, 2, 1, 2, ())]
+MORE_LAYOUTS = [(1, 1, 1, 4, ()), (2, 1, 1, 2, ()), (1, 2, 1, 2, ("--pipeline-schedule", "zbv")),
+                (1, 1, 2, 2, ()), (1, 1, 1, 2, ("--use-distributed-optimizer",)),
+                (1, 1, 1, 2, ("--deepspeed", "--zero-stage", "1")), (1, 1, 1, 2, ("--compile",))]
+
+
+def _run_layouts(data, layouts):
+    serial = _serial(data)
+    for tp, pp, cp, ep, extra in layouts:
+        dp = 4 // (tp * pp * cp)
+        argv = _argv(data, tp, pp, dp, cp, ep, *extra)
+        _assert_equal_to_serial(serial, run_distributed(train_with_routing, 4, argv,
+                                                        timeout=600))
+
+
+@pytest.mark.slow
+@NEEDS_STEP
+def test_expert_parallel_layouts_equal_serial(gpt2_data):
+    """Per-step losses and routing losses within 1e-5 of serial (fp32, dropless, clipping)."""
+    _run_layouts(gpt2_data, LAYOUTS)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@NEEDS_STEP
+def test_expert_parallel_layouts_equal_serial_matrix(gpt2_data):
+    """ep 4, ep 2 x tp 2, ep 2 x pp 2 ZB-V, ep 2 x cp 2, the distributed optimizer, ZeRO-1,
+    --compile."""
+    _run_layouts(gpt2_data, MORE_LAYOUTS)
