@@ -34,9 +34,11 @@ def _scale_on(device: torch.device) -> torch.Tensor:
 def set_aux_loss_scale(scale: Union[float, torch.Tensor]) -> None:
     """Set the factor the routing losses' gradients are multiplied by (default 1).
 
-    The training step calls it once per step, before the first backward, with what it
-    multiplies the language-model loss by (``1 / gas``; with fp16, ``loss_scale / gas``).
-    A tensor is copied on the device (no host read).
+    The training step calls it once per step, before the step's first forward, with what
+    it multiplies the language-model loss by (``1 / gas``; with fp16, ``loss_scale / gas``).
+    A tensor is copied on the device (no host read). Each layer's forward saves the scale
+    for its backward: changing it between a forward and its backward is refused by
+    autograd ("modified by an inplace operation"), never silently mixed.
 
     Args:
         scale: a number, or a scalar tensor (e.g. the fp16 loss scale over gas).
