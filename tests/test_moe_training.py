@@ -94,3 +94,120 @@ def test_expert_parallel_layouts_equal_serial_matrix(gpt2_data):
     """ep 4, ep 2 x tp 2, ep 2 x pp 2 ZB-V, ep 2 x cp 2, the distributed optimizer, ZeRO-1,
     --compile."""
     _run_layouts(gpt2_data, MORE_LAYOUTS)
+
+
+def train_t5_with_routing(argv):
+    import pretrain_t5
+
+    state = pretrain_t5.main(argv)
+    return state.losses, getattr(state, "routing_stats")
+
+
+def train_mixtral_with_routing(argv):
+    from llama_runs import train_llama  # noqa: F401 (puts examples/llama on the path)
+    from llama_model import LLAMA
+    from megatron.training import pretrain
+
+    state = pretrain(family=LLAMA, argv=argv)
+    return state.losses, getattr(state, "routing_stats")
+
+
+SWITCH = ["--num-experts", "4", "--moe-router-topk", "1", "--moe-router-pre-softmax",
+          "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-layer-freq", "2"]
+
+
+@pytest.mark.slow
+@NEEDS_STEP
+def test_t5_switch_ep2_pp2_equals_serial(t5_data):
+    """T5 as the Switch Transformer (top-1, every other layer) at ep 2 x pp 2."""
+    from t5_runs import t5_argv
+
+    def argv(pp, dp):
+        return t5_argv(t5_data, "--num-layers", "2", "--pipe-parallel-size", str(pp),
+                       "--expert-model-parallel-size", str(dp), "--batch-size", str(MICRO),
+                       "--gas", str(GLOBAL // (MICRO * dp)), "--train-iters", str(STEPS),
+                       "--hidden-dropout", "0", "--attention-dropout", "0",
+                       "--log-interval", "1", *SWITCH)
+
+    serial = run_distributed(train_t5_with_routing, 1, argv(1, 1), timeout=400)[0]
+    _assert_equal_to_serial(serial, run_distributed(train_t5_with_routing, 4, argv(2, 2),
+                                                    timeout=600))
+
+
+@pytest.mark.slow
+@NEEDS_STEP
+def test_llama_as_mixtral_ep2_tp2_equals_serial(gpt2_data):
+    from llama_runs import llama_argv
+
+    mixtral = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+               "--moe-grouped-gemm", "--log-interval", "1"]
+    serial_argv = llama_argv(gpt2_data, 1, 1, *mixtral, "--global-batch-size", str(GLOBAL))
+    serial_argv[serial_argv.index("--global-batch-size") + 1] = str(GLOBAL)
+    serial = run_distributed(train_mixtral_with_routing, 1, serial_argv, timeout=400)[0]
+    argv = llama_argv(gpt2_data, 2, 1, "--expert-model-parallel-size", "2", *mixtral)
+    _assert_equal_to_serial(serial, run_distributed(train_mixtral_with_routing, 4, argv,
+                                                    timeout=600))
+
+
+# ---------------------------------------------------------------- balancing on the real corpus
+BALANCE_STEPS = 200
+#: The balanced run's max/mean tokens per expert (mean over its last 50 steps) must be below
+#: this fraction of the unbalanced run's. Measured: docs/benchmarks.md, "MoE balancing".
+BALANCE_MARGIN = 0.9
+
+
+def _imbalance(argv):
+    """Rank body: max/mean tokens per expert (averaged over the MoE layers), read after each
+    step through the routing statistics, averaged over the first 10 and the last 50 of the
+    200 steps."""
+    import pretrain_gpt2
+    from megatron.mpu import moe
+    from megatron.training import loop
+
+    ratios = []
+    original = loop.train_step
+
+    def step_and_read(forward_step_func, data_iterator, backend):
+        out = original(forward_step_func, data_iterator, backend)
+        stats = moe.routing_statistics(backend.model, num_layers=4)
+        moe_rows = stats["tokens_per_expert_mean"] > 0
+        ratios.append(float((stats["tokens_per_expert_max"][moe_rows] /
+                             stats["tokens_per_expert_mean"][moe_rows]).mean()))
+        return out
+
+    loop.train_step = step_and_read
+    try:
+        pretrain_gpt2.main(argv)
+    finally:
+        loop.train_step = original
+    return sum(ratios[:10]) / 10, sum(ratios[-50:]) / 50
+
+
+def _balance_argv(data, *flags):
+    return gpt2_argv(data, "--num-layers", "4", "--batch-size", "4", "--gas", "1",
+                     "--train-iters", str(BALANCE_STEPS), "--hidden-dropout", "0",
+                     "--attention-dropout", "0", "--log-interval", "50", "--num-experts", "8",
+                     "--moe-router-topk", "2", "--moe-layer-freq", "2", "--lr", "3e-3", *flags)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_aux_loss_balances_the_experts(gpt2_data):
+    none, aux = (run_distributed(_imbalance, 1, _balance_argv(gpt2_data, *flags),
+                                 timeout=900)[0]
+                 for flags in ([], ["--moe-aux-loss-coeff", "1e-1"]))
+    print(f"max/mean tokens per expert (first 10 / last 50 steps): none {none}, aux {aux}")
+    assert aux[1] < BALANCE_MARGIN * none[1], (aux, none)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@NEEDS_STEP
+def test_expert_bias_balances_the_experts(gpt2_data):
+    none, bias = (run_distributed(_imbalance, 1, _balance_argv(gpt2_data, *flags),
+                                  timeout=900)[0]
+                  for flags in ([], ["--moe-router-enable-expert-bias",
+                                     "--moe-router-score-function", "sigmoid",
+                                     "--moe-router-bias-update-rate", "1e-2"]))
+    print(f"max/mean tokens per expert (first 10 / last 50 steps): none {none}, bias {bias}")
+    assert bias[1] < BALANCE_MARGIN * none[1], (bias, none)
