@@ -153,7 +153,7 @@ def test_llama_as_mixtral_ep2_tp2_equals_serial(gpt2_data):
 BALANCE_STEPS = 200
 #: The balanced run's max/mean tokens per expert (mean over its last 50 steps) must be below
 #: this fraction of the unbalanced run's. Measured: docs/benchmarks.md, "MoE balancing".
-BALANCE_MARGIN = 0.9
+BALANCE_MARGIN = 0.75
 
 
 def _imbalance(argv):
