@@ -112,7 +112,8 @@ def main(argv=None):
     no_gemm.experts = NoGemmExperts()
     times = median_steps({**rows, "no gemm": no_gemm}, x, g, args.repeats, dtype)
     dispatch = times.pop("no gemm")
-    print(f"command: python {' '.join(shlex.quote(a) for a in ['benchmarks/moe_layer.py'] + (argv or sys.argv[1:]))}")
+    command = ["benchmarks/moe_layer.py"] + list(sys.argv[1:] if argv is None else argv)
+    print(f"command: python {' '.join(shlex.quote(a) for a in command)}")
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f} at the end")
     print(f"shape: tokens {args.tokens}, hidden {h}, ffn {f}, experts {args.experts}, top-{k}, "
           f"{args.dtype}; forward + backward")

@@ -108,7 +108,7 @@ def _switch_errors(seed):
     from transformers import (SwitchTransformersConfig,
                               SwitchTransformersForConditionalGeneration as Switch)
 
-    from megatron.checkpoint_conversion import switch_hf
+    from megatron.checkpoint_conversion import switch_hf, t5_hf
     from megatron.model.t5_model import t5_attention_masks
 
     hf_config = SwitchTransformersConfig(
@@ -128,12 +128,12 @@ def _switch_errors(seed):
         enc, dec = torch.randint(2, VOCAB, (2, 13)), torch.randint(2, VOCAB, (2, 7))
         masks = t5_attention_masks(torch.ones_like(enc, dtype=torch.bool),
                                    torch.ones_like(dec, dtype=torch.bool))
-        whole, args = switch_hf.hf_to_full(hf_config.to_dict(), hf.state_dict())
+        whole, args = switch_hf.hf_to_full(hf_config.to_dict(), hf.state_dict(), t5_hf)
         pattern = [bool(int(c)) for c in args["moe_layer_freq"].strip("[]").split(",")]
         model = _switch_model(args, pattern, tp, ep, seed)
         _load(model, whole, tp, ep)
         mine = _switch_model(args, pattern, tp, ep, seed + 1)
-        config, weights = switch_hf.full_to_hf(_whole(mine), args, pattern, VOCAB)
+        config, weights = switch_hf.full_to_hf(_whole(mine), args, pattern, VOCAB, t5_hf)
         back = Switch(SwitchTransformersConfig(**config)).eval()
         missing, unexpected = back.load_state_dict(weights, strict=False)
         tied = ("embed_tokens", "lm_head")  # tied to shared.weight

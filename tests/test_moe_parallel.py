@@ -105,7 +105,8 @@ def _one_layout(tp, cp, ep, kw, seed, capacity_factor=None):
     st = mpu.get_parallel_state()
     dp, s, batch = st.dp_size, 8, 4 * st.dp_size
     gen = torch.Generator().manual_seed(seed + 7)
-    full_x, full_g = torch.randn(s, batch, H, generator=gen), torch.randn(s, batch, H, generator=gen)
+    full_x = torch.randn(s, batch, H, generator=gen)
+    full_g = torch.randn(s, batch, H, generator=gen)
     x = _rank_tokens(full_x, s // cp, st.dp_rank, st.cp_rank, dp).clone().requires_grad_()
     g = _rank_tokens(full_g, s // cp, st.dp_rank, st.cp_rank, dp)
     out = layer(x)
@@ -152,8 +153,8 @@ def _one_layout(tp, cp, ep, kw, seed, capacity_factor=None):
         value = sum(ls[kind].item() for ls in losses if kind in ls) / dp
         checks[kind] = (stats[kind].double().view(1), torch.tensor([value], dtype=torch.float64))
     mpu.destroy_model_parallel()
-    return {k: (float((a - b).abs().max()), float(b.abs().max())) for k, (a, b) in checks.items()}, \
-        (float(stats["dropped_tokens"]), drops)
+    errors = {k: (float((a - b).abs().max()), float(b.abs().max())) for k, (a, b) in checks.items()}
+    return errors, (float(stats["dropped_tokens"]), drops)
 
 
 LAYOUTS_4 = [  # (tp, cp, ep, config)

@@ -10,12 +10,14 @@ layers ``i`` with ``i % sparse_step == 1`` (every layer at step 1), ours those
 of all experts (``--moe-router-topk 1 --moe-router-pre-softmax``). HF's ``expert_capacity``
 counts tokens per sequence, ours is a factor per rank: the conversion is dropless (HF's
 capacity is written large enough for any sequence: compare logits where nothing drops).
+
+The functions take the T5 converter (``t5``: :mod:`.t5_hf`, which calls them for a Switch
+directory) for everything but the feed-forward.
 """
 import torch
 
 from ..checkpoint import t5_keys
 from ..errors import CheckpointError
-from . import t5_hf
 
 #: HF's capacity written for a dropless model (tokens per sequence per expert).
 DROPLESS_CAPACITY = 2 ** 20
@@ -36,8 +38,8 @@ def _step(config, stack):
     return layers // sparse if sparse > 0 else layers
 
 
-def hf_args(config: dict) -> dict:
-    """Native args (model and MoE flags) of an HF ``config.json`` dict."""
+def hf_args(config: dict, t5) -> dict:
+    """``(native args with the MoE flags, MoE layer pattern)`` of an HF ``config.json``."""
     if config.get("model_type") != "switch_transformers":
         raise CheckpointError(f"not a Switch Transformers config: {config.get('model_type')!r}")
     act = config.get("dense_act_fn", "relu")
@@ -49,7 +51,7 @@ def hf_args(config: dict) -> dict:
         raise CheckpointError(f"encoder and decoder sparse steps differ {steps}: "
                               f"--moe-layer-freq applies to both stacks")
     pattern = _pattern(steps[0], layers)
-    args = t5_hf.hf_args({**config, "feed_forward_proj": "relu"})
+    args = t5.hf_args({**config, "feed_forward_proj": "relu"})
     args.update({"num_experts": config["num_experts"], "moe_router_topk": 1,
                  "moe_router_pre_softmax": True,
                  "moe_aux_loss_coeff": config.get("router_aux_loss_coef", 0.0),
@@ -59,9 +61,9 @@ def hf_args(config: dict) -> dict:
     return args, pattern
 
 
-def hf_to_full(config: dict, weights: dict):
+def hf_to_full(config: dict, weights: dict, t5):
     """``(whole state dict in our names, real vocabulary rows; args)``."""
-    args, pattern = hf_args(config)
+    args, pattern = hf_args(config, t5)
     shared = weights["shared.weight"].float()
     state = {t5_keys.WORD_EMBEDDINGS: shared}
     e = config["num_experts"]
@@ -71,8 +73,8 @@ def hf_to_full(config: dict, weights: dict):
         ff_index = 2 if stack == "decoder" else 1
         for i in range(args["num_layers"]):
             ours = f"{stack}.layers.{i}."
-            for key, tensor in t5_hf._hf_layer(weights, stack, i, "relu", args["kv_channels"],
-                                               mlp=False).items():
+            for key, tensor in t5._hf_layer(weights, stack, i, "relu", args["kv_channels"],
+                                            mlp=False).items():
                 state[ours + key] = tensor
             mlp = f"{stack}.block.{i}.layer.{ff_index}.mlp."
             if pattern[i]:
@@ -89,7 +91,7 @@ def hf_to_full(config: dict, weights: dict):
     return {k: v.float().contiguous() for k, v in state.items()}, args
 
 
-def full_to_hf(state: dict, args: dict, pattern, vocab_size: int, pad_id=0, eos_id=1):
+def full_to_hf(state: dict, args: dict, pattern, vocab_size: int, t5, pad_id=0, eos_id=1):
     """``(config dict, HF weights)`` of our whole T5 + MoE state dict.
 
     Args:
@@ -98,6 +100,7 @@ def full_to_hf(state: dict, args: dict, pattern, vocab_size: int, pad_id=0, eos_
         pattern: per layer of each stack, whether it is an MoE layer (HF's rule must hold:
             layer i is sparse when ``i % step == 1``, or every layer).
         vocab_size: the real vocabulary rows.
+        t5: the T5 converter (:mod:`.t5_hf`).
         pad_id, eos_id: the tokenizer's.
     """
     layers = args["num_layers"]
@@ -108,8 +111,8 @@ def full_to_hf(state: dict, args: dict, pattern, vocab_size: int, pad_id=0, eos_
     if step is None:
         raise CheckpointError(f"MoE layers {list(pattern)} do not follow Switch Transformers' "
                               f"rule (layer i sparse when i % step == 1): HF cannot hold them")
-    config, weights = t5_hf.full_to_hf(_dense_stand_ins(state, pattern, layers), args,
-                                       vocab_size, pad_id, eos_id)
+    config, weights = t5.full_to_hf(_dense_stand_ins(state, pattern, layers), args,
+                                    vocab_size, pad_id, eos_id)
     weights = {k: v for k, v in weights.items() if "DenseReluDense" not in k}
     for stack in t5_keys.STACKS:
         ff_index = 2 if stack == "decoder" else 1

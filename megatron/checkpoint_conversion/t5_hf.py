@@ -18,6 +18,7 @@ linear weights ``[out, in]``):
 - The vocabulary is padded here with zero rows; HF keeps ``vocab_size`` rows.
 """
 import os
+import sys
 
 import torch
 
@@ -234,7 +235,7 @@ def read_hf(path, request=None):
     if config.get("model_type") == "switch_transformers":  # T5 with MoE layers
         from . import switch_hf
 
-        state, args = switch_hf.hf_to_full(config, hf_io.read_weights(path))
+        state, args = switch_hf.hf_to_full(config, hf_io.read_weights(path), sys.modules[__name__])
     elif config.get("model_type", "t5") != "t5":
         raise CheckpointError(f"{path} holds a {config.get('model_type')!r} model, not T5 "
                               f"(or Switch Transformers)")
@@ -259,7 +260,8 @@ def write_hf(ckpt, path, request=None):
 
         pattern = moe_layer_pattern(ckpt.args.get("moe_layer_freq", "1"),
                                     ckpt.args["num_layers"])
-        config, weights = switch_hf.full_to_hf(ckpt.state, ckpt.args, pattern, vocab, **ids)
+        config, weights = switch_hf.full_to_hf(ckpt.state, ckpt.args, pattern, vocab,
+                                               sys.modules[__name__], **ids)
     else:
         config, weights = full_to_hf(ckpt.state, ckpt.args, vocab, **ids)
     hf_io.write_hf_dir(path, config, weights)

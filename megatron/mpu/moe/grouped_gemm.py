@@ -7,9 +7,8 @@ the per-expert loop it is tested against (Megatron-core's ``SequentialMLP``).
 multiples of 16 bytes (bf16: widths divisible by 8); where it does not, the first call finds
 out (:func:`grouped_mm_runs`, one warning) and the loop is used, as it is for other widths.
 """
-import functools
 import warnings
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,9 @@ import torch.nn.functional as F
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
-@functools.lru_cache(maxsize=None)
+_RUNS = {}
+
+
 def _probe(device_type: str, dtype: torch.dtype) -> bool:
     if _GROUPED_MM is None:
         return False
@@ -35,11 +36,15 @@ def _probe(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-@torch.compiler.disable
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward for ``dtype`` on the device
-    (tried once per pair)."""
-    return _probe(device_type, dtype)
+    (tried once per pair, eagerly: compiled code reads the answer of the eager first call)."""
+    key = (device_type, dtype)
+    if key not in _RUNS:
+        if torch.compiler.is_compiling():
+            return _GROUPED_MM is not None
+        _RUNS[key] = _probe(device_type, dtype)
+    return _RUNS[key]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
