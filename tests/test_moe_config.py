@@ -124,3 +124,12 @@ def test_refused_on_every_rank_before_any_group(gpt2_data):
     for per_rank in run_distributed(_refused_on_every_rank, 4, argvs, timeout=240):
         for result, (_, words) in zip(per_rank, REFUSALS[:3]):
             assert result is not None and words in result[0] and not result[1], result
+
+
+def test_memory_model_says_it_does_not_describe_moe():
+    from megatron.memory.spec import spec_from_run_config
+
+    cfg = _cfg("--num-experts", "4").replace(padded_vocab_size=128)
+    with pytest.raises(ConfigError, match="MoE layers .* are not described yet"):
+        spec_from_run_config(cfg, device="cuda")
+    spec_from_run_config(_cfg().replace(padded_vocab_size=128), device="cuda")  # dense: fine

@@ -112,8 +112,8 @@ def _switch_errors(seed):
     from megatron.model.t5_model import t5_attention_masks
 
     hf_config = SwitchTransformersConfig(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=4, num_decoder_layers=4,
-        num_heads=4, num_experts=4, num_sparse_encoder_layers=2, num_sparse_decoder_layers=2,
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+        num_heads=4, num_experts=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
         expert_capacity=64, relative_attention_num_buckets=8,
         relative_attention_max_distance=20, dropout_rate=0.0, router_jitter_noise=0.0)
     out = []
@@ -151,7 +151,7 @@ def _switch_errors(seed):
 def test_switch_transformers_both_ways(seed):
     for per_rank in run_distributed(_switch_errors, 4, seed, timeout=300):
         for layout, into_ours, into_hf, scale, pattern in per_rank:
-            assert pattern == [False, True, False, True]
+            assert pattern == [False, True]
             assert into_ours < 1e-5 * max(1.0, scale) and into_hf < 1e-5 * max(1.0, scale), \
                 (layout, into_ours, into_hf, scale)
 

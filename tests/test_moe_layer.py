@@ -226,3 +226,25 @@ def test_bad_config_refused(kw, words):
 def test_sequence_parallel_refused():
     with pytest.raises(NotImplementedError, match="--sequence-parallel with MoE"):
         moe.MoELayer(_config(), 1, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("kw, dtype, breaks", [
+    (dict(capacity_factor=1.25), torch.float32, 0),                     # static: one graph
+    pytest.param(dict(capacity_factor=1.25, dispatcher="allgather"), torch.bfloat16, 0,
+                 marks=pytest.mark.exhaustive),
+    (dict(grouped_gemm=True), torch.bfloat16, 0),                       # ep 1, sizes on device
+    pytest.param(dict(grouped_gemm=False), torch.float32, 4,            # the loop reads sizes
+                 marks=pytest.mark.exhaustive),
+])
+def test_compiled_graph_breaks(kw, dtype, breaks):
+    """What torch.compile makes of the layer (ep 1): the static capacity form and grouped
+    GEMM in bf16 trace whole; the per-expert loop breaks where it reads the group sizes
+    (its two GEMMs' splits, forward and backward)."""
+    layer = _layer(_config(**kw), 0)
+    x = torch.randn(8, 2, H, requires_grad=True)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count == breaks, [str(b.reason) for b in
+                                                   explained.break_reasons]
+    assert explained.graph_count == breaks + 1

@@ -225,14 +225,14 @@ def test_moe_resume_is_exact(gpt2_data, tmp_path):
     assert max(abs(a - b) for a, b in zip(full[0], resumed[0])) <= 1e-6, (full, resumed)
 
 
-def _resume_at(data, tmp_path, source, target):
+def _resume_at(data, tmp_path, source, target, *extra):
     """Train 4 steps at ``source`` (tp, pp, ep), save; resume 4 more at ``target``; compare
-    with 8 uninterrupted steps at ``source``."""
+    with 8 uninterrupted steps at ``source`` (``extra`` flags in both runs)."""
     ckpt = str(tmp_path / "ckpt")
 
-    def argv(tp, pp, ep, *extra):
+    def argv(tp, pp, ep, *more):
         dp = 4 // (tp * pp)
-        return _argv(data, tp, pp, dp, 1, ep, *extra)
+        return _argv(data, tp, pp, dp, 1, ep, *extra, *more)
 
     full = run_distributed(train_gpt2, 4, argv(*source, "--save", ckpt, "--save-interval", "4"),
                            timeout=600)[0][0]
@@ -249,6 +249,7 @@ def test_resume_ep2_as_ep1_with_a_tp_change(gpt2_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @NEEDS_STEP
 def test_resume_ep1_as_ep4_with_a_pp_change(gpt2_data, tmp_path):
     _resume_at(gpt2_data, tmp_path, (1, 2, 1), (1, 1, 4))
@@ -258,13 +259,4 @@ def test_resume_ep1_as_ep4_with_a_pp_change(gpt2_data, tmp_path):
 @pytest.mark.exhaustive
 @NEEDS_STEP
 def test_resume_from_a_distributed_optimizer_checkpoint_at_another_ep(gpt2_data, tmp_path):
-    _resume_at(gpt2_data, tmp_path, (1, 1, 2), (1, 1, 4))  # both with the flag below
-
-
-_resume_at_plain = _resume_at
-
-
-def _resume_at(data, tmp_path, source, target, *extra):  # noqa: F811 (the optimizer variant)
-    if extra:
-        raise NotImplementedError
-    return _resume_at_plain(data, tmp_path, source, target)
+    _resume_at(gpt2_data, tmp_path, (1, 1, 2), (1, 1, 4), "--use-distributed-optimizer")

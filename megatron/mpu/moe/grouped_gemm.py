@@ -101,4 +101,6 @@ def use_grouped(x: torch.Tensor, requested: bool, *weights: torch.Tensor) -> boo
     widths = [x.shape[-1]] + [d for w in weights for d in w.shape[1:]]
     if any((width * size) % 16 for width in widths):
         return False
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False  # the operator's meta function (what compiling traces) takes bf16 only
     return grouped_mm_runs(x.device.type, dtype)
