@@ -77,11 +77,20 @@ def _mixtral_errors(seed):
     return out
 
 
-def test_mixtral_both_ways(seed):
-    for per_rank in run_distributed(_mixtral_errors, 4, seed, timeout=300):
-        for layout, into_ours, into_hf, scale in per_rank:
+def _both_models(seed):
+    return _mixtral_errors(seed), _switch_errors(seed)
+
+
+def test_mixtral_and_switch_transformers_both_ways(seed):
+    """One launch for both (the ranks' transformers import is most of the time)."""
+    for mixtral, switch in run_distributed(_both_models, 4, seed, timeout=400):
+        for layout, into_ours, into_hf, scale in mixtral:
             assert into_ours < 1e-5 * max(1.0, scale) and into_hf < 1e-5 * max(1.0, scale), \
-                (layout, into_ours, into_hf, scale)
+                ("mixtral", layout, into_ours, into_hf, scale)
+        for layout, into_ours, into_hf, scale, pattern in switch:
+            assert pattern == [False, True]
+            assert into_ours < 1e-5 * max(1.0, scale) and into_hf < 1e-5 * max(1.0, scale), \
+                ("switch", layout, into_ours, into_hf, scale)
 
 
 # ---------------------------------------------------------------- Switch Transformers
@@ -146,14 +155,6 @@ def _switch_errors(seed):
         out.append(((tp, ep), into_ours, into_hf, want.abs().max().item(), pattern))
         mpu.destroy_model_parallel()
     return out
-
-
-def test_switch_transformers_both_ways(seed):
-    for per_rank in run_distributed(_switch_errors, 4, seed, timeout=300):
-        for layout, into_ours, into_hf, scale, pattern in per_rank:
-            assert pattern == [False, True]
-            assert into_ours < 1e-5 * max(1.0, scale) and into_hf < 1e-5 * max(1.0, scale), \
-                (layout, into_ours, into_hf, scale)
 
 
 def test_switch_files_round_trip_through_the_t5_adapter(tmp_path, seed):

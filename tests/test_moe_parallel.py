@@ -29,10 +29,16 @@ def _expected_groups(rank, tp, pp, cp, ep, world):
     return ep_ranks, edp_ranks, i % ep, i // ep
 
 
+GROUP_LAYOUTS = {  # world -> (tp, pp, cp, ep)
+    4: [(1, 1, 1, 2), (1, 1, 1, 4), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2), (1, 1, 2, 4),
+        (1, 1, 1, 1)],
+    8: [(1, 1, 1, 2), (1, 1, 1, 8), (2, 1, 1, 4), (1, 2, 2, 2), (2, 2, 1, 2), (1, 1, 2, 4),
+        (2, 1, 2, 2), (1, 1, 1, 1)]}
+
+
 def _groups_on_every_layout():
     world, rank, out = dist.get_world_size(), dist.get_rank(), []
-    for tp, pp, cp, ep in [(1, 1, 1, 2), (1, 1, 1, 8), (2, 1, 1, 4), (1, 2, 2, 2), (2, 2, 1, 2),
-                           (1, 1, 2, 4), (2, 1, 2, 2), (1, 1, 1, 1)]:
+    for tp, pp, cp, ep in GROUP_LAYOUTS[world]:
         mpu.initialize_model_parallel(tp, pp, context_parallel_size=cp,
                                       expert_model_parallel_size=ep)
         s = mpu.get_parallel_state()
@@ -52,8 +58,9 @@ def _groups_on_every_layout():
     return out
 
 
-def test_expert_groups_carved_out_of_data_x_context():
-    for per_rank in run_distributed(_groups_on_every_layout, 8):
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.exhaustive)])
+def test_expert_groups_carved_out_of_data_x_context(world):
+    for per_rank in run_distributed(_groups_on_every_layout, world):
         for ok, layout, got, want, sums_ok, ep_ok, edp_ok in per_rank:
             assert ok and sums_ok and ep_ok and edp_ok, (layout, got, want)
 
