@@ -80,6 +80,7 @@ REFUSALS = [  # (flags, the message's words)
     (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
     (["--num-experts", "4", "--model-parallel-size", "2", "--sequence-parallel"],
      "--sequence-parallel with --num-experts is not supported yet"),
+    (["--num-experts", "4", "--deepspeed"], "--deepspeed with --num-experts"),
 ]
 
 

@@ -68,7 +68,7 @@ def _assert_equal_to_serial(serial, per_rank):
 LAYOUTS = [(1, 1, 1, 2, ()), (1, 2, 1, 2, ())]
 MORE_LAYOUTS = [(1, 1, 1, 4, ()), (2, 1, 1, 2, ()), (1, 2, 1, 2, ("--pipeline-schedule", "zbv")),
                 (1, 1, 2, 2, ()), (1, 1, 1, 2, ("--use-distributed-optimizer",)),
-                (1, 1, 1, 2, ("--deepspeed", "--zero-stage", "1")), (1, 1, 1, 2, ("--compile",))]
+                (1, 1, 1, 2, ("--compile",))]
 
 
 def _run_layouts(data, layouts):
@@ -260,3 +260,22 @@ def test_resume_ep1_as_ep4_with_a_pp_change(gpt2_data, tmp_path):
 @NEEDS_STEP
 def test_resume_from_a_distributed_optimizer_checkpoint_at_another_ep(gpt2_data, tmp_path):
     _resume_at(gpt2_data, tmp_path, (1, 1, 2), (1, 1, 4), "--use-distributed-optimizer")
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@NEEDS_STEP
+def test_moe_pipeline_without_routing_losses_equals_serial(gpt2_data):
+    """MoE layers on pipeline stages, ep 1, no routing loss: the serial losses (refused with
+    today's pipeline engine, DeepSpeed's, which takes the experts for its own MoE's)."""
+    plain = [a for a in MOE if a not in ("--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff",
+                                         "1e-3")]
+
+    def argv(pp):
+        return gpt2_argv(gpt2_data, "--num-layers", "4", "--pipe-parallel-size", str(pp),
+                         "--batch-size", str(MICRO), "--gas", "4", "--train-iters", str(STEPS),
+                         "--hidden-dropout", "0", "--attention-dropout", "0", *plain)
+
+    serial, piped = (run_distributed(train_gpt2, pp, argv(pp), timeout=600)[0][0]
+                     for pp in (1, 2))
+    assert len(piped) == STEPS and _rel(piped, serial) < 1e-5, (piped, serial)

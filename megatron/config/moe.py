@@ -147,6 +147,11 @@ def _step_problems(args, problems, ep):
     if args.moe_router_enable_expert_bias:
         problems.append(f"--moe-router-enable-expert-bias {later}: nothing would update the "
                         f"bias; drop it")
+    if args.pipeline_model_parallel_size > 1 and not args.deepspeed:
+        problems.append(f"MoE layers at --pipe-parallel-size "
+                        f"{args.pipeline_model_parallel_size} {later}: today's pipeline engine "
+                        f"is DeepSpeed's, which takes the experts for its own MoE parameters; "
+                        f"use pp 1")
 
 
 def validate_moe(args, problems):
@@ -182,6 +187,10 @@ def validate_moe(args, problems):
         problems.append(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) is not divisible "
                         f"by the tensor-model-parallel size ({tp}): each expert's FFN is split "
                         f"over tp")
+    if args.deepspeed:
+        problems.append("--deepspeed with --num-experts: DeepSpeed's engine takes parameters "
+                        "marked allreduce=False (the experts) for its own MoE's and fails; use "
+                        "the project's data parallelism (drop --deepspeed)")
     if args.sequence_parallel:
         problems.append("--sequence-parallel with --num-experts is not supported yet (the MoE "
                         "block routes whole sequences on every tp rank); drop "
