@@ -279,3 +279,18 @@ def test_moe_pipeline_without_routing_losses_equals_serial(gpt2_data):
     serial, piped = (run_distributed(train_gpt2, pp, argv(pp), timeout=600)[0][0]
                      for pp in (1, 2))
     assert len(piped) == STEPS and _rel(piped, serial) < 1e-5, (piped, serial)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_moe_resume_at_another_tp(gpt2_data, tmp_path):
+    """Saved at tp 1, resumed at tp 2 (ep 1, gas 1): the experts' tp split comes from the
+    sharding record; the losses continue the uninterrupted run."""
+    ckpt = str(tmp_path / "ckpt")
+    full = run_distributed(train_gpt2, 1, _argv(gpt2_data, global_batch=MICRO) +
+                           ["--save", ckpt, "--save-interval", "4"], timeout=300)[0][0]
+    with open(f"{ckpt}/latest_checkpointed_iteration.txt", "w") as handle:
+        handle.write("4")
+    later = run_distributed(train_gpt2, 2, _argv(gpt2_data, 2, global_batch=MICRO) +
+                            ["--load", ckpt], timeout=300)[0][0]
+    assert _rel(full[:4] + later, full) < 1e-5, (full, later)
