@@ -141,10 +141,10 @@ def test_llama_as_mixtral_ep2_tp2_equals_serial(gpt2_data):
 
     mixtral = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
                "--moe-grouped-gemm", "--log-interval", "1"]
-    serial_argv = llama_argv(gpt2_data, 1, 1, *mixtral, "--global-batch-size", str(GLOBAL))
-    serial_argv[serial_argv.index("--global-batch-size") + 1] = str(GLOBAL)
+    serial_argv = llama_argv(gpt2_data, 1, 1, *mixtral, global_batch=GLOBAL)  # gas 4
     serial = run_distributed(train_mixtral_with_routing, 1, serial_argv, timeout=400)[0]
-    argv = llama_argv(gpt2_data, 2, 1, "--expert-model-parallel-size", "2", *mixtral)
+    argv = llama_argv(gpt2_data, 2, 1, "--expert-model-parallel-size", "2", *mixtral,
+                      global_batch=GLOBAL)  # dp 2: gas 2
     _assert_equal_to_serial(serial, run_distributed(train_mixtral_with_routing, 4, argv,
                                                     timeout=600))
 
