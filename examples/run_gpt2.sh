@@ -35,6 +35,8 @@ cp_size=${cp_size:-1}                 # context parallel: ranks splitting each s
 pp_size=${pp_size:-2}                 # pipeline stages (1 = no pipeline)
 vpp_size=${vpp_size:-1}               # model chunks per pipeline stage (> 1: interleaved 1F1B)
 PIPELINE_SCHEDULE=${PIPELINE_SCHEDULE:-}  # 1f1b | interleaved | zb-h1 | zbv (zero bubble); empty: implied
+ep_size=${ep_size:-1}                 # expert parallel: ranks splitting the experts (out of dp x cp)
+NUM_EXPERTS=${NUM_EXPERTS:-}          # experts per MoE layer (empty: dense; docs/moe.md)
 
 # ---- model -----------------------------------------------------------------------------
 NLAYERS=${NLAYERS:-24}
@@ -77,6 +79,7 @@ megatron_log_args
 
 gpt_args="--model-parallel-size $mp_size --context-parallel-size $cp_size --pipe-parallel-size $pp_size \
   --virtual-pipeline-model-parallel-size $vpp_size ${PIPELINE_SCHEDULE:+--pipeline-schedule $PIPELINE_SCHEDULE} \
+  --expert-model-parallel-size $ep_size ${NUM_EXPERTS:+--num-experts $NUM_EXPERTS} \
   --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
   --seq-length $SEQLEN --max-position-embeddings $SEQLEN \
   $batch_args --train-iters $TRAIN_ITERS \

@@ -32,6 +32,8 @@ mp_size=${mp_size:-2}                 # tensor parallel
 pp_size=${pp_size:-2}                 # pipeline stages (1 = no pipeline)
 vpp_size=${vpp_size:-1}               # model chunks per pipeline stage (> 1: interleaved 1F1B)
 PIPELINE_SCHEDULE=${PIPELINE_SCHEDULE:-}  # 1f1b | interleaved | zb-h1 | zbv (zero bubble); empty: implied
+ep_size=${ep_size:-1}                 # expert parallel: ranks splitting the experts (out of dp)
+NUM_EXPERTS=${NUM_EXPERTS:-}          # experts per MoE layer (empty: dense T5; set: Switch; docs/moe.md)
 
 # ---- model (T5-base sizes; NLAYERS is per stack: encoder and decoder each) -------------
 NLAYERS=${NLAYERS:-12}
@@ -77,6 +79,7 @@ megatron_log_args
 
 t5_args="--model-parallel-size $mp_size --pipe-parallel-size $pp_size \
   --virtual-pipeline-model-parallel-size $vpp_size ${PIPELINE_SCHEDULE:+--pipeline-schedule $PIPELINE_SCHEDULE} \
+  --expert-model-parallel-size $ep_size ${NUM_EXPERTS:+--num-experts $NUM_EXPERTS} \
   --num-layers $NLAYERS --hidden-size $NHIDDEN --num-attention-heads $NHEADS \
   --kv-hidden-size $KV_HIDDEN --ff-hidden-size $FF_HIDDEN \
   --enc-seq-length $ENC_SEQLEN --dec-seq-length $DEC_SEQLEN \

@@ -162,13 +162,16 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp,
-                                  context_parallel_size=cfg.parallel.cp)
+                                  context_parallel_size=cfg.parallel.cp,
+                                  expert_model_parallel_size=cfg.parallel.ep)
     set_random_seed(cfg.model.seed)
     with startup.phase("fused kernels"):
         _load_kernels(cfg)
     set_globals(args=cfg, tokenizer=tokenizer, timers=Timers(), startup_times=startup,
                 tensorboard_writer=build_metrics_writer(cfg, _tensorboard_writer(cfg)))
     cp = f" x cp {cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
+    if cfg.parallel.ep > 1:
+        cp += f" (ep {cfg.parallel.ep} of dp x cp)"
     print_rank_0(f"> initialized: world {cfg.parallel.world} = tp {cfg.parallel.tp}{cp}"
                  f" x pp {cfg.parallel.pp} x dp {cfg.parallel.dp}, "
                  f"backend {cfg.parallel.dist_backend}, compute dtype {cfg.precision.name}")

@@ -1,5 +1,7 @@
 """A Llama-style decoder on megatron-tds: RMSNorm, rotary positions, SwiGLU, grouped-query
-attention, no biases, untied output layer. The walk-through is docs/new_model.md.
+attention, no biases, untied output layer. The walk-through is docs/new_model.md. With
+``--num-experts`` it is Mixtral: the layers ``--moe-layer-freq`` picks have mpu's MoE block
+(SwiGLU experts, top-k softmax router) in the MLP's place.
 
 One list of layers (:func:`llama_specs`) is both models: :class:`LlamaModel` builds it in one
 process, :class:`LlamaModelPipe` as tds pipeline stages. Both name a tensor by its layer's
@@ -50,6 +52,10 @@ class LlamaConfig:
     positions for the rotary angles and the attention's document starts."""
     cp_comm_type: str = "p2p"
     """How the context-parallel attention exchanges keys and values (``--cp-comm-type``)."""
+    moe: Optional[Any] = None
+    """The :class:`megatron.mpu.moe.MoEConfig` of the MoE layers (Mixtral), or None."""
+    moe_layers: Optional[tuple] = None
+    """Per layer: an MoE block instead of the SwiGLU MLP."""
 
     @property
     def head_dim(self) -> int:
@@ -108,9 +114,13 @@ class LlamaLayer(nn.Module):
             self.o_proj = _linear(config, "row", q_out, h)
             self.post_attention_layernorm = mpu.RMSNorm(h, config.norm_eps,
                                                         sequence_parallel=sp)
-            self.gate_proj = _linear(config, "col", h, config.ffn_hidden_size)
-            self.up_proj = _linear(config, "col", h, config.ffn_hidden_size)
-            self.down_proj = _linear(config, "row", config.ffn_hidden_size, h)
+            self.mlp = None
+            if config.moe is not None and config.moe_layers[index]:  # Mixtral
+                self.mlp = mpu.moe.MoELayer(config.moe, index + 1, sp)
+            else:
+                self.gate_proj = _linear(config, "col", h, config.ffn_hidden_size)
+                self.up_proj = _linear(config, "col", h, config.ffn_hidden_size)
+                self.down_proj = _linear(config, "row", config.ffn_hidden_size, h)
         self.rotary = mpu.RotaryEmbedding(d, config.rope_theta)
         self.cp_comm_type = config.cp_comm_type
 
@@ -138,6 +148,8 @@ class LlamaLayer(nn.Module):
         hidden, attention_mask = inputs  # [s, b, h] (SP: [s/tp, b, h]), [1, 1, s, s]
         hidden = hidden + self.attention(self.input_layernorm(hidden), attention_mask)
         x = self.post_attention_layernorm(hidden)
+        if self.mlp is not None:
+            return hidden + self.mlp(x), attention_mask
         mlp = self.down_proj(F.silu(self.gate_proj(x)[0]) * self.up_proj(x)[0])[0]
         return hidden + mlp, attention_mask
 
@@ -345,6 +357,11 @@ def validate(ns, problems):
 def model_config(cfg: Any, dropout: bool = True) -> LlamaConfig:
     """The model config of a run (or of a checkpoint's saved settings)."""
     m = cfg.model
+    moe = moe_layers = None
+    if cfg.moe.enabled:  # Mixtral: SwiGLU experts, Llama's initialisation
+        moe = cfg.moe.block(m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size, "swiglu",
+                            m.init_method_std)
+        moe_layers = tuple(cfg.moe.layers(m.num_layers))
     return LlamaConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -355,7 +372,8 @@ def model_config(cfg: Any, dropout: bool = True) -> LlamaConfig:
         init_method_std=m.init_method_std, seed=m.seed,
         sequence_parallel=cfg.parallel.sequence_parallel and dropout,
         checkpoint_activations=m.checkpoint_activations,
-        token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type)
+        token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type,
+        moe=moe, moe_layers=moe_layers)
 
 
 def build_model(cfg: Any, pipeline: bool) -> nn.Module:
@@ -368,12 +386,16 @@ def build_model(cfg: Any, pipeline: bool) -> nn.Module:
 def flops_per_step(cfg: Any) -> float:
     """Matmul FLOPs of a step (forward + backward = 3 x forward): per token and layer the
     multiply-adds of q and o (``h^2`` each), k and v (``h kv d`` each), scores and context
-    (``2 s h``) and the MLP (``3 h f``); the head ``h V``."""
+    (``2 s h``) and the MLP (``3 h f``; an MoE layer's active experts); the head ``h V``."""
+    from megatron.families.gpt2 import mlp_multiply_adds
+
     c = model_config(cfg)
     b, s, h = cfg.batch.global_batch_size, cfg.batch.seq_length, c.hidden_size
     kv = c.num_key_value_heads * c.head_dim
-    per_layer = 2 * h * h + 2 * h * kv + 2 * s * h + 3 * h * c.ffn_hidden_size
-    return 3.0 * 2.0 * b * s * (c.num_layers * per_layer + h * c.vocab_size)
+    layers = sum(2 * h * h + 2 * h * kv + 2 * s * h +
+                 mlp_multiply_adds(cfg, h, c.ffn_hidden_size, moe, gated=True)
+                 for moe in (c.moe_layers or (False,) * c.num_layers))
+    return 3.0 * 2.0 * b * s * (layers + h * c.vocab_size)
 
 
 def memory_description(cfg: Any):

@@ -69,7 +69,7 @@ def _shared_keys(stage_records: Dict[int, Record]) -> List[str]:
 
 def _one_stage(stage_records: Dict[int, Record]) -> Dict[int, Record]:
     """Every stage's tensors on stage 0, chunk 0 (a serial model holds them all)."""
-    return {0: {key: list(spec[:3]) + [0, 0] for p in sorted(stage_records)
+    return {0: {key: list(spec[:3]) + [0, 0] + list(spec[5:]) for p in sorted(stage_records)
                 for key, spec in stage_records[p].items()}}
 
 
@@ -83,7 +83,7 @@ def recorded_layout_problems(ckpt: FullCheckpoint, tp: int, pp: int) -> List[str
     problems = [p for p in [_pipeline_problem(ckpt, pp)] if p]
     bad = []
     for record in ckpt.stage_records.values():
-        for key, (dim, stride, _, _, _) in record.items():
+        for key, (dim, stride) in ((k, v[:2]) for k, v in record.items()):
             size = ckpt.state[key].shape[dim] if dim >= 0 else 0
             if dim >= 0 and size % (tp * stride) and key not in bad:
                 bad.append(key)

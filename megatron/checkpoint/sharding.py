@@ -5,7 +5,11 @@ The mpu layers mark their parameters (``tensor_model_parallel``, ``partition_dim
 padded to a multiple of the tensor-parallel size). :func:`sharding_record` turns that into
 plain data saved in every rank file under ``"sharding"``::
 
-    {key: [tp_dim, stride, vocab_rows, stage, chunk]}   # tp_dim -1: replicated
+    {key: [tp_dim, stride, vocab_rows, stage, chunk, experts]}   # tp_dim -1: replicated
+
+``experts`` is the number of experts of an MoE layer's stacked expert tensor (its dim 0,
+split over the expert-parallel ranks: ``expert_dim`` / ``num_experts`` on the parameter,
+megatron.mpu.moe), 0 for every other tensor; records written before it have five entries.
 
 so a checkpoint says by itself how to merge its shards and how to cut them for another
 layout, with no key map for the model (:func:`merge_recorded`, :func:`slice_recorded`;
@@ -43,7 +47,10 @@ def sharding_record(module: torch.nn.Module, stage: int = 0,
         dim = int(param.partition_dim) if parallel else -1
         stride = int(getattr(param, "partition_stride", 1)) if parallel else 1
         vocab = int(bool(getattr(param, "padded_vocab_rows", False)))
-        record[key] = [dim, stride, vocab, int(stage), chunk_of(key) if chunk_of else 0]
+        experts = int(getattr(param, "num_experts", 0)) if param is not None and \
+            getattr(param, "expert_parallel", False) else 0
+        record[key] = [dim, stride, vocab, int(stage), chunk_of(key) if chunk_of else 0,
+                       experts]
     return record
 
 
@@ -60,6 +67,11 @@ def module_classes(module: torch.nn.Module) -> Dict[str, str]:
         for name in list(sub._parameters) + list(sub._buffers):
             owners[f"{prefix}.{name}" if prefix else name] = type(sub).__name__
     return {key: owners.get(key, "") for key in module.state_dict()}
+
+
+def experts_of(spec: List[int]) -> int:
+    """The experts a recorded tensor stacks on dim 0 (0: not an expert tensor)."""
+    return spec[5] if len(spec) > 5 else 0
 
 
 def pipeline_chunk_of(module: torch.nn.Module) -> Optional[Callable[[str], int]]:
@@ -100,47 +112,64 @@ def split_dim(full: torch.Tensor, dim: int, stride: int, tp: int, tp_rank: int
     return torch.cat(pieces[tp_rank::tp], dim=dim).clone()
 
 
-def merge_recorded(states: Dict[Tuple[int, int], StateDict], records: Dict[Tuple[int, int],
-                   Record], true_vocab: Optional[int], where: str) -> StateDict:
-    """Whole tensors from every (tp, pp) file's tensors, as their records say.
+def merge_recorded(states: Dict[tuple, StateDict], records: Dict[tuple, Record],
+                   true_vocab: Optional[int], where: str) -> StateDict:
+    """Whole tensors from every (tp, pp[, ep]) file's tensors, as their records say.
 
     Args:
-        states: ``{(tp_rank, pp_rank): {key: tensor}}`` (weights, or one optimizer moment).
+        states: ``{(tp_rank, pp_rank): {key: tensor}}`` (weights, or one optimizer moment),
+            or ``{(tp_rank, pp_rank, ep_rank): ...}`` with expert parallelism (the ep ranks'
+            files hold different experts; their other tensors are replicas).
         records: each file's sharding record.
         true_vocab: real vocabulary rows (padding rows are dropped); None keeps them.
         where: the checkpoint, for messages.
     """
-    tp = 1 + max(t for t, _ in states)
-    by_key: Dict[str, Dict[int, torch.Tensor]] = {}
+    tp = 1 + max(key[0] for key in states)
+    by_key: Dict[str, Dict[Tuple[int, int], torch.Tensor]] = {}
     spec: Dict[str, List[int]] = {}
-    for (t, p), state in states.items():
+    for file_key, state in states.items():
+        t, p, e = (tuple(file_key) + (0,))[:3]
         for key, tensor in state.items():
-            if key not in records[(t, p)]:
+            if key not in records[file_key]:
                 raise CheckpointError(f"{where}: {key} (tp {t}, pp {p}) is missing from the "
                                       f"file's sharding record; the file is damaged")
-            by_key.setdefault(key, {}).setdefault(t, tensor)
-            spec[key] = records[(t, p)][key]
+            spec[key] = records[file_key][key]
+            by_key.setdefault(key, {}).setdefault((e if experts_of(spec[key]) else 0, t),
+                                                  tensor)
     full = {}
     for key, shards in by_key.items():
         dim, stride, vocab = spec[key][:3]
-        if dim < 0:
-            full[key] = shards[min(shards)]
-            continue
-        missing = [t for t in range(tp) if t not in shards]
-        if missing:
-            raise CheckpointError(f"{where}: {key} lacks tensor-parallel shards {missing}; "
-                                  f"the checkpoint is incomplete")
-        tensor = _merge_dim([shards[t] for t in range(tp)], dim, stride)
+        eps = sorted({e for e, _ in shards})
+        parts = [_merge_tp({t: s for (e2, t), s in shards.items() if e2 == e}, tp, dim, stride,
+                           key, where) for e in eps]
+        tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        experts = experts_of(spec[key])
+        if experts and tensor.shape[0] != experts:
+            raise CheckpointError(f"{where}: {key} holds {tensor.shape[0]} of its {experts} "
+                                  f"experts (expert-parallel files {eps}); the checkpoint is "
+                                  f"incomplete")
         if vocab and true_vocab is not None:
             tensor = tensor.narrow(dim, 0, true_vocab)
         full[key] = tensor
     return full
 
 
+def _merge_tp(shards, tp, dim, stride, key, where):
+    if dim < 0:
+        return shards[min(shards)]
+    missing = [t for t in range(tp) if t not in shards]
+    if missing:
+        raise CheckpointError(f"{where}: {key} lacks tensor-parallel shards {missing}; "
+                              f"the checkpoint is incomplete")
+    return _merge_dim([shards[t] for t in range(tp)], dim, stride)
+
+
 def slice_recorded(full: StateDict, own: Record, tp: int, tp_rank: int,
-                   padded_vocab: Optional[int], where: str) -> StateDict:
+                   padded_vocab: Optional[int], where: str, ep: int = 1,
+                   ep_rank: int = 0) -> StateDict:
     """This rank's state dict: for each key its model holds (``own``, the record of the
-    run's model), the whole tensor re-padded and cut for (``tp``, ``tp_rank``).
+    run's model), the whole tensor re-padded and cut for (``tp``, ``tp_rank``), an expert
+    tensor first cut to this rank's experts (``ep``, ``ep_rank``).
 
     Args:
         full: whole tensors (:func:`merge_recorded`), vocabulary rows unpadded.
@@ -148,6 +177,7 @@ def slice_recorded(full: StateDict, own: Record, tp: int, tp_rank: int,
         tp, tp_rank: the run's tensor-parallel size and rank.
         padded_vocab: the run's padded vocabulary rows.
         where: the checkpoint, for messages.
+        ep, ep_rank: the run's expert-parallel size and rank.
     """
     missing = sorted(set(own) - set(full))
     if missing:
@@ -155,8 +185,16 @@ def slice_recorded(full: StateDict, own: Record, tp: int, tp_rank: int,
                               f"{' ...' if len(missing) > 4 else ''}: it was saved by "
                               f"another model (its tensors: {', '.join(sorted(full)[:4])} ...)")
     out = {}
-    for key, (dim, stride, vocab, _, _) in own.items():
-        tensor = full[key]
+    for key, spec in own.items():
+        (dim, stride, vocab), tensor = spec[:3], full[key]
+        experts = experts_of(spec)
+        if experts:
+            if tensor.shape[0] != experts or experts % ep:
+                raise CheckpointError(f"{where}: {key} has {tensor.shape[0]} experts; this "
+                                      f"run's model has {experts}, split over "
+                                      f"--expert-model-parallel-size {ep}")
+            per = experts // ep
+            tensor = tensor[ep_rank * per:(ep_rank + 1) * per]
         if vocab and padded_vocab is not None and tensor.shape[dim] > padded_vocab:
             raise CheckpointError(f"{where}: {key} has {tensor.shape[dim]} vocabulary rows, "
                                   f"more than this run's {padded_vocab}; pass "

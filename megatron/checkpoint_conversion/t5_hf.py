@@ -1,5 +1,6 @@
 """Hugging Face T5 (``T5ForConditionalGeneration``) <-> full T5Model state dict and args: the T5
-family's HF adapter (:func:`read_hf`, :func:`write_hf`).
+family's HF adapter (:func:`read_hf`, :func:`write_hf`; T5 with MoE layers is
+``SwitchTransformersForConditionalGeneration``: :mod:`.switch_hf`).
 
 Differences bridged here (everything else maps one to one, no transposes: both store
 linear weights ``[out, in]``):
@@ -17,6 +18,7 @@ linear weights ``[out, in]``):
 - The vocabulary is padded here with zero rows; HF keeps ``vocab_size`` rows.
 """
 import os
+import sys
 
 import torch
 
@@ -78,8 +80,9 @@ def _get(weights, key):
     return weights[key]
 
 
-def _hf_layer(weights, stack, i, ff, head_dim):
-    """One HF block -> ``{T5Model layer key: tensor}`` (no stack prefix)."""
+def _hf_layer(weights, stack, i, ff, head_dim, mlp=True):
+    """One HF block -> ``{T5Model layer key: tensor}`` (no stack prefix); ``mlp`` False
+    leaves the feed-forward out (the Switch Transformer's: switch_hf.py)."""
     block = f"{stack}.block.{i}.layer."
     out = {"input_layernorm.weight": _get(weights, block + "0.layer_norm.weight")}
     sa = block + "0.SelfAttention."
@@ -97,6 +100,8 @@ def _hf_layer(weights, stack, i, ff, head_dim):
         out["post_inter_attention_layernorm.weight"] = _get(weights,
                                                             block + "2.layer_norm.weight")
         ff_index = 2
+    if not mlp:
+        return out
     mlp = f"{block}{ff_index}.DenseReluDense."
     if ff == "gated-gelu":
         out["mlp.dense_h_to_ff.weight"] = _fuse([_get(weights, mlp + "wi_0.weight"),
@@ -145,7 +150,7 @@ def hf_to_full(config, weights):
     return state, args
 
 
-def _native_layer(state, stack, i, ff, head_dim):
+def _native_layer(state, stack, i, ff, head_dim, mlp=True):
     """Inverse of :func:`_hf_layer`: one T5Model layer -> HF block tensors."""
     src = f"{stack}.layers.{i}."
     block = f"{stack}.block.{i}.layer."
@@ -164,6 +169,8 @@ def _native_layer(state, stack, i, ff, head_dim):
                     block + "2.layer_norm.weight":
                         state[src + "post_inter_attention_layernorm.weight"]})
         ff_index = 2
+    if not mlp:
+        return out
     mlp = f"{block}{ff_index}.DenseReluDense."
     wi = state[src + "mlp.dense_h_to_ff.weight"]
     if ff == "gated-gelu":
@@ -225,9 +232,15 @@ def read_hf(path, request=None):
     iteration = getattr(request, "iteration", None)
     tokenizer_model = getattr(request, "tokenizer_model", None)
     config = hf_io.read_config(path)
-    if config.get("model_type", "t5") != "t5":
-        raise CheckpointError(f"{path} holds a {config.get('model_type')!r} model, not T5")
-    state, args = hf_to_full(config, hf_io.read_weights(path))
+    if config.get("model_type") == "switch_transformers":  # T5 with MoE layers
+        from . import switch_hf
+
+        state, args = switch_hf.hf_to_full(config, hf_io.read_weights(path), sys.modules[__name__])
+    elif config.get("model_type", "t5") != "t5":
+        raise CheckpointError(f"{path} holds a {config.get('model_type')!r} model, not T5 "
+                              f"(or Switch Transformers)")
+    else:
+        state, args = hf_to_full(config, hf_io.read_weights(path))
     if tokenizer_model:
         if not os.path.isfile(tokenizer_model):
             raise ConfigError(f"--tokenizer-model {tokenizer_model} does not exist")
@@ -241,5 +254,14 @@ def write_hf(ckpt, path, request=None):
     vocab = resolve_true_vocab_size(ckpt.args, true_vocab) or ckpt.args["padded_vocab_size"]
     tokenizer = tokenizer_from_args(ckpt.args)
     ids = {} if tokenizer is None else {"pad_id": tokenizer.pad, "eos_id": tokenizer.eod}
-    config, weights = full_to_hf(ckpt.state, ckpt.args, vocab, **ids)
+    if ckpt.args.get("num_experts"):  # the Switch Transformer
+        from ..config.moe import moe_layer_pattern
+        from . import switch_hf
+
+        pattern = moe_layer_pattern(ckpt.args.get("moe_layer_freq", "1"),
+                                    ckpt.args["num_layers"])
+        config, weights = switch_hf.full_to_hf(ckpt.state, ckpt.args, pattern, vocab,
+                                               sys.modules[__name__], **ids)
+    else:
+        config, weights = full_to_hf(ckpt.state, ckpt.args, vocab, **ids)
     hf_io.write_hf_dir(path, config, weights)

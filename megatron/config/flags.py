@@ -244,6 +244,12 @@ def add_speed_args(parser):
     return add(parser)
 
 
+def add_moe_args(parser):
+    from .moe import add_moe_args as add
+
+    return add(parser)
+
+
 ADD_GROUPS = (add_model_args, add_parallel_args, add_training_args, add_data_args,
               add_checkpoint_args, add_fault_tolerance_args, add_logging_args, add_kernel_args,
-              add_speed_args)
+              add_speed_args, add_moe_args)

@@ -101,16 +101,18 @@ class ParallelDims(Section):
     """Context-parallel size (``--context-parallel-size``): ranks splitting each sequence."""
     cp_comm_type: str = "p2p"
     """``--cp-comm-type``: ``p2p`` (ring), ``all_gather`` or ``a2a`` (Ulysses)."""
+    ep: int = 1
+    """Expert-model-parallel size (``--expert-model-parallel-size``), out of dp x cp."""
 
     FLAGS: ClassVar[Dict[str, str]] = {
         "world": "world_size", "tp": "tensor_model_parallel_size",
         "pp": "pipeline_model_parallel_size", "dp": "data_parallel_size",
         "dist_backend": "distributed_backend", "vpp": "virtual_pipeline_model_parallel_size",
-        "cp": "context_parallel_size"}
+        "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
     DEFAULTS: ClassVar[Dict[str, Any]] = {"dp": 1, "world": 1, "rank": 0, "local_rank": 0,
                                           "dist_backend": None, "vpp": 1,
                                           "pipeline_schedule": "1f1b", "cp": 1,
-                                          "cp_comm_type": "p2p",
+                                          "cp_comm_type": "p2p", "ep": 1,
                                           "use_distributed_optimizer": False,
                                           "overlap_grad_reduce": False,
                                           "overlap_param_gather": False,
@@ -331,11 +333,84 @@ class FaultConfig(Section):
         "step_timeout": None, "startup_timeout": None, "save_timeout": None}
 
 
+@dataclass(frozen=True)
+class MoESettings(Section):
+    """Mixture of experts (``cfg.moe``; megatron/config/moe.py, docs/moe.md)."""
+
+    num_experts: Optional[int]
+    """Experts per MoE layer; None: no MoE layers."""
+    moe_router_topk: int
+    moe_router_load_balancing_type: str
+    moe_aux_loss_coeff: float
+    moe_z_loss_coeff: float
+    moe_router_score_function: str
+    moe_router_pre_softmax: bool
+    moe_router_enable_expert_bias: bool
+    moe_router_bias_update_rate: float
+    moe_expert_capacity_factor: Optional[float]
+    moe_token_drop_policy: str
+    moe_token_dispatcher_type: str
+    moe_grouped_gemm: bool
+    moe_layer_freq: str
+    moe_ffn_hidden_size: Optional[int]
+    moe_shared_expert_intermediate_size: Optional[int]
+
+    DEFAULTS: ClassVar[Dict[str, Any]] = {
+        "num_experts": None, "moe_router_topk": 2, "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.0, "moe_router_score_function":
+        "softmax", "moe_router_pre_softmax": False, "moe_router_enable_expert_bias": False,
+        "moe_router_bias_update_rate": 1e-3, "moe_expert_capacity_factor": None,
+        "moe_token_drop_policy": "probs", "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False, "moe_layer_freq": "1", "moe_ffn_hidden_size": None,
+        "moe_shared_expert_intermediate_size": None}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.num_experts)
+
+    def layers(self, num_layers: int) -> list:
+        """Which of a stack's ``num_layers`` layers are MoE layers (all False without MoE)."""
+        if not self.enabled:
+            return [False] * num_layers
+        from .moe import moe_layer_pattern
+
+        return moe_layer_pattern(self.moe_layer_freq, num_layers)
+
+    def block(self, hidden_size: int, ffn_hidden_size: int, activation: str,
+              init_method_std: float, output_init_std: Optional[float] = None):
+        """The :class:`~megatron.mpu.moe.MoEConfig` of the run's MoE layers.
+
+        Args:
+            hidden_size: the model's width.
+            ffn_hidden_size: the dense FFN's width (each expert's, without
+                ``--moe-ffn-hidden-size``).
+            activation: the experts' activation (the model's FFN's).
+            init_method_std, output_init_std: the experts' initialisation.
+        """
+        from ..mpu.moe import MoEConfig
+
+        return MoEConfig(
+            num_experts=self.num_experts, hidden_size=hidden_size,
+            ffn_hidden_size=self.moe_ffn_hidden_size or ffn_hidden_size,
+            topk=self.moe_router_topk, score_function=self.moe_router_score_function,
+            pre_softmax=self.moe_router_pre_softmax,
+            load_balancing_type=self.moe_router_load_balancing_type,
+            aux_loss_coeff=self.moe_aux_loss_coeff, z_loss_coeff=self.moe_z_loss_coeff or 0.0,
+            enable_expert_bias=self.moe_router_enable_expert_bias,
+            bias_update_rate=self.moe_router_bias_update_rate,
+            capacity_factor=self.moe_expert_capacity_factor,
+            token_drop_policy=self.moe_token_drop_policy,
+            dispatcher=self.moe_token_dispatcher_type, grouped_gemm=self.moe_grouped_gemm,
+            shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            activation=activation, init_method_std=init_method_std,
+            output_init_std=output_init_std)
+
+
 #: ``cfg.<name>`` -> its section class.
 SECTIONS = {"parallel": ParallelDims, "precision": PrecisionConfig, "optim": OptimizerConfig,
             "batch": BatchConfig, "model": ModelDims, "data": DataConfig,
             "kernels": KernelConfig, "logging": LoggingConfig, "checkpoint": CheckpointConfig,
-            "faults": FaultConfig}
+            "faults": FaultConfig, "moe": MoESettings}
 
 
 class RunConfig:

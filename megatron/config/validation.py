@@ -457,12 +457,13 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
                           f"flags or in the --config file)")
     problems = []
     from .context_parallel import validate_context_parallel
+    from .moe import validate_moe
     from .speed_flags import validate_speed
 
     for check in (_parallel, _model, check_recompute, _virtual_pipeline, _pipeline_schedule,
                   _batch, _optim, _distributed_optimizer, _data, _intervals,
                   _faults, _split, _wandb,
-                  _sequence_parallel, validate_context_parallel, validate_speed):
+                  _sequence_parallel, validate_context_parallel, validate_speed, validate_moe):
         check(args, problems)
     if family is not None:
         family.validate(args, problems)

@@ -7,6 +7,7 @@ values, plus an optional MindFormers-style block::
       data_parallel: 2        # checked against world size / (tp * cp * pp)
       model_parallel: 2       # --model-parallel-size
       context_parallel: 2     # --context-parallel-size
+      expert_parallel: 2      # --expert-model-parallel-size
       pipeline_stage: 2       # --pipe-parallel-size
       micro_batch_num: 4      # --gas
       recompute: true         # --checkpoint-activations
@@ -20,6 +21,7 @@ PARALLEL_CONFIG_KEYS = {
     "data_parallel": "expected_data_parallel_size",
     "model_parallel": "tensor_model_parallel_size",
     "context_parallel": "context_parallel_size",
+    "expert_parallel": "expert_model_parallel_size",
     "pipeline_stage": "pipeline_model_parallel_size",
     "micro_batch_num": "gas",
     "recompute": "checkpoint_activations",

@@ -33,12 +33,14 @@ FEATURES: Dict[str, Tuple[str, Callable]] = {
     "document_masking": ("--reset-attention-mask / --reset-position-ids",
                          lambda ns: bool(getattr(ns, "reset_attention_mask", False)
                                          or getattr(ns, "reset_position_ids", False))),
+    "moe": ("--num-experts", lambda ns: bool(getattr(ns, "num_experts", None))),
 }
 
 #: Features a family provides when the model config it builds from the run carries them
 #: switched on (the layers read them there): feature -> the model config's attribute
 #: (``model_config(cfg).sequence_parallel`` / ``.checkpoint_activations`` /
-#: ``.recompute_granularity`` / ``.recompute_method``; context
+#: ``.recompute_granularity`` / ``.recompute_method``; MoE: ``.moe``, the
+#: :class:`megatron.mpu.moe.MoEConfig` its layers build MoE blocks from; context
 #: parallelism and document masking: ``.token_layout``, the attention taking mpu's token
 #: layout, docs/new_model.md). The pipeline ones are provided by ``build_model(cfg,
 #: pipeline=True)`` itself, checked when it is built
@@ -47,7 +49,8 @@ FROM_MODEL_CONFIG = {"sequence_parallel": "sequence_parallel",
                      "checkpoint_activations": "checkpoint_activations",
                      "selective_recompute": "recompute_granularity",
                      "recompute_block": "recompute_method",
-                     "context_parallel": "token_layout", "document_masking": "token_layout"}
+                     "context_parallel": "token_layout", "document_masking": "token_layout",
+                     "moe": "moe"}
 
 
 def unsupported_flags(ns, family) -> list:
@@ -154,7 +157,7 @@ class ModelFamily:
     """Optional generic features (:data:`FEATURES`: ``sequence_parallel``,
     ``checkpoint_activations``, ``selective_recompute``, ``recompute_block``,
     ``virtual_pipeline``, ``pipeline``, ``context_parallel``,
-    ``document_masking``). None (the default): what
+    ``document_masking``, ``moe``). None (the default): what
     the family provides: the pipeline ones through ``build_model(cfg, pipeline=True)`` (a
     ``PipelineModule`` with ``num_virtual_stages`` chunks, checked when it is built),
     sequence parallelism and recompute when ``model_config(cfg)`` carries them, context

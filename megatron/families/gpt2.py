@@ -17,8 +17,15 @@ def model_config(cfg: Any, dropout: bool = True) -> Any:
     (arguments: :func:`megatron.families.transformer_kwargs`)."""
     from ..model.transformer import TransformerConfig
 
+    m = cfg.model
+    moe = moe_layers = None
+    if cfg.moe.enabled:  # experts: GPT-2's GeLU MLP, fc2 at the residual's scaled std
+        moe = cfg.moe.block(m.hidden_size, m.ffn_hidden_size, "gelu", m.init_method_std,
+                            m.init_method_std / (2.0 * m.num_layers) ** 0.5)
+        moe_layers = tuple(cfg.moe.layers(m.num_layers))
     return TransformerConfig(**transformer_kwargs(cfg, dropout),
-                             init_method_std=cfg.model.init_method_std, bias=cfg.model.hidden_bias)
+                             init_method_std=m.init_method_std, bias=m.hidden_bias,
+                             moe=moe, moe_layers=moe_layers)
 
 
 def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch.nn.Module:
@@ -43,7 +50,9 @@ def flops_per_step(cfg: Any) -> float:
     (Megatron's ``72 B s l h^2 (1 + s / 6h + V / 12lh)`` when they are h and 4h).
 
     Per token and layer (multiply-adds): QKV ``h x 3a``, scores and context ``2 s a``,
-    output ``a x h``, MLP ``2 h f`` (a = heads x kv, f = ffn); logits ``h x V``.
+    output ``a x h``, MLP ``2 h f`` (a = heads x kv, f = ffn); logits ``h x V``. An MoE
+    layer counts what a token runs through (the active parameters): the router ``h x E``,
+    its k experts ``k x 2 h f_e`` and the shared experts ``2 h f_s``.
     """
     b, s = cfg.batch.global_batch_size, cfg.batch.seq_length
     m = cfg.model
@@ -52,8 +61,29 @@ def flops_per_step(cfg: Any) -> float:
     ffn = m.ffn_hidden_size or 4 * h
     attn = m.num_attention_heads * m.kv_channels if m.kv_channels and m.num_attention_heads \
         else h
-    per_layer = 3 * h * attn + 2 * s * attn + attn * h + 2 * h * ffn  # multiply-adds / token
-    return 3.0 * 2.0 * b * s * (m.num_layers * per_layer + h * vocab)
+    attention = 3 * h * attn + 2 * s * attn + attn * h  # multiply-adds / token
+    layers = sum(attention + mlp_multiply_adds(cfg, h, ffn, moe)
+                 for moe in cfg.moe.layers(m.num_layers))
+    return 3.0 * 2.0 * b * s * (layers + h * vocab)
+
+
+def mlp_multiply_adds(cfg: Any, h: int, ffn: int, moe: bool, gated: bool = False) -> int:
+    """Multiply-adds per token of one feed-forward: dense ``2 h f`` (3 h f gated), or an MoE
+    block's active ones (router, top-k experts, shared experts).
+
+    Args:
+        cfg: the run (its ``cfg.moe``).
+        h, ffn: the model's width and dense FFN width.
+        moe: whether the layer has an MoE block.
+        gated: a gated FFN (SwiGLU / GeGLU: three matrices).
+    """
+    per = (3 if gated else 2) * h
+    if not moe:
+        return per * ffn
+    s = cfg.moe
+    shared = s.moe_shared_expert_intermediate_size or 0
+    return h * s.num_experts + s.moe_router_topk * per * (s.moe_ffn_hidden_size or ffn) + \
+        per * shared
 
 
 def _add_flags(parser):

@@ -172,12 +172,19 @@ def model_config(cfg: Any, dropout: bool = True) -> Any:
     (arguments: :func:`megatron.families.transformer_kwargs`)."""
     from ..model.t5_layers import T5TransformerConfig
 
-    t5 = cfg.t5
+    t5, m = cfg.t5, cfg.model
+    moe = moe_layers = None
+    if cfg.moe.enabled:  # the Switch Transformer: T5's FFN per expert, T5's initialisation
+        width = cfg.moe.moe_ffn_hidden_size or m.ffn_hidden_size
+        moe = cfg.moe.block(m.hidden_size, m.ffn_hidden_size,
+                            "geglu" if t5.t5_ff == "gated-gelu" else "relu",
+                            m.hidden_size ** -0.5, width ** -0.5)
+        moe_layers = tuple(cfg.moe.layers(m.num_layers))
     return T5TransformerConfig(
         **transformer_kwargs(cfg, dropout), vocab_size=cfg.model.padded_vocab_size,
         num_buckets=t5.relative_attention_num_buckets,
         max_distance=t5.relative_attention_max_distance, ff_type=t5.t5_ff,
-        tie_embeddings=not t5.untie_embeddings)
+        tie_embeddings=not t5.untie_embeddings, moe=moe, moe_layers=moe_layers)
 
 
 def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch.nn.Module:

@@ -29,6 +29,8 @@ SCRIPT_VARIABLES = (
     (r"--model-parallel-size|tensor-model-parallel size", "mp_size"),
     (r"--pipe-parallel-size|pipeline-model-parallel size", "pp_size"),
     (r"--context-parallel-size|context-parallel size", "cp_size"),
+    (r"--expert-model-parallel-size|expert-model-parallel size", "ep_size"),
+    (r"--num-experts", "NUM_EXPERTS"),
     (r"--virtual-pipeline-model-parallel-size", "vpp_size"),
     (r"--pipeline-schedule", "PIPELINE_SCHEDULE"),
     (r"--num-layers", "NLAYERS"),

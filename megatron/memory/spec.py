@@ -363,7 +363,15 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         device: ``cuda`` or ``cpu`` (default: ``cuda`` when the run's backend is NCCL).
         vocab: padded vocabulary rows when the configuration has none (built without its
             tokenizer, as the planner does).
+
+    Raises:
+        ConfigError: a run the model does not describe (MoE layers: no description of the
+            experts and the dispatch buffers yet; the start-up check then says so and
+            predicts nothing).
     """
+    if cfg.get("num_experts"):
+        raise ConfigError("memory model: MoE layers (--num-experts) are not described yet "
+                          "(experts per rank, dispatch buffers): no prediction for this run")
     m, p, k = cfg.model, cfg.parallel, cfg.kernels
     rows = m.padded_vocab_size or vocab
     if rows is None:

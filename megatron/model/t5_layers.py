@@ -5,6 +5,9 @@ Per encoder layer (pre-RMSNorm, T5):
     x = x + dropout(mlp(rms_2(x)))                        ReLU (v1.0) or gated-GeLU (v1.1)
 A decoder layer adds ``x = x + dropout(cross_attention(rms(x), encoder_output))`` between
 the two. No linear layer has a bias; the norms have no bias and do not subtract the mean.
+With ``--num-experts`` the layers ``--moe-layer-freq`` picks (in each stack) have an MoE block
+in the MLP's place: the Switch Transformer (Fedus, Zoph, Shazeer 2021; top-1, capacity and
+z-loss from the MoE flags).
 
 Tensor parallelism: heads are split across tp ranks (fused QKV laid out per head, like
 GPT-2, so a contiguous split gives whole heads), the feed-forward width is split, and the
@@ -15,6 +18,7 @@ needs the bias of its own heads. Initialisation follows T5 (Mesh TensorFlow / Hu
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,18 @@ class T5TransformerConfig(ModelRunOptions):
     tie_embeddings: bool = True
     """Output layer tied to the word embedding (T5 v1.0; hidden scaled by d_model^-0.5)."""
     layernorm_epsilon: float = 1e-6
+    moe: Optional[mpu.moe.MoEConfig] = None
+    """The Switch Transformer's MoE block (``--num-experts``), or None: dense T5."""
+    moe_layers: Optional[Tuple[bool, ...]] = None
+    """Per layer of each stack: an MoE block instead of the dense MLP."""
+
+    def feed_forward(self, layer_number: int, number_in_model: int):
+        """The MLP of 1-based layer ``layer_number`` of a stack: T5's, or an MoE block
+        named ``number_in_model`` in the model's routing statistics (encoder 1..L, decoder
+        L+1..2L)."""
+        if self.moe is not None and self.moe_layers[layer_number - 1]:
+            return mpu.moe.MoELayer(self.moe, number_in_model, self.sequence_parallel)
+        return T5MLP(self)
 
     @property
     def inner_size(self):
@@ -306,7 +322,7 @@ class T5EncoderLayer(nn.Module):
             self.input_layernorm = rms_norm(config)
             self.self_attention = T5Attention(config, cross=False)
             self.post_attention_layernorm = rms_norm(config)
-            self.mlp = T5MLP(config)
+            self.mlp = config.feed_forward(layer_number, layer_number)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         self.sequence_parallel = config.sequence_parallel
 
@@ -336,7 +352,7 @@ class T5DecoderLayer(nn.Module):
             self.post_attention_layernorm = rms_norm(config)
             self.inter_attention = T5Attention(config, cross=True)
             self.post_inter_attention_layernorm = rms_norm(config)
-            self.mlp = T5MLP(config)
+            self.mlp = config.feed_forward(layer_number, config.num_layers + layer_number)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         self.sequence_parallel = config.sequence_parallel
 

@@ -208,7 +208,14 @@ def t5_flops_per_step(config, enc_len, dec_len, global_batch):
         global_batch: samples per step.
     """
     h, inner, v = config.hidden_size, config.inner_size, config.vocab_size
-    ff = config.ffn_hidden_size * (3 if config.ff_type == "gated-gelu" else 2)  # in + out
+    per = 3 if config.ff_type == "gated-gelu" else 2  # in + out matrices
+    ff = config.ffn_hidden_size * per
+    moe = config.moe
+    if moe is not None:  # the active parameters: router, top-k experts, shared experts
+        active = moe.num_experts / per + moe.topk * moe.ffn_hidden_size + \
+            (moe.shared_expert_intermediate_size or 0)
+        share = sum(config.moe_layers) / config.num_layers
+        ff = (1 - share) * ff + share * active * per
 
     def attention(sq, sk, fused_qkv):  # projections, scores and context, output
         projections = sq * h * inner * (3 if fused_qkv else 1) + (0 if fused_qkv else

@@ -4,11 +4,12 @@ Per layer (pre-LayerNorm, GPT-2):
     x = x + dropout(attention(ln_1(x)))      attention: QKV column-parallel, dense row-parallel
     x = x + dropout(mlp(ln_2(x)))            mlp: fc1 column-parallel, GeLU, fc2 row-parallel
 Each block does one all-reduce forward (in the row-parallel layer) and one backward (in
-the column-parallel layer's ``f``), as in the Megatron-LM paper.
+the column-parallel layer's ``f``), as in the Megatron-LM paper. With ``--num-experts`` the
+layers ``--moe-layer-freq`` picks have an MoE block (megatron.mpu.moe) in the MLP's place.
 """
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,15 @@ class TransformerConfig(ModelRunOptions):
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
     bias: bool = True
-    """Biases in the linear layers (--hidden-bias)."""
+    """Biases in the linear layers (--hidden-bias; the experts of MoE layers have none)."""
+    moe: Optional[mpu.moe.MoEConfig] = None
+    """The MoE block of the layers ``moe_layers`` marks (``--num-experts``), or None."""
+    moe_layers: Optional[Tuple[bool, ...]] = None
+    """Per layer: an MoE block instead of the dense MLP (``--moe-layer-freq``)."""
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether 1-based layer ``layer_number`` has an MoE feed-forward."""
+        return self.moe is not None and bool(self.moe_layers[layer_number - 1])
 
 
 def make_layer_norm(config):
@@ -197,7 +206,10 @@ class ParallelTransformerLayer(nn.Module):
             self.input_layernorm = make_layer_norm(config)
             self.attention = ParallelSelfAttention(config, layer_number)
             self.post_attention_layernorm = make_layer_norm(config)
-            self.mlp = ParallelMLP(config)
+            if config.is_moe_layer(layer_number):  # [s, b, h] -> [s, b, h] like the MLP
+                self.mlp = mpu.moe.MoELayer(config.moe, layer_number, config.sequence_parallel)
+            else:
+                self.mlp = ParallelMLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         self.sequence_parallel = config.sequence_parallel
 

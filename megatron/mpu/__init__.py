@@ -51,6 +51,12 @@ from .parallel_state import (
     get_data_parallel_src_rank,
     get_data_parallel_world_size,
     get_embedding_group,
+    get_expert_data_parallel_group,
+    get_expert_data_parallel_rank,
+    get_expert_data_parallel_world_size,
+    get_expert_model_parallel_group,
+    get_expert_model_parallel_rank,
+    get_expert_model_parallel_world_size,
     get_model_parallel_group,
     get_model_parallel_rank,
     get_model_parallel_src_rank,
@@ -125,3 +131,4 @@ from .weight_grad import (
     set_weight_grad_deferral,
     weight_grad_store_of,
 )
+from . import moe  # noqa: E402 (mixture of experts: megatron.mpu.moe)

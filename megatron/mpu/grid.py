@@ -1,6 +1,7 @@
 """Rank arithmetic of the (pipeline, data, context, tensor) grid: which global rank sits at
 which coordinate, and every group of every kind as tuples of global ranks (the order of
-:mod:`.parallel_state`: tensor fastest, then context, data, pipeline)."""
+:mod:`.parallel_state`: tensor fastest, then context, data, pipeline). The expert groups are
+carved out of each data x context group (:func:`expert_groups`)."""
 from typing import Tuple
 
 
@@ -42,3 +43,25 @@ def grid_groups(tp_size, pp_size, dp_size, cp_size=1):
         "pp": pp_groups,
         "mp": groups(lambda p, d, c, t: (p, t), lambda p, d, c, t: (d, c)),
         "embedding": [g if len(g) == 1 else (g[0], g[-1]) for g in pp_groups]}
+
+
+def expert_groups(dp_cp_groups, ep_size):
+    """The expert-model-parallel and expert-data-parallel groups, carved out of the data x
+    context groups as Megatron-core carves them: each data x context group (ranks in
+    ``dp_rank * cp + cp_rank`` order) splits into consecutive runs of ``ep_size`` ranks
+    (each holds a different slice of the experts: an expert-parallel group), and the ranks
+    at the same place in every run hold the same experts (an expert-data-parallel group,
+    which reduces those experts' gradients).
+
+    Args:
+        dp_cp_groups: every data x context group, as tuples of global ranks.
+        ep_size: ranks sharing the experts of one layer; it divides every group's size.
+
+    Returns:
+        ``{"ep": [...], "edp": [...]}``: tuples of global ranks, in a fixed order.
+    """
+    ep, edp = [], []
+    for group in dp_cp_groups:
+        ep += [tuple(group[i:i + ep_size]) for i in range(0, len(group), ep_size)]
+        edp += [tuple(group[j::ep_size]) for j in range(ep_size)]
+    return {"ep": ep, "edp": edp}

@@ -11,6 +11,9 @@ of ``num_dp = dp_size * cp_size`` (its "data" axis is the data x context group, 
 group gradients are reduced over), so groups built here and DeepSpeed's pipeline grid
 agree rank for rank.
 
+The expert-model-parallel groups (MoE layers' experts split over ep ranks) are carved out
+of each data x context group, as Megatron-core does (:func:`.grid.expert_groups`).
+
 All of it lives in one immutable :class:`ParallelState`, built once by
 :func:`initialize_model_parallel`; the Megatron-style getters below read it.
 
@@ -24,8 +27,10 @@ from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
 
-from .grid import grid_coordinates, grid_groups, grid_rank  # noqa: F401 (public here)
+from .grid import expert_groups, grid_coordinates, grid_groups, grid_rank  # noqa: F401
+from .utils import check_optional_size as _check_optional_size
 from .utils import ensure_divisibility
+from .utils import v26_arguments as _v26_arguments
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,16 @@ class ParallelState:
     Stored for model code that asks; tds's engine runs one chunk per rank (no interleaving)."""
     pp_split_rank: Optional[int] = None
     """First decoder stage of an encoder-decoder pipeline (Megatron-core), or None."""
+    ep_size: int = 1
+    """Expert-model-parallel size: ranks of a data x context group splitting each MoE
+    layer's experts (carved out as Megatron-core does: :func:`.grid.expert_groups`)."""
+    ep_rank: int = 0
+    ep_ranks: Tuple[int, ...] = ()
+    ep_group: Any = None
+    edp_rank: int = 0
+    edp_ranks: Tuple[int, ...] = ()
+    """Global ranks holding this rank's experts (dp x cp / ep): their gradients' group."""
+    edp_group: Any = None
 
 
 @dataclass(frozen=True)
@@ -103,14 +118,19 @@ def _new_groups(rank, ranks_lists):
     return mine
 
 
-def _build_groups(rank, tp, pp, dp, cp):
+def _build_groups(rank, tp, pp, dp, cp, ep=1):
     """Our groups of every kind: ``{kind: (ranks, group)}``. Without context parallelism
-    the data x context group is the data-parallel group itself (no second group)."""
+    the data x context group is the data-parallel group itself (no second group); without
+    expert parallelism the expert-data-parallel group is the data x context group."""
     lists = grid_groups(tp, pp, dp, cp)
-    kinds = [kind for kind in lists if not (kind == "dp_cp" and cp == 1)]
+    lists.update(expert_groups(lists["dp_cp"], ep))
+    kinds = [kind for kind in lists if not (kind == "dp_cp" and cp == 1)
+             and not (kind == "edp" and ep == 1)]
     groups = {kind: _new_groups(rank, lists[kind]) for kind in kinds}
     if cp == 1:
         groups["dp_cp"] = groups["dp"]
+    if ep == 1:
+        groups["edp"] = groups["dp_cp"]
     return groups
 
 
@@ -119,6 +139,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               pipeline_model_parallel_split_rank: Optional[int] = None,
                               context_parallel_size: int = 1,
+                              expert_model_parallel_size: int = 1,
                               **v26_names: int) -> ParallelState:
     """Split the world into tensor-, context-, pipeline- and data-parallel groups.
 
@@ -137,6 +158,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
             decoder starts (stored; tds's T5 pipeline decides its own split).
         context_parallel_size: ranks that split each sequence (cp, Megatron-core's
             keyword); the data-parallel size is what is left: world / (tp * cp * pp).
+        expert_model_parallel_size: ranks that split each MoE layer's experts (ep,
+            Megatron-core's keyword), carved out of the dp x cp ranks: it must divide
+            dp * cp. The experts' tensor-parallel size is tp (each expert's FFN is split
+            like a dense one).
         **v26_names: the same four values under v2.6's names with a trailing underscore.
 
     Returns:
@@ -144,7 +169,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or the groups already exist.
-        ValueError: tp * cp * pp does not divide the world size.
+        ValueError: tp * cp * pp does not divide the world size, or ep does not divide
+            dp * cp.
     """
     global _STATE, _OVERRIDES
     (tensor_model_parallel_size, pipeline_model_parallel_size,
@@ -169,7 +195,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     split = _check_optional_size(pipeline_model_parallel_split_rank,
                                  "pipeline_model_parallel_split_rank", 0)
     dp = world // (tp * pp * cp)
-    groups = _build_groups(rank, tp, pp, dp, cp)
+    ep = _check_optional_size(expert_model_parallel_size, "expert_model_parallel_size", 1) or 1
+    ensure_divisibility(dp * cp, ep, f"data-parallel x context-parallel size ({dp} x {cp})",
+                        f"expert-model-parallel size ({ep}): the expert-parallel group is "
+                        f"carved out of the data x context ranks")
+    groups = _build_groups(rank, tp, pp, dp, cp, ep)
     pp_rank, dp_rank, cp_rank, tp_rank = grid_coordinates(rank, tp, dp, cp)
     _STATE = ParallelState(
         world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=dp,
@@ -181,34 +211,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         cp_size=cp, cp_rank=cp_rank, cp_ranks=groups["cp"][0], cp_group=groups["cp"][1],
         dp_cp_ranks=groups["dp_cp"][0], dp_cp_group=groups["dp_cp"][1],
         virtual_pp_size=vpp, pp_split_rank=split,
+        ep_size=ep, ep_rank=(dp_rank * cp + cp_rank) % ep, ep_ranks=groups["ep"][0],
+        ep_group=groups["ep"][1], edp_rank=(dp_rank * cp + cp_rank) // ep,
+        edp_ranks=groups["edp"][0], edp_group=groups["edp"][1],
     )
     _OVERRIDES = ParallelOverrides(virtual_pp_rank=None if vpp is None else 0)
     return _STATE
-
-
-_V26_NAMES = ("tensor_model_parallel_size_", "pipeline_model_parallel_size_",
-              "virtual_pipeline_model_parallel_size_", "pipeline_model_parallel_split_rank_")
-
-
-def _v26_arguments(values, v26_names):
-    """Merge v2.6's trailing-underscore keywords into the positional values."""
-    unknown = sorted(set(v26_names) - set(_V26_NAMES))
-    if unknown:
-        raise TypeError(f"initialize_model_parallel() got unexpected keyword(s) {unknown}; "
-                        f"it takes tensor/pipeline/virtual-pipeline sizes and the split rank")
-    values = list(values)
-    for i, name in enumerate(_V26_NAMES):
-        if name in v26_names:
-            values[i] = v26_names[name]
-    return values
-
-
-def _check_optional_size(value, name, minimum):
-    if value is None:
-        return None
-    if isinstance(value, bool) or int(value) != value or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum} or None, got {value!r}")
-    return int(value)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -380,6 +388,35 @@ def get_pipeline_model_parallel_prev_rank() -> int:
     """Global rank of the previous stage (wraps around, as in Megatron)."""
     state = get_parallel_state()
     return state.pp_ranks[(state.pp_rank - 1) % state.pp_size]
+
+
+# ---------------------------------------------------------------- experts (Megatron-core's names)
+def get_expert_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    """The ranks splitting each MoE layer's experts: tokens are dispatched over it."""
+    return get_parallel_state().ep_group
+
+
+def get_expert_model_parallel_rank() -> int:
+    """Index in the expert-parallel group: this rank holds experts [r E/ep, (r+1) E/ep)."""
+    return get_parallel_state().ep_rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_parallel_state().ep_size
+
+
+def get_expert_data_parallel_group() -> Optional[dist.ProcessGroup]:
+    """The ranks holding this rank's experts: their gradients are reduced over it."""
+    return get_parallel_state().edp_group
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_parallel_state().edp_rank
+
+
+def get_expert_data_parallel_world_size() -> int:
+    """Data x context size / expert-parallel size."""
+    return len(get_parallel_state().edp_ranks)
 
 
 # ---------------------------------------------------------------- model replica (tp x pp)

@@ -62,3 +62,30 @@ class VocabUtility:
                                "tensor-model-parallel size")
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank,
                                                                       world_size)
+
+
+_V26_NAMES = ("tensor_model_parallel_size_", "pipeline_model_parallel_size_",
+              "virtual_pipeline_model_parallel_size_", "pipeline_model_parallel_split_rank_")
+
+
+def v26_arguments(values, v26_names):
+    """``initialize_model_parallel``'s positional values with v2.6's trailing-underscore
+    keywords merged in."""
+    unknown = sorted(set(v26_names) - set(_V26_NAMES))
+    if unknown:
+        raise TypeError(f"initialize_model_parallel() got unexpected keyword(s) {unknown}; "
+                        f"it takes tensor/pipeline/virtual-pipeline sizes and the split rank")
+    values = list(values)
+    for i, name in enumerate(_V26_NAMES):
+        if name in v26_names:
+            values[i] = v26_names[name]
+    return values
+
+
+def check_optional_size(value, name, minimum):
+    """``value`` as an int >= ``minimum`` (None passes through); ValueError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or int(value) != value or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} or None, got {value!r}")
+    return int(value)
