@@ -53,8 +53,8 @@ def test_yaml_and_run_script_variables(tmp_path):
     yaml_file = tmp_path / "moe.yaml"
     yaml_file.write_text("num_experts: 4\nmoe_router_topk: 1\nparallel_config:\n"
                          "  expert_parallel: 2\n")
-    with pytest.raises(ConfigError, match="needs the training step"):  # ep 2 before the step
-        _cfg("--config", str(yaml_file))
+    cfg = _cfg("--config", str(yaml_file))  # the YAML's parallel_config reaches the run
+    assert (cfg.moe.num_experts, cfg.moe.moe_router_topk, cfg.parallel.ep) == (4, 1, 2)
     names = script_variables("--expert-model-parallel-size (3) does not divide ...")
     assert names == ["ep_size"]
     assert script_variables("--num-experts (6) is not divisible") == ["NUM_EXPERTS"]

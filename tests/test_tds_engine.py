@@ -295,3 +295,52 @@ def test_pipeline_module_without_a_process_group_names_the_call():
         pytest.skip("this process already has a process group")
     with pytest.raises(RuntimeError, match=r"call torch.distributed.init_process_group\(\)"):
         PipelineModule(layers=[torch.nn.Linear(2, 2)], num_stages=1)
+
+
+class _FloatMaskEmbed(Embed):
+    """The mask travels as a float (a user's choice): a float position with no gradient."""
+
+    def forward(self, inputs):
+        hidden, mask = super().forward(inputs)
+        return hidden, mask.float()
+
+
+def _grad_contract_error(seed, grads, float_mask):
+    """A wrong _input_grad: (the error on this rank, whether the weights stayed as built)."""
+    import tds as deepspeed
+    from tds.pipe import PipeModelDataParallelTopology, PipelineModule
+
+    mpu.initialize_model_parallel(1, 2)
+    deepspeed.init_distributed(dist_backend="gloo")
+    specs = _specs(seed)
+    if float_mask:
+        from tds import LayerSpec
+
+        specs[0] = LayerSpec(_FloatMaskEmbed, seed)
+    model = PipelineModule(layers=specs, topology=PipeModelDataParallelTopology(2, 1, 1),
+                           loss_fn=loss_fn, partition_method="uniform")
+    model._input_type = ["float", "float" if float_mask else "bool"]
+    model._input_grad, model._input_pipe_partitioned = grads, [False, False]
+    before = [p.detach().clone() for p in model.parameters()]
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), batch_fn=batch_fn,
+        config={"train_micro_batch_size_per_gpu": MICRO, "train_batch_size": MICRO})
+    try:
+        engine.train_batch(iter(_batches(seed, 1)))
+    except ValueError as exc:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return str(exc), unchanged
+    return None, None
+
+
+@pytest.mark.parametrize("grads,float_mask,message", [
+    ([False, False], False, "position 0 carries a gradient .* but _input_grad\\[0\\] is False"),
+    ([True, True], True, "position 1 carries no gradient .* but _input_grad\\[1\\] is True")])
+def test_a_wrong_input_grad_is_refused_on_every_rank_before_the_optimizer_steps(
+        seed, grads, float_mask, message):
+    import re
+
+    for error, unchanged in run_distributed(_grad_contract_error, 2, seed, grads, float_mask,
+                                            timeout=120):
+        assert error is not None and re.search(message, error), error
+        assert "pipeline stage 0, chunk 0 output" in error and unchanged

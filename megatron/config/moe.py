@@ -16,7 +16,7 @@ from ..errors import ConfigError
 #: reduced over the expert-data-parallel group (and counted once in the norm),
 #: ``mpu.moe.set_aux_loss_scale`` each step, ``mpu.moe.update_expert_bias`` each step.
 #: Until it does, the runs it would silently get wrong are refused (:func:`validate_moe`).
-TRAINING_STEP_HAS_MOE = False
+TRAINING_STEP_HAS_MOE = True
 
 
 def add_moe_args(parser):
@@ -130,7 +130,16 @@ def _routing_problems(args, problems):
 
 def _step_problems(args, problems, ep):
     """What the training step of this build would get wrong (:data:`TRAINING_STEP_HAS_MOE`)."""
+    if args.deepspeed and args.pipeline_model_parallel_size <= 1:
+        problems.append("MoE layers with --deepspeed: DeepSpeed's engine takes parameters "
+                        "marked allreduce=False for its own MoE parameters; drop --deepspeed "
+                        "(the project's step: --use-distributed-optimizer for ZeRO-1)")
     if TRAINING_STEP_HAS_MOE:
+        if ep > 1 and (args.save or args.load):
+            problems.append(f"--save / --load with --expert-model-parallel-size {ep}: "
+                            f"checkpoints of expert-parallel runs (each ep rank's experts in "
+                            f"their own file) are not written yet; use ep 1 to save, or train "
+                            f"without checkpoints")
         return
     later = "needs the training step that implements the MoE contract (docs/moe.md), not in " \
             "this build yet"

@@ -97,12 +97,16 @@ class DataParallel(nn.Module):
         if size is None and config.overlap_grad_reduce:
             size = max(DEFAULT_BUCKET_SIZE,
                        1_000_000 * mpu.get_data_parallel_world_size(with_context_parallel=True))
+        replicas = dist.get_world_size(dense_group) if dist.is_initialized() else 1
         for kind, members in by_group.items():
+            # an expert's gradient sums the tokens of every data x context replica that
+            # reached it (its dispatch): the mean divides by all of them, not its group's
             reduce_group = dense_group if kind == "dense" else _expert_data_parallel_group()
             for dtype in sorted({p.dtype for p in members}, key=str):
                 same = [p for p in members if p.dtype == dtype]
                 self.buffers.append(GradBuffer(same, reduce_group,
-                                               config.use_distributed_optimizer, size, late))
+                                               config.use_distributed_optimizer, size, late,
+                                               average_over=replicas))
         self.buffer_of = {p: b for b in self.buffers for p in b.index}
         if config.overlap_grad_reduce:
             for param in params:

@@ -69,13 +69,17 @@ class GradBuffer:
         bucket_size: elements per bucket (None: one bucket).
         late: ``f(param) -> None`` (an ordinary parameter) or a key: the parameters of one
             key share a bucket of their own, reduced late (see :class:`Bucket`).
+        average_over: the number of replicas the sum over ``group`` is divided by (default:
+            the group's size; experts: the data x context size, whose tokens reached them).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group, shard: bool,
-                 bucket_size: Optional[int], late: Callable = lambda p: None):
+                 bucket_size: Optional[int], late: Callable = lambda p: None,
+                 average_over: Optional[int] = None):
         self.group = group
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.average_over = average_over or self.size
         self.shard = shard
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
@@ -175,10 +179,11 @@ class GradBuffer:
         if bucket.work is not None:
             return
         grads = self.grad_data[bucket.start:bucket.end]
+        if self.average_over != 1:
+            grads.div_(self.average_over)
         if self.size == 1:
             bucket.work = _Done()
             return
-        grads.div_(self.size)
         if self.shard:
             low, high = self.shard_range(bucket)
             bucket.work = _reduce_scatter(self.grad_data[low:high], grads, group=self.group,

@@ -57,7 +57,8 @@ def clip_coefficient(total_norm, max_norm):
 
 
 @torch.no_grad()
-def norm_of_grads(grads, counted, group, norm_type=2.0, device=None):
+def norm_of_grads(grads, counted, group, norm_type=2.0, device=None, expert=None,
+                  expert_group=None):
     """The p-norm of the ``counted`` gradients over ``group``, and every gradient's own norm.
 
     The one norm every optimizer of the project measures: one ``_foreach_norm`` (fp32
@@ -71,6 +72,9 @@ def norm_of_grads(grads, counted, group, norm_type=2.0, device=None):
         group: the process group the sum runs over (None: the default group).
         norm_type: p of the p-norm.
         device: where the result lives when there are no gradients.
+        expert, expert_group: per gradient, whether it is an expert's (MoE: each
+            expert-parallel rank holds other experts), whose part is first summed over
+            ``expert_group`` (the expert-parallel group) before the sum over ``group``.
 
     Returns:
         ``(total, norms)``: the 0-dim fp32 norm and the fp32 norm of each gradient.
@@ -78,10 +82,18 @@ def norm_of_grads(grads, counted, group, norm_type=2.0, device=None):
     norm_type = float(norm_type)
     norms = list(torch._foreach_norm(list(grads), norm_type, dtype=torch.float32)) \
         if grads else []
-    mine = [n for n, c in zip(norms, counted) if c]
+    expert = expert or [False] * len(norms)
     device = grads[0].device if grads else (device or torch.device("cpu"))
-    local = _pow_sum(mine, norm_type) if mine else \
-        torch.zeros((), dtype=torch.float32, device=device)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    dense = [n for n, c, e in zip(norms, counted, expert) if c and not e]
+    local = _pow_sum(dense, norm_type) if dense else zero
+    if any(expert):
+        experts = [n for n, c, e in zip(norms, counted, expert) if c and e]
+        part = _pow_sum(experts, norm_type) if experts else zero.clone()
+        if expert_group is not None and dist.get_world_size(expert_group) > 1:
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            dist.all_reduce(part, op=op, group=expert_group)
+        local = torch.maximum(local, part) if math.isinf(norm_type) else local + part
     return _global(local, norm_type, group), norms
 
 

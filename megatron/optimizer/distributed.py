@@ -82,6 +82,12 @@ class DistributedOptimizer(MegatronOptimizer):
         return [mpu.counts_toward_norm(self.owners[self._index[id(s)]], tp_rank)
                 for s in params], None
 
+    def _experts(self, params) -> List[bool]:
+        """Slices need no sum over the expert-parallel group: the norm sums every rank's
+        slices already (the experts' over their expert-data-parallel ranks, each expert on
+        one expert-parallel rank)."""
+        return [False] * len(params)
+
     def _after_update(self) -> None:
         self.grads.start_param_sync()
 

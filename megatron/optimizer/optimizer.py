@@ -54,6 +54,26 @@ class MegatronOptimizer:
                                                  mpu.get_model_parallel_group())
         return [mpu.counts_toward_norm(p, tp_rank) for p in params], group
 
+    def _norm(self, params, grads, device):
+        """The gradient norm (each element of the model once) and each gradient's norm."""
+        counted, group = self._norm_terms(params)
+        experts = self._experts(params)
+        expert_group = mpu.get_expert_model_parallel_group() if any(experts) else None
+        return mpu.norm_of_grads(grads, counted, group, device=device, expert=experts,
+                                 expert_group=expert_group)
+
+    def _experts(self, params) -> List[bool]:
+        """Per parameter whether it is an expert's (held by one expert-parallel rank only,
+        its norm summed over them too)."""
+        return [getattr(p, "allreduce", True) is False for p in params]
+
+    def loss_multiplier(self):
+        """What :meth:`scale_loss` multiplies a loss by (the fp16 loss scale, a device
+        tensor; 1 without): the MoE routing losses' gradients get the same factor."""
+        if self.grad_scaler is None:
+            return 1.0
+        return self._scaler_on(mpu.get_device()).scale_tensor
+
     @property
     def loss_scale(self):
         """The loss scale as a float (a host read: for logs)."""
@@ -112,8 +132,7 @@ class MegatronOptimizer:
             if bool(found_inf.item()):  # the one host read of fp16 without a fused update
                 self.zero_grad()
                 return False, None
-        counted, group = self._norm_terms(params)
-        total, _ = mpu.norm_of_grads(grads, counted, group, device=mpu.get_device())
+        total, _ = self._norm(params, grads, mpu.get_device())
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         if grads:  # scaled unconditionally by min(1, coef): no host read to decide
             torch._foreach_mul_(grads, mpu.clip_coefficient(total, max_norm))
@@ -133,8 +152,7 @@ class MegatronOptimizer:
         gradients to unscale or to multiply them, no host read."""
         grads = [p.grad for p in params]
         device = grads[0].device if grads else mpu.get_device()
-        counted, group = self._norm_terms(params)
-        total, norms = mpu.norm_of_grads(grads, counted, group, device=device)
+        total, norms = self._norm(params, grads, device)
         found_inf = scale = None
         if self.grad_scaler is not None:
             scale = self._scaler_on(device).scale_tensor.clone()  # the backward's scale

@@ -80,12 +80,20 @@ class StepBackend(TrainingBackend):
         self.model.finish_param_sync()  # the weights of the last step, all-gathered
         return self.model.module
 
+    @property
+    def moe(self) -> bool:
+        return self.cfg.moe.enabled
+
     def train_step(self, forward_step_func: Callable, data_iterator: Optional[Iterator]
                    ) -> Tuple[List[Dict[str, Any]], Any, Any]:
         self.optimizer.zero_grad()
         self.model.finish_param_sync()
+        if self.moe:  # the routing losses' gradients: the LM loss's 1 / gas and loss scale
+            mpu.moe.set_aux_loss_scale(self.optimizer.loss_multiplier() / self.cfg.batch.gas)
         per_micro_batch = self._forward_backward(forward_step_func, data_iterator)
         self.model.finish_grad_sync()
+        if self.moe:  # aux-loss-free balancing: the experts' biases follow the step's loads
+            mpu.moe.update_expert_bias(self.model.module)
         updated, grad_norm = self.optimizer.step()
         # a device flag (fp16 skipped on the device) is not read here: the schedule moves on
         # and take_back_skipped_steps corrects it when the loop reads the flags (log time)
@@ -126,6 +134,17 @@ class StepBackend(TrainingBackend):
                 _, stats = forward_step_func(data_iterator, self.model)
             per_micro_batch.append(stats)
         return per_micro_batch
+
+    def routing_stats(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The MoE layers' routing statistics since the last call, over every rank
+        (collective; None without MoE): the routing losses, tokens per expert and dropped
+        tokens (megatron.mpu.moe.routing_statistics), at log time."""
+        if not self.moe:
+            return None
+        family = self.cfg.model_family
+        layers = self.cfg.model.num_layers * (family.layer_stacks if family is not None else 1)
+        stats = mpu.moe.routing_statistics(self.model.module, layers)
+        return mpu.moe.reduce_routing_statistics(stats)
 
     def share_stats(self, rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """Per-step (or per-micro-batch) stats, known on the rank that computes the loss,

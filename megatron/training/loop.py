@@ -60,6 +60,10 @@ class TrainState:
     """Per-step data-parallel-averaged ``lm loss`` (floats), in step order."""
     eval_losses: list = field(default_factory=list)
     """``(iteration, validation lm loss)`` pairs."""
+    routing_stats: list = field(default_factory=list)
+    """MoE runs: per log line, ``{kind: float}`` of the routing statistics since the last
+    one (routing losses, dropped tokens, the largest max / mean tokens per expert of a
+    layer)."""
 
 
 def _reduce_stats(per_micro_batch):
@@ -157,10 +161,31 @@ def _flush_interval(cfg, state, pending, backend, timers, writer):
              if p.get("grad norm") is not None and not p["skipped"]]
     if norms:  # device tensors (the project's step) or floats (DeepSpeed's): read once, here
         stats["grad norm"] = float(sum(norms)) / len(norms)
+    routing = _routing(backend)
+    if routing is not None:
+        state.routing_stats.append(routing)
+        stats.update(routing)
     compiled = _interval_compile_seconds(cfg)
     steps_s = max(timers("interval").elapsed() - compiled, 1e-6)  # the steps' time alone
     log_training_step(cfg, state, stats, steps_s, writer, compile_s=compiled)
     state.steps_in_interval = state.skipped_in_interval = 0
+
+
+def _routing(backend):
+    """The interval's MoE routing statistics as floats (None without MoE): the routing
+    losses (their mean over the interval's micro-batches), the dropped tokens, and the
+    largest max / mean tokens per expert of a layer (collective, at log time)."""
+    get = getattr(backend, "routing_stats", None)
+    stats = get() if callable(get) else None
+    if stats is None:
+        return None
+    mean = stats["tokens_per_expert_mean"]
+    imbalance = torch.where(mean > 0, stats["tokens_per_expert_max"] / mean.clamp(min=1e-12),
+                            torch.zeros_like(mean)).max()
+    values = torch.stack([stats["load_balancing_loss"], stats["z_loss"],
+                          stats["dropped_tokens"], imbalance]).tolist()
+    return dict(zip(("load balancing loss", "z loss", "dropped tokens",
+                     "expert load max/mean"), values))
 
 
 def _interval_compile_seconds(cfg):

@@ -154,7 +154,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if self.activation_checkpoint_interval > 0:
             cached = self._chunk_checkpointable[j]
             if cached is None or cached[0] != self.activation_checkpoint_interval:
-                self.is_checkpointable_results_interval = None
+                # a fresh table: DeepSpeed before 0.19.8 appends to the one it finds
+                self.is_checkpointable_results, self.is_checkpointable_results_interval = \
+                    [], None
                 self._precompute_checkpointable_values()
                 cached = (self.activation_checkpoint_interval, self.is_checkpointable_results)
                 self._chunk_checkpointable[j] = cached

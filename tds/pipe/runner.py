@@ -261,7 +261,7 @@ class ScheduleRunner:
                     p2p.append(self.link.send_op(grad, peer, boundary.contract.partitioned[pos]))
             else:
                 landed.append((op, self._post_recv(op, peer, p2p)))
-        for work in dist.batch_isend_irecv(p2p):
+        for work in dist.batch_isend_irecv(p2p) if p2p else ():  # a tuple with no gradient
             work.wait()
         for op, finishers in landed:
             self._store(op, [(pos, finish()) for pos, finish in finishers])

@@ -109,7 +109,10 @@ def prepare_recompute_blocks(module) -> None:
     method of DeepSpeed's that tds calls, on a module DeepSpeed built."""
     if getattr(module, "activation_checkpoint_interval", 0) > 0:
         precompute = getattr(module, "_precompute_checkpointable_values", None)
-        if callable(precompute):
+        if callable(precompute) and getattr(module, "num_virtual_stages", 1) == 1:
+            # a fresh table: DeepSpeed before 0.19.8 appends to the one it finds
+            module.is_checkpointable_results, module.is_checkpointable_results_interval = \
+                [], None
             precompute()
 
 
@@ -196,6 +199,8 @@ class ScheduleStep(StageCallbacks):
         self.deferred_gemms = 0  # weight-gradient GEMMs the weight passes ran, per step
         self.peak_in_flight = 0  # (chunk, mb) forwarded and not yet through its backward
         self._warned_empty = False
+        self._grad_contract: Optional[List[str]] = None  # the first step's findings
+        self._grads_checked = False
 
     @property
     def is_loss_rank(self) -> bool:
@@ -210,6 +215,7 @@ class ScheduleStep(StageCallbacks):
         """A new contract (CPM's setters): the boundaries are learned again."""
         self.contract, self.boundaries = contract, None
         self._runners, self.runner = {}, None
+        self._grads_checked = False
 
     # ------------------------------------------------------------ steps
     def train(self, data_iterator: Optional[Iterator], num_micro_batches: int,
@@ -232,7 +238,12 @@ class ScheduleStep(StageCallbacks):
         data_iterator = self._ensure_boundaries(data_iterator)
         self.module.train()
         self._begin(data_iterator, num_micro_batches, scale_loss)
+        checking = not self._grads_checked
+        self._grad_contract = [] if checking else None
         self._runner(num_micro_batches, False).run(self)
+        if checking:
+            self._grads_checked = True
+            self._agree_on_grad_contract()
         if self.store is not None:
             self.store.check_flushed(where=f"the end of a {self.schedule} step")
         self._warn_if_nothing_deferred()
@@ -354,10 +365,49 @@ class ScheduleStep(StageCallbacks):
             else:
                 outputs = self._loss(j, inputs, mb, training)
         if training:
+            if self._grad_contract is not None and mb == 0 and chunk < self.num_chunks - 1:
+                self._check_grad_contract(chunk, outputs)
             self.saved[(chunk, mb)] = (inputs, outputs)
             self.in_flight.add((chunk, mb))
             self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
         return outputs
+
+    def _check_grad_contract(self, chunk: int, outputs) -> None:
+        """The first step's outputs against ``_input_grad`` (the probe ran without grad, so
+        only a real forward shows which positions carry a gradient): a position that
+        depends on the stage's parameters but is declared without a gradient would lose it
+        silently; one declared with a gradient that nothing before it needs would get one
+        sent back for nothing."""
+        grads = self.boundaries[chunk].contract.grads
+        for pos, tensor in enumerate(outputs):
+            if not torch.is_tensor(tensor) or not tensor.is_floating_point():
+                continue
+            where = (f"pipeline stage {self.stage.stage_id}, chunk {chunk} output position "
+                     f"{pos}")
+            if tensor.requires_grad and not grads[pos]:
+                self._grad_contract.append(
+                    f"{where} carries a gradient (it depends on this stage's parameters or "
+                    f"inputs) but _input_grad[{pos}] is False: the earlier stages would "
+                    f"silently lose it; set _input_grad[{pos}] = True")
+            elif grads[pos] and not tensor.requires_grad:
+                self._grad_contract.append(
+                    f"{where} carries no gradient (nothing it depends on needs one) but "
+                    f"_input_grad[{pos}] is True: a gradient would be sent back for nothing; "
+                    f"set _input_grad[{pos}] = False")
+
+    def _agree_on_grad_contract(self) -> None:
+        """Every rank learns of any rank's findings (one all-gather, the first step only)
+        and raises the same ValueError, before the caller's optimizer step."""
+        import torch.distributed as dist
+
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, self._grad_contract)
+        found = [(rank, m) for rank, messages in enumerate(reports) for m in messages or []]
+        self._grad_contract = None
+        if found:
+            rank, message = found[0]
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise ValueError(f"{message} (found on rank {rank}){more}")
 
     def _loss(self, j: int, inputs, mb: int, training: bool):
         """The last chunk: its loss (inside its compiled region where it has one) and
@@ -391,8 +441,9 @@ class ScheduleStep(StageCallbacks):
             else:
                 pairs = [(t, g) for t, g in zip(outputs, output_grads)
                          if g is not None and t.requires_grad]
-                torch.autograd.backward([t for t, _ in pairs],
-                                        grad_tensors=[g for _, g in pairs])
+                if pairs:  # none: no position carries a gradient back (the contract says)
+                    torch.autograd.backward([t for t, _ in pairs],
+                                            grad_tensors=[g for _, g in pairs])
         if chunk == 0:
             return None
         return tuple(t.grad if t.is_floating_point() and t.requires_grad else None
