@@ -120,7 +120,11 @@ def _check_run_line(row, family, gpus, config):
     assert ("--sequence-parallel" in extra) == row["sequence_parallel"]
     if row["pp"] > 1:
         assert variables["PIPELINE_SCHEDULE"] == row["pipeline_schedule"]
+    if row["backend"] == "deepspeed":
         assert f"--zero-stage {row['zero_stage']}" in extra
+    else:  # the project's step: ZeRO 1 is its distributed optimizer, planned overlapped
+        assert ("--use-distributed-optimizer" in extra) == bool(row["zero_stage"]), extra
+        assert "--overlap-grad-reduce" in extra and row["overlap_grad_reduce"], extra
 
 
 #: A python that makes DeepSpeed's CPU accelerator report fp16 (tests/precision.py) before

@@ -89,7 +89,7 @@ def _same(config, gpus, batch):
     from megatron.memory.planner import Hardware, plan
 
     args = plan_layout._args(["--config", os.path.join(REPO, config), "--gpus", str(gpus)])
-    _, _, base = plan_layout._base(args)
+    _, _, base, _ = plan_layout._base(args)
     hw = Hardware(gpus=gpus, gpu_memory=80 * 2**30, nodes=max(1, gpus // 8),
                   reserve=4 * 2**30)
     fast = plan(base, hw, batch, 1.0)

@@ -64,6 +64,7 @@ def test_eq3_is_three_passes_plus_recompute_of_the_model_flops():
     96 B s l h^2 (1 + s / 6h) + 6 B s h V."""
     from types import SimpleNamespace
 
+    from megatron.config.run_config import MoESettings
     from megatron.families.gpt2 import flops_per_step
 
     r = NARAYANAN_2021[4]
@@ -73,7 +74,8 @@ def test_eq3_is_three_passes_plus_recompute_of_the_model_flops():
                                                 ffn_hidden_size=4 * r.hidden,
                                                 num_attention_heads=r.heads,
                                                 kv_channels=r.hidden // r.heads,
-                                                num_layers=r.layers))
+                                                num_layers=r.layers),
+                          moe=MoESettings.from_values({}))  # dense layers
     model = flops_per_step(cfg)
     head = 6.0 * r.global_batch * 2048 * r.hidden * 51200
     assert eq3_flops(r.global_batch, 2048, r.layers, r.hidden, 51200) == \

@@ -210,7 +210,9 @@ def _config_plan(base, hw, batch, flops, why):
     if not per_replica or per_replica % base.micro_batch:
         return None, (f"global batch {batch} does not split into dp {base.dp} x micro-batch "
                       f"{base.micro_batch}")
-    spec = replace(base, num_micro_batches=per_replica // base.micro_batch)
+    # planned as the ranked rows are: the project's step with its reduction overlapped
+    spec = replace(base, num_micro_batches=per_replica // base.micro_batch,
+                   overlap_grad_reduce=base.backend == "ddp")
     return evaluate(spec, hw, flops), ""
 
 

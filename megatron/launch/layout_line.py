@@ -4,14 +4,16 @@ tools/plan_layout.py prints, for its best rows, the line that starts that layout
 
     GPUS_PER_NODE=8 NNODES=8 mp_size=2 cp_size=1 pp_size=4 vpp_size=1 PIPELINE_SCHEDULE=zbv
       BATCHSIZE=2 GAS=12 NLAYERS=40 ... PRECISION=fp16
-      EXTRA_ARGS='--zero-stage 1 --sequence-parallel' bash examples/run_gpt2.sh
+      EXTRA_ARGS='--use-distributed-optimizer --overlap-grad-reduce --sequence-parallel'
+      bash examples/run_gpt2.sh
 
 for a family with a run script (GPT-2: examples/run_gpt2.sh, T5: examples/run_t5.sh), and
 the training flags for any other (the config's settings as flags, then the layout's:
 ``--num-layers 32 ... --tensor-model-parallel-size 2 ...``). The run script passes its own
 model, batch and schedule values as flags, so the line sets its variables from the
-configuration; what has no variable (sequence parallelism, the ZeRO stage, selective
-recompute, a feed-forward width) goes into ``EXTRA_ARGS``. The YAML itself is not passed:
+configuration; what has no variable (sequence parallelism, the distributed optimizer and the
+overlapped reduction, DeepSpeed's ZeRO stage, selective recompute, a feed-forward width) goes
+into ``EXTRA_ARGS``. The YAML itself is not passed:
 its layout (a ``parallel_config``, ``sequence_parallel: true``, a recompute) would override
 the row's where no flag turns it off. ``CHECK_ONLY=1`` in front of a run-script line checks
 the settings without launching (examples/launch_common.sh).
@@ -39,6 +41,7 @@ LAYOUT_DESTS = frozenset({
     "global_batch_size", "sequence_parallel", "checkpoint_activations",
     "checkpoint_num_layers", "recompute_granularity", "recompute_method",
     "recompute_num_layers", "recompute_activations", "zero_stage", "deepspeed",
+    "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
     "expected_data_parallel_size"})
 #: The YAML's model settings a run-script line passes in EXTRA_ARGS (the scripts have no
 #: variable for them); the rest of the script's run (optimizer, logging) is the script's.
@@ -55,12 +58,15 @@ def _recompute_flags(spec: Any) -> List[str]:
     return []
 
 
-def _engine_flags(spec: Any) -> List[str]:
-    """ZeRO's stage where the layout trains through DeepSpeed (the JSON's would win
-    otherwise), and ``--deepspeed`` where that is not implied by a pipeline."""
+def _step_flags(spec: Any) -> List[str]:
+    """The project's step (``ddp``): its distributed optimizer (the planner's ZeRO 1) and the
+    overlapped reduction; DeepSpeed's engine (pp 1): ``--deepspeed`` and ZeRO's stage (the
+    JSON's would win otherwise)."""
     if spec.backend != "engine":
-        return []
-    return (["--deepspeed"] if spec.pp == 1 else []) + ["--zero-stage", str(spec.zero_stage)]
+        return ((["--use-distributed-optimizer"] if spec.zero_stage else []) +
+                (["--overlap-grad-reduce"] if getattr(spec, "overlap_grad_reduce", False)
+                 else []))
+    return ["--deepspeed", "--zero-stage", str(spec.zero_stage)]
 
 
 def layout_flags(spec: Any) -> List[str]:
@@ -81,7 +87,7 @@ def layout_flags(spec: Any) -> List[str]:
             flags += ["--virtual-pipeline-model-parallel-size", str(spec.vpp)]
     flags += ["--micro-batch-size", str(spec.micro_batch), "--global-batch-size",
               str(spec.micro_batch * spec.num_micro_batches * spec.dp)]
-    flags += _recompute_flags(spec) + _engine_flags(spec)
+    flags += _recompute_flags(spec) + _step_flags(spec)
     if spec.sequence_parallel:
         flags.append("--sequence-parallel")
     return flags
@@ -134,6 +140,8 @@ def _extra_args(spec: Any, family: str, config_flags: Dict[str, List[str]]) -> L
         extra += _recompute_flags(spec)
     if spec.backend == "engine":
         extra += ["--zero-stage", str(spec.zero_stage)]
+    else:
+        extra += _step_flags(spec)
     if spec.sequence_parallel:
         extra.append("--sequence-parallel")
     return extra

@@ -109,12 +109,14 @@ def _variants(base, tp, pp, dp, mb, m):
                 if zero and dp * base.cp == 1 or sp and base.seq_local % tp:
                     continue
                 # ZeRO-2 is DeepSpeed's engine's (pp 1); stage 1 is the project's distributed
-                # optimizer, every layout
+                # optimizer, every layout; the project's step is planned with its buckets
+                # reduced under the backward (the run line passes --overlap-grad-reduce)
                 backend = "engine" if zero == 2 or base.backend == "engine" else "ddp"
                 yield replace(base, tp=tp, pp=pp, dp=dp, micro_batch=mb, num_micro_batches=m,
                               recompute=recompute, recompute_method="uniform",
                               recompute_num_layers=1, zero_stage=zero, sequence_parallel=sp,
-                              backend=backend, vpp=vpp, schedule=schedule)
+                              backend=backend, vpp=vpp, schedule=schedule,
+                              overlap_grad_reduce=backend == "ddp")
 
 
 def plan(base: MemorySpec, hw: Hardware, global_batch: int, step_flops: float,

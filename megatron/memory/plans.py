@@ -132,6 +132,8 @@ class Plan:
                 "recompute_num_layers": s.recompute_num_layers if s.recompute == "full"
                 else None,
                 "zero_stage": s.zero_stage, "sequence_parallel": s.sequence_parallel,
+                "backend": "deepspeed" if s.backend == "engine" else "megatron",
+                "overlap_grad_reduce": s.overlap_grad_reduce,
                 "peak_bytes": self.peak, "stage_peak_bytes": [x.peak for x in self.stages],
                 "step_time_s": t.total, "tokens_per_gpu_s": self.tokens_per_gpu_s,
                 "model_tflops_per_gpu": self.tflops_per_gpu,

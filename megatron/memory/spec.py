@@ -17,9 +17,10 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class MemorySpec:
     """One run's sizes, layout and precision, as the memory model sees them.
 
-    ``backend`` is ``ddp`` (torch DDP, autocast over fp32 weights) or ``engine`` (DeepSpeed /
-    tds's pipeline engine: fp16 / bf16 weights with fp32 masters, ZeRO); pp > 1 or
-    ``--deepspeed`` train through the engine (megatron/training/backend_factory.py).
+    ``backend`` is ``ddp`` (the project's step at every layout: autocast over fp32 weights,
+    one fp32 gradient buffer, the distributed optimizer as ZeRO stage 1) or ``engine``
+    (DeepSpeed's, ``--deepspeed`` at pp 1: fp16 / bf16 weights with fp32 masters, ZeRO)
+    (megatron/training/backend_factory.py).
     ``device`` is ``cuda`` or ``cpu``: dropout keeps a 1-byte mask on CUDA but a mask in the
     activation's dtype on the CPU.
     """
@@ -64,6 +65,11 @@ class MemorySpec:
     dtype: str = "fp32"
     backend: str = "ddp"
     zero_stage: int = 0
+    """DeepSpeed's ZeRO stage (``engine``); under the project's step (``ddp``) 1 is its
+    distributed optimizer (``--use-distributed-optimizer``)."""
+    overlap_grad_reduce: bool = False
+    """The project's step reduces each gradient bucket from the backward's hooks
+    (``--overlap-grad-reduce``); step time only."""
     attention: str = "sdpa"
     """``sdpa`` or ``unfused`` (megatron/model/attention.py)."""
     hidden_dropout: float = 0.1
@@ -405,6 +411,7 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         # the project's step: ZeRO stage 1 is its distributed optimizer (the flag or the JSON)
         zero_stage=_zero_stage(cfg) if backend == "engine" else
         int(bool(p.use_distributed_optimizer)),
+        overlap_grad_reduce=backend == "ddp" and bool(p.overlap_grad_reduce),
         attention=resolve_attention_backend(k.attention_backend),
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         bias=m.hidden_bias, max_positions=m.max_position_embeddings,

@@ -40,8 +40,10 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
   here make them; tds's schedules reach these on the simulator), each micro-batch paying its
   p2p sends (ZB-V sends twice per stage pass, as v = 2).
 - **Data parallel**: the gradient ring all-reduce over data x context ranks (ZeRO:
-  reduce-scatter + all-gather, the same volume); torch DDP overlaps it with the last
-  backward, the engine does not.
+  reduce-scatter + all-gather, the same volume); with ``--overlap-grad-reduce`` (the
+  planner's rows) the project's step hides it under the slowest stage's last micro-batch
+  backward (of one chunk: ``/ v``), else it and DeepSpeed's engine run it after the
+  backward.
 - **Optimizer**: the Adam step's bytes (weights, gradients, moments, masters) at HBM speed.
 """
 from dataclasses import dataclass
@@ -340,11 +342,13 @@ def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: Li
     grad_bytes = params_per_rank * (4 if spec.backend == "ddp" else spec.e)
     dp_bw = _bw(spec.world // p, per_node, dev)  # the gradients' ring: dp x cp ranks
     dp = _collective(grad_bytes, spec.grad_ranks, dp_bw, dev, ring=2.0)
-    if spec.backend == "ddp" and spec.pp == 1:  # buckets overlap the last backward
-        dp = max(0.0, dp - stages[0][0] * 2 / (3 + recompute_fraction(spec, spec.num_layers)))
+    idx = per_mb.index(max(per_mb))
+    if spec.overlap_grad_reduce:  # buckets reduce under the last micro-batch's backward
+        # (of the slowest stage's last chunk: a chunk's buckets wait for its last pass)
+        share = 2 / (3 + recompute_fraction(spec, spec.num_layers // p))
+        dp = max(0.0, dp - stages[idx][0] * share / v)
     adam_bytes = 16 + 12 if spec.e == 4 else 2 + 16 + 12 + 2  # read p g m v, write p m v
     shard = spec.grad_ranks if spec.zero_stage else 1
     opt = params_per_rank * adam_bytes / shard / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
-    idx = per_mb.index(max(per_mb))
     return StepTime(pipeline + dp + opt, m * stages[idx][0], m * stages[idx][1],
                     pipeline - m * per_mb[idx], dp, opt, bubble, m * stages[idx][2])
