@@ -325,8 +325,9 @@ def _wandb(args, problems):
 
 
 def parse_data_path(data_path: Sequence[str]) -> Tuple[Optional[List[float]], List[str]]:
-    """``[prefix]`` or ``[w1, p1, w2, p2, ...]`` -> (weights or None, prefixes)."""
-    if len(data_path) == 1:
+    """``[prefix]`` or ``[w1, p1, w2, p2, ...]`` -> (weights or None, prefixes); ``[]`` (no
+    ``--data-path``: a provider's own data) -> (None, [])."""
+    if len(data_path) <= 1:
         return None, list(data_path)
     if len(data_path) % 2:
         raise DataError(f"--data-path {' '.join(data_path)}: give one prefix, or pairs of "
