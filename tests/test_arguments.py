@@ -133,6 +133,14 @@ def test_missing_files_are_reported(tmp_path):
     assert "m.txt does not exist" in text
 
 
+def test_no_data_path_is_named_with_the_files_checked():
+    """The file check runs with the flag checks: no --data-path is a listed problem, not a
+    crash of the check that reads the prefixes."""
+    with pytest.raises(ConfigError) as info:
+        parse_args(BASE, world_size=1, rank=0)
+    assert "--data-path is required" in str(info.value)
+
+
 @pytest.mark.precision
 @pytest.mark.parametrize("device", [WITH_FP16, WITHOUT_FP16], ids=["fp16", "no_fp16"])
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*", "*.yaml"))),
