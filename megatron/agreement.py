@@ -14,8 +14,8 @@ ranks that read different values fail together as well.
 The collective (``all_gather_object``) is taken on the group the caller gives, which may be
 a host (gloo) group on a background thread (the asynchronous checkpoint writer does so), and
 costs one small exchange on a path that is rare (a save, start-up), never inside a step.
-``tds``, which imports nothing of megatron, follows the same rule with its own exchange where
-its pipeline contract is checked (tds/pipe/boundary.py, tds/pipe/interleaved.py).
+``tds.pipe``, which imports nothing of megatron, follows the same rule with its own exchange
+where its pipeline contract is checked (tds/pipe/probe.py, tds/pipe/schedule_step.py).
 """
 from typing import Any, Callable, List, Optional, Tuple, Type, Union
 

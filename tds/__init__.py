@@ -27,7 +27,7 @@ _name_the_cpu_accelerator()
 
 import deepspeed as _deepspeed  # noqa: E402 (after the accelerator is named)
 
-OLDEST_DEEPSPEED = (0, 16)
+OLDEST_DEEPSPEED = (0, 17)
 """The oldest DeepSpeed tds is tested with (.ci/run runs the tds and pipeline tests with it);
 tds uses only DeepSpeed's public API, so later releases are admitted."""
 

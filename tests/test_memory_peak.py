@@ -57,8 +57,9 @@ def _layouts(micro, ds_fp32_accumulation):
             # selective recompute: the unfused path's s x s tensors come back in the backward
             "tp2 pp2 SP 1F1B selective": _base(micro, 4, attention_dropout=0.1) + tp_sp +
             selective,
-            # DeepSpeed's BF16_Optimizer, bf16 accumulation; attention dropout: the CPU's
-            # SDPA math path, which computes in fp32
+            # the project's step in bf16: autocast over fp32 weights (their bf16 copies held
+            # once per step), the fp32 gradient buffer; attention dropout: the CPU's SDPA
+            # math path, which computes in fp32
             "bf16 pp2 dp2": _base(micro, 4, attention_dropout=0.1) + bf16,
             # the distributed optimizer (the JSON's ZeRO stage 1 without --deepspeed): Adam's
             # moments of half the parameters, gloo's bucket copy in its collectives

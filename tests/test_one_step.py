@@ -49,8 +49,8 @@ def _counted(argv):
     counting(DynamicGradScaler, "update", "loss scaler")
     counting(mpu, "norm_of_grads", "gradient norm")
     log = loop.log_training_step
-    loop.log_training_step = lambda cfg, state, stats, *a: (logged.append(dict(stats)),
-                                                            log(cfg, state, stats, *a))[1]
+    loop.log_training_step = lambda cfg, state, stats, *a, **kw: (
+        logged.append(dict(stats)), log(cfg, state, stats, *a, **kw))[1]
 
     def loss_with_stats(outputs, labels):
         loss = GPT2.loss_fn(outputs, labels)

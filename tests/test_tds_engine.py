@@ -3,6 +3,8 @@
 The model passes ``(hidden float [s, b, h], mask bool [s, b])`` between stages, with the
 hidden state split across tensor-parallel ranks for the send.
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -224,7 +226,16 @@ def test_contract_errors_raise_on_every_rank(seed, contract, seq, message):
 
 
 def test_deepspeed_older_than_the_oldest_tested_is_refused_and_later_ones_admitted():
+    import re
+
     import tds
+
+    # setup.py admits from the oldest tds accepts, and .ci/run tests exactly that release
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    floor = re.search(r'"deepspeed>=([0-9.]+)"', open(os.path.join(repo, "setup.py")).read())
+    assert floor and tuple(map(int, floor.group(1).split("."))) == tds.OLDEST_DEEPSPEED
+    ci = open(os.path.join(repo, ".ci", "run")).read()
+    assert "OLDEST_DEEPSPEED" in ci and "tests/test_tds_engine.py" in ci
 
     oldest = ".".join(map(str, tds.OLDEST_DEEPSPEED))
     for version in (f"{oldest}.0", "0.19.8", "0.20.0", "1.0.0"):
