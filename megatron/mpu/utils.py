@@ -62,3 +62,15 @@ class VocabUtility:
                                "tensor-model-parallel size")
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank,
                                                                       world_size)
+
+
+def autocast_linear_inputs(input_, weight, bias):
+    """Cast to the autocast dtype as autocast's ``linear`` would (outside an autograd
+    Function, so autograd casts the gradients back); returns the tensors and whether
+    autocast was on."""
+    device_type = input_.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return input_, weight, bias, False
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = [None if x is None else x.to(dtype) for x in (input_, weight, bias)]
+    return cast[0], cast[1], cast[2], True
