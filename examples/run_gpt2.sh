@@ -48,6 +48,9 @@ GAS=${GAS:-8}                         # gradient accumulation (= micro-batches p
 TRAIN_ITERS=${TRAIN_ITERS:-100000}
 LR=${LR:-1.5e-4}
 PRECISION=${PRECISION:-auto}          # fp32 | fp16 | bf16 | auto (fp16 on GPUs, fp32 on a CPU)
+FP8=${FP8:-}                          # e4m3 | hybrid: the layers' linear GEMMs in float8 (bf16
+                                      # around them; GPUs of compute capability >= 8.9)
+FP8_RECIPE=${FP8_RECIPE:-tensorwise}  # tensorwise | rowwise scaling (with FP8)
 
 # ---- data and checkpoints ---------------------------------------------------------------
 DATA_PATH=${DATA_PATH:-$repo/data/corpus_text_document}

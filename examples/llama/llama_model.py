@@ -50,6 +50,9 @@ class LlamaConfig:
     positions for the rotary angles and the attention's document starts."""
     cp_comm_type: str = "p2p"
     """How the context-parallel attention exchanges keys and values (``--cp-comm-type``)."""
+    fp8: Optional[mpu.Fp8Recipe] = None
+    """The layers' projections in FP8 with this recipe (``--fp8-format``); the embedding,
+    the norms and the untied output layer stay in the compute dtype."""
 
     @property
     def head_dim(self) -> int:
@@ -62,9 +65,9 @@ def _linear(config, kind, n_in, n_out):
     sp = config.sequence_parallel
     if kind == "col":
         return mpu.ColumnParallelLinear(n_in, n_out, bias=False, gather_output=False,
-                                        init_method=init, sequence_parallel=sp)
+                                        init_method=init, sequence_parallel=sp, fp8=config.fp8)
     return mpu.RowParallelLinear(n_in, n_out, bias=False, input_is_parallel=True,
-                                 init_method=init, sequence_parallel=sp)
+                                 init_method=init, sequence_parallel=sp, fp8=config.fp8)
 
 
 class LlamaEmbedding(nn.Module):
@@ -355,7 +358,8 @@ def model_config(cfg: Any, dropout: bool = True) -> LlamaConfig:
         init_method_std=m.init_method_std, seed=m.seed,
         sequence_parallel=cfg.parallel.sequence_parallel and dropout,
         checkpoint_activations=m.checkpoint_activations,
-        token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type)
+        token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type,
+        fp8=cfg.precision.fp8 if dropout else None)
 
 
 def build_model(cfg: Any, pipeline: bool) -> nn.Module:

@@ -44,6 +44,8 @@ SCRIPT_VARIABLES = (
     (r"--train-iters", "TRAIN_ITERS"),
     (r"--lr", "LR"),
     (r"--fp16|--bf16", "PRECISION"),
+    (r"--fp8-format", "FP8"),
+    (r"--fp8-recipe", "FP8_RECIPE"),
     (r"--data-path|data prefix", "DATA_PATH"),
     (r"--vocab-file", "VOCAB_FILE"),
     (r"--merge-file", "MERGE_FILE"),
