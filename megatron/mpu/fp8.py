@@ -174,7 +174,7 @@ class Fp8Gemms:
             amax = self._amax(t, operand, k_axis)
         lib = _torchao()
         scale = lib["amax_to_scale"](amax, dtype,
-                                     round_scales_to_power_of_2=self.recipe.rowwise)
+                                     round_scales_to_power_of_2=True)
         data = lib["to_fp8_saturated"](t.to(torch.float32) * scale, dtype)
         return data, scale.reciprocal(), amax
 
