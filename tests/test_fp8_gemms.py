@@ -7,8 +7,8 @@ was applied (absolute, for values that land below the smallest normal). So
 
     |C_fp8 - C| <= Ea |B| + |A| Eb + Ea Eb + (fp32 accumulation) + (bf16 rounding of C_fp8)
 
-elementwise, with ``Ea = u_a |A| + d_a`` (``d`` per row of A / per column of B under rowwise,
-whose scales are powers of two rounded down: up to half the largest scale). The inputs are
+elementwise, with ``Ea = u_a |A| + d_a`` (``d`` per row of A / per column of B under rowwise;
+the scales are powers of two rounded down: down to half the largest that fits). The inputs are
 fresh random bf16 matrices whose rows (and columns) span four decades, so the subnormal
 term is exercised and a rowwise bound (per-row ``d``) is far below what one tensorwise scale
 would give. Each test also requires an error above what bf16 rounding alone gives (the GEMM
@@ -29,7 +29,7 @@ def _cast_error(t, dtype, dim, rowwise):
     """Elementwise bound on |cast(t) - t| (fp32); ``dim`` the axis a rowwise scale spans."""
     fi = torch.finfo(dtype)
     amax = t.abs().amax(dim=dim, keepdim=True) if rowwise else t.abs().amax()
-    smallest_scale = fi.max / amax / (2.0 if rowwise else 1.0)  # power of two rounded down
+    smallest_scale = fi.max / amax / 2.0  # a power of two, rounded down
     subnormal = fi.smallest_normal * fi.eps / 2.0 / smallest_scale
     return fi.eps / 2.0 * t.abs() + subnormal
 

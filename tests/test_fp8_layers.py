@@ -70,6 +70,11 @@ def _inputs(kind, seed, rank):
     x = torch.randn(S, B, H if kind.startswith("column") else F, generator=g)
     out = F if kind.startswith("column") else H
     dy = torch.randn(S, B, out, generator=g)
+    # the split axis's second half smaller (0.3x: below half, so another power-of-two scale
+    # on the rank holding it): dY's ``out`` at a column-parallel layer, X's ``in`` at a
+    # row-parallel one, the operands whose amaxes must be all-reduced
+    split = dy if kind.startswith("column") else x
+    split[..., split.size(-1) // 2:] *= 0.3
     if kind == "column":
         return (x, dy), (x, _shard(dy, -1, rank))
     if kind == "column-sp":  # sequence shard in, columns out

@@ -10,8 +10,11 @@ the compute dtype (bf16):
     weight grad     dW = dY^T @ X     K = n      (n: the tokens of the micro-batch)
 
 ``tensorwise``: one scale per operand. ``rowwise``: one scale per row of the left operand and
-per column of the right one, i.e. the amax is taken along the GEMM's K axis only (and the
-scales rounded down to a power of two, as torchao's rowwise recipe does). The scale and cast
+per column of the right one, i.e. the amax is taken along the GEMM's K axis only. Both round
+the scales down to a power of two (torchao's rowwise default, here for tensorwise too): the
+cast then multiplies exactly, and an amax that moves by rounding noise (bf16 partial sums at
+another tp size) rarely changes the scale, where a free scale would re-round the whole
+tensor. The scale and cast
 utilities are torchao's (``torchao.float8``: ``amax_to_scale``, ``to_fp8_saturated``); the
 GEMMs, and the autograd functions around them, stay the mpu layers' own, because those also
 own the tensor-parallel collectives, the sequence-parallel all-gathers and the zero-bubble
