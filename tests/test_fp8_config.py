@@ -223,3 +223,26 @@ def test_mfu_against_the_bf16_and_the_fp8_peaks(monkeypatch, capsys):
         "> MFU against the bf16 dense peak (989 TFLOP/s); 'MFU of FP8 peak' against the FP8 "
         "dense peak (1979 TFLOP/s)")
     assert training_log.peaks_line(saved_run_config(sizes)) is None
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_run_scripts_fp8_variables(tmp_path, gpu):
+    """FP8=... adds the FP8 flags (FP8_RECIPE's recipe) and makes PRECISION=auto bf16, on
+    GPUs and CPUs; a settings message about them names the variables."""
+    import os
+
+    from test_launch_check import REPO, _launch_common
+    from megatron.launch.check import annotate
+
+    body = 'megatron_precision_and_deepspeed_args fp16\necho "precision=[$precision_args]"'
+    out = _launch_common(tmp_path, body, gpu, PRECISION="auto", FP8="hybrid")
+    assert "precision=[--bf16 --fp8-format hybrid --fp8-recipe tensorwise]" in out.stdout, \
+        out.stdout + out.stderr
+    out = _launch_common(tmp_path, body, gpu, PRECISION="auto", FP8="e4m3",
+                         FP8_RECIPE="rowwise")
+    assert "precision=[--bf16 --fp8-format e4m3 --fp8-recipe rowwise]" in out.stdout
+    out = _launch_common(tmp_path, body, gpu, PRECISION="auto")
+    assert "fp8" not in out.stdout
+    line = annotate("--fp16 with --fp8-format is not supported: ...",
+                    os.path.join(REPO, "examples/run_gpt2.sh"))
+    assert line.endswith("[run_gpt2.sh: PRECISION, FP8]"), line
