@@ -225,16 +225,17 @@ def test_mfu_against_the_bf16_and_the_fp8_peaks(monkeypatch, capsys):
     assert training_log.peaks_line(saved_run_config(sizes)) is None
 
 
-@pytest.mark.parametrize("gpu", [False, True])
-def test_the_run_scripts_fp8_variables(tmp_path, gpu):
-    """FP8=... adds the FP8 flags (FP8_RECIPE's recipe) and makes PRECISION=auto bf16, on
-    GPUs and CPUs; a settings message about them names the variables."""
+def test_the_run_scripts_fp8_variables(tmp_path):
+    """FP8=... adds the FP8 flags (FP8_RECIPE's recipe) and makes PRECISION=auto bf16 (on a
+    GPU node, where it is fp16 otherwise); a settings message about them names the
+    variables."""
     import os
 
     from test_launch_check import REPO, _launch_common
     from megatron.launch.check import annotate
 
     body = 'megatron_precision_and_deepspeed_args fp16\necho "precision=[$precision_args]"'
+    gpu = True
     out = _launch_common(tmp_path, body, gpu, PRECISION="auto", FP8="hybrid")
     assert "precision=[--bf16 --fp8-format hybrid --fp8-recipe tensorwise]" in out.stdout, \
         out.stdout + out.stderr

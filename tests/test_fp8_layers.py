@@ -212,7 +212,7 @@ def _assert_layers(per_rank):
 
 
 @pytest.mark.parametrize("recipes,compile_kinds", [
-    (("hybrid-tensorwise", "e4m3-rowwise"), ("column-sp",)),
+    (("hybrid-tensorwise", "e4m3-rowwise"), ("column-sp",)),  # the exhaustive one: all
 ])
 def test_fp8_layers_at_tp2_equal_tp1(recipes, compile_kinds, seed):
     _assert_layers(run_distributed(_check_layers, 2, seed, recipes, compile_kinds,
