@@ -118,7 +118,7 @@ def _expected(kind, rank, ref):
     return y, dx, dw, db
 
 
-def _check_layers(seed, recipes, compile_kinds):
+def _check_layers(seed, recipes, compile_kinds, compile_modes=("plain", "deferred")):
     """Rank body (2 ranks): see the module docstring. Returns what failed (empty: none) and,
     per recipe and kind, whether local amaxes gave this rank tp 1's scales too."""
     import torch._inductor.config as inductor_config
@@ -157,7 +157,8 @@ def _check_layers(seed, recipes, compile_kinds):
                            zip(("y", "dx", "dw", "db"), deferred, got) if not torch.equal(a, b)]
                 if kind in compile_kinds:
                     with inductor_config.patch(emulate_precision_casts=True):
-                        failed += _compiled(where, layer, x2, dy2, store, got)
+                        failed += _compiled(where, layer, x2, dy2, store, got,
+                                            compile_modes)
                 mpu.set_weight_grad_deferral(layer, enabled=False)
     finally:
         restore()
@@ -180,13 +181,13 @@ def _compare(where, kind, got, expected):
     return failed
 
 
-def _compiled(where, layer, x, dy, store, eager):
-    """The compiled layer (plain, then deferring) against its eager FP8 results."""
+def _compiled(where, layer, x, dy, store, eager, modes):
+    """The compiled layer (``modes``: plain, deferring) against its eager FP8 results."""
     from megatron import mpu
 
     failed = []
     forward = layer.forward
-    for mode in ("plain", "deferred"):
+    for mode in modes:
         torch._dynamo.reset()
         mpu.set_weight_grad_deferral(layer, enabled=mode == "deferred", store=store)
         layer.forward = torch.compile(forward, dynamic=False)
@@ -211,12 +212,12 @@ def _assert_layers(per_rank):
     assert not wrong, f"local amaxes gave tp 1's scales on both ranks: {wrong}"
 
 
-@pytest.mark.parametrize("recipes,compile_kinds", [
-    (("hybrid-tensorwise", "e4m3-rowwise"), ("column-sp",)),  # the exhaustive one: all
-])
-def test_fp8_layers_at_tp2_equal_tp1(recipes, compile_kinds, seed):
-    _assert_layers(run_distributed(_check_layers, 2, seed, recipes, compile_kinds,
-                                   timeout=600))
+def test_fp8_layers_at_tp2_equal_tp1(seed):
+    """Two recipes, every layer kind; compiled: the deferring sequence-parallel column layer
+    (the compiled plain path trains in tests/test_fp8_training.py; -m exhaustive has all)."""
+    _assert_layers(run_distributed(_check_layers, 2, seed,
+                                   ("hybrid-tensorwise", "e4m3-rowwise"), ("column-sp",),
+                                   ("deferred",), timeout=600))
 
 
 @pytest.mark.exhaustive
