@@ -66,8 +66,9 @@ def test_flags_yaml_and_the_run_and_model_configs(tmp_path):
 
 
 def test_the_transformer_layers_linears_take_the_recipe_the_rest_does_not():
-    """GPT-2's and T5's attention and MLP linears run FP8; embeddings, norms and an untied
-    output layer (T5 v1.1's lm head) stay in the compute dtype."""
+    """GPT-2's, T5's and the Llama example's attention and MLP linears run FP8; embeddings,
+    norms and an untied output layer (T5 v1.1's, Llama's lm head) stay in the compute
+    dtype."""
     from megatron import mpu
     from megatron.model.gpt2_model import GPT2Model
     from megatron.model.t5_layers import T5TransformerConfig
@@ -77,11 +78,16 @@ def test_the_transformer_layers_linears_take_the_recipe_the_rest_does_not():
     recipe = mpu.Fp8Recipe("hybrid", "rowwise")
     sizes = dict(num_layers=1, hidden_size=32, num_attention_heads=4, kv_channels=8,
                  ffn_hidden_size=64, fp8=recipe)
+    import llama_runs  # noqa: F401  (puts examples/llama on the path)
+    from llama_model import LlamaConfig, LlamaModel
+
     mpu.set_tensor_model_parallel_world_size(1)
     mpu.set_tensor_model_parallel_rank(0)
+    llama = {k: v for k, v in sizes.items() if k != "kv_channels"}
     try:
         models = [GPT2Model(TransformerConfig(**sizes), 64, 16),
-                  T5Model(T5TransformerConfig(**sizes, vocab_size=64, tie_embeddings=False))]
+                  T5Model(T5TransformerConfig(**sizes, vocab_size=64, tie_embeddings=False)),
+                  LlamaModel(LlamaConfig(**llama, num_key_value_heads=2, vocab_size=64))]
     finally:
         mpu.set_tensor_model_parallel_world_size(None)
         mpu.set_tensor_model_parallel_rank(None)
@@ -90,9 +96,9 @@ def test_the_transformer_layers_linears_take_the_recipe_the_rest_does_not():
                    if isinstance(m, (mpu.ColumnParallelLinear, mpu.RowParallelLinear))}
         fp8 = sorted(n for n, m in linears.items() if m.fp8 is not None)
         assert fp8 and all(m.fp8.recipe == recipe for n, m in linears.items() if n in fp8)
-        assert sorted(set(linears) - set(fp8)) == \
-            ([] if isinstance(model, GPT2Model) else ["lm_head"]), linears
-        assert len(fp8) == (4 if isinstance(model, GPT2Model) else 4 + 7)  # + cross-attention
+        head = {GPT2Model: [], T5Model: ["lm_head"], LlamaModel: ["3.lm_head"]}[type(model)]
+        assert sorted(set(linears) - set(fp8)) == head, linears  # the untied output layer
+        assert len(fp8) == {GPT2Model: 4, T5Model: 4 + 7, LlamaModel: 7}[type(model)]
 
 
 def test_every_refusal_in_one_message():

@@ -54,6 +54,7 @@ def _run(layer, x, dy, store=None):
     x = x.detach().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, _ = layer(x)
+    y.mul_(1.0)  # in place, as the output layer's padded-vocabulary mask writes its logits
     if store is None:
         y.backward(dy.to(y.dtype))
     else:

@@ -59,15 +59,16 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
 
-def _linear(config, kind, n_in, n_out):
-    """A bias-free column- (``"col"``, output split) or row-parallel (``"row"``) linear."""
+def _linear(config, kind, n_in, n_out, fp8=True):
+    """A bias-free column- (``"col"``, output split) or row-parallel (``"row"``) linear; in
+    FP8 when the config asks for it, unless ``fp8`` is False (the output layer)."""
     init = init_method_normal(config.init_method_std)
-    sp = config.sequence_parallel
+    sp, recipe = config.sequence_parallel, config.fp8 if fp8 else None
     if kind == "col":
         return mpu.ColumnParallelLinear(n_in, n_out, bias=False, gather_output=False,
-                                        init_method=init, sequence_parallel=sp, fp8=config.fp8)
+                                        init_method=init, sequence_parallel=sp, fp8=recipe)
     return mpu.RowParallelLinear(n_in, n_out, bias=False, input_is_parallel=True,
-                                 init_method=init, sequence_parallel=sp, fp8=config.fp8)
+                                 init_method=init, sequence_parallel=sp, fp8=recipe)
 
 
 class LlamaEmbedding(nn.Module):
@@ -164,7 +165,8 @@ class LlamaHead(nn.Module):
         super().__init__()
         self.true_vocab_size = config.true_vocab_size
         with init_rng(config.seed, "lm_head"):
-            self.lm_head = _linear(config, "col", config.hidden_size, config.vocab_size)
+            self.lm_head = _linear(config, "col", config.hidden_size, config.vocab_size,
+                                   fp8=False)  # the output layer stays in bf16
         mpu.mark_padded_vocab_rows(self.lm_head.weight)
 
     def forward(self, hidden):

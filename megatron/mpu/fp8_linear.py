@@ -173,12 +173,14 @@ class Fp8GatherLinear(torch.autograd.Function):
         total = _gather(shard, group)  # [s, b, in], freed after the GEMM
         out, (x_amax, w_amax) = gemms.linear(total.view(-1, total.size(-1)), weight, bias)
         ctx.group, ctx.gemms, ctx.target = group, gemms, target
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.tokens = bias is not None, tuple(total.shape[:-1])
         ctx.save_for_backward(shard, weight, x_amax, w_amax)
-        return out.view(total.shape[0], total.shape[1], -1)  # [s, b, out/t]
+        # [s*b, out/t]: viewed to [s, b, out/t] outside, so that an in-place change of the
+        # result (a padded-vocabulary mask) is autograd's to handle
+        return out
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output):  # [s*b, out/t]
         shard, weight, x_amax, w_amax = ctx.saved_tensors
         group, gemms, target = ctx.group, ctx.gemms, ctx.target
         defer = target is not None and target[0].recording_key is not None and \
@@ -186,10 +188,10 @@ class Fp8GatherLinear(torch.autograd.Function):
         if not defer:  # the shard's re-gather runs under the input-gradient GEMM
             total = _gather_buffer(shard, dist.get_world_size(group))
             handle = _all_gather_single(total, shard, group=group, async_op=True)
-        grad2d = grad_output.contiguous().view(-1, grad_output.size(-1))  # [s*b, out/t]
+        grad2d = grad_output.contiguous()
         grad_total, dy_amax = gemms.input_grad(grad2d, weight, w_amax)  # [s*b, in]
         grad_shard, pending = _reduce_scatter_async(
-            grad_total.view(*grad_output.shape[:2], -1), group)  # [s/t, b, in]
+            grad_total.view(*ctx.tokens, -1), group)  # [s/t, b, in]
         grad_bias = grad2d.sum(0) if ctx.has_bias else None
         grad_weight = None
         if defer:
@@ -212,18 +214,19 @@ class _TracedFp8GatherLinear(torch.autograd.Function):
         total = _all_gather_first_dim(shard.contiguous(), group)  # [s, b, in]
         out, (x_amax, w_amax) = gemms.linear(total.view(-1, total.size(-1)), weight, bias)
         ctx.group, ctx.gemms, ctx.has_bias = group, gemms, bias is not None
+        ctx.tokens = tuple(total.shape[:-1])
         ctx.save_for_backward(shard, weight, x_amax, w_amax)
-        return out.view(total.shape[0], total.shape[1], -1)  # [s, b, out/t]
+        return out  # [s*b, out/t], viewed outside
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output):  # [s*b, out/t]
         shard, weight, x_amax, w_amax = ctx.saved_tensors
         gemms = ctx.gemms
         total = _all_gather_first_dim(shard, ctx.group)  # [s, b, in]
-        grad2d = grad_output.contiguous().view(-1, grad_output.size(-1))
+        grad2d = grad_output.contiguous()
         grad_total, dy_amax = gemms.input_grad(grad2d, weight, w_amax)
         grad_shard = _reduce_scatter_first_dim(
-            grad_total.view(*grad_output.shape[:2], -1), ctx.group)  # [s/t, b, in]
+            grad_total.view(*ctx.tokens, -1), ctx.group)  # [s/t, b, in]
         grad_weight = gemms.weight_grad(grad2d, total.view(-1, total.size(-1)), dy_amax,
                                         x_amax)
         grad_bias = grad2d.sum(0) if ctx.has_bias else None
@@ -268,13 +271,13 @@ class _TracedFp8GatherLinearDeferred(torch.autograd.Function):
         return _TracedFp8GatherLinear.forward(ctx, shard, weight, bias, group, gemms)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output):  # [s*b, out/t]
         shard, weight, x_amax, w_amax = ctx.saved_tensors
-        grad2d = grad_output.contiguous().view(-1, grad_output.size(-1))
+        grad2d = grad_output.contiguous()
         grad_total = torch.ops.megatron_tds.deferred_fp8_gather_linear_backward(
             grad2d, shard, weight, ctx.slot, ctx.spec, x_amax, w_amax)  # [s*b, in]
         grad_shard = _reduce_scatter_first_dim(
-            grad_total.view(*grad_output.shape[:2], -1), ctx.group)  # [s/t, b, in]
+            grad_total.view(*ctx.tokens, -1), ctx.group)  # [s/t, b, in]
         grad_bias = grad2d.sum(0) if ctx.has_bias else None
         return grad_shard, None, grad_bias, None, None, None
 
@@ -298,8 +301,11 @@ def fp8_gather_linear(shard: torch.Tensor, weight: torch.Tensor, bias: Optional[
     shard, weight, bias, autocast = autocast_linear_inputs(shard, weight, bias)
     with _no_autocast(autocast, shard.device.type):
         if not torch.compiler.is_compiling():
-            return Fp8GatherLinear.apply(shard, weight, bias, group, gemms, target)
-        if target is None:
-            return _TracedFp8GatherLinear.apply(shard, weight, bias, group, gemms)
-        return _TracedFp8GatherLinearDeferred.apply(shard, weight, bias, group, gemms,
-                                                    getattr(target[1], SLOT_ATTRIBUTE))
+            out = Fp8GatherLinear.apply(shard, weight, bias, group, gemms, target)
+        elif target is None:
+            out = _TracedFp8GatherLinear.apply(shard, weight, bias, group, gemms)
+        else:
+            out = _TracedFp8GatherLinearDeferred.apply(shard, weight, bias, group, gemms,
+                                                       getattr(target[1], SLOT_ATTRIBUTE))
+    world = dist.get_world_size(group)
+    return out.view(world * shard.size(0), *shard.shape[1:-1], out.size(-1))  # [s, b, out/t]
