@@ -1,26 +1,25 @@
-"""FP8 training end to end on the real corpus (the gpt2_data fixture): tiny GPT-2, bf16 around
-the FP8 GEMMs, dropout 0.
+"""FP8 training end to end on the real corpus (the gpt2_data fixture): tiny GPT-2 (and the
+Llama example), bf16 around the FP8 GEMMs, dropout 0.
 
-Tolerances (fp8_runs.py): an FP8 loss curve stays at every step within 2% of the bf16 run's
-final loss (measured: 0.01-0.2%), with no NaN / inf, and differs from it (FP8 really ran);
-tp 2 (with and without sequence parallelism) equals tp 1 in FP8 within 1e-3 relative per step.
-bf16 itself differs between tp 2 and tp 1 (partial sums rounded to bf16 before the
-all-reduce): 6e-4 at the most sensitive of 20 steps here; FP8 amplifies that noise where a
-value sits on a rounding boundary, most with e5m2 gradients and one tensorwise scale
-(hybrid tensorwise: 2e-3 at that step), so the exhaustive check of every recipe allows 4x
-bf16's own difference, measured in the same test. The scales themselves agree across the
-tp ranks exactly (tests/test_fp8_layers.py). Resume is exact: dynamic scaling keeps no state.
-
-The default run trains 8 steps (one launch per layout, several runs per launch); the
-300-step curves of the acceptance (GPT-2 and the Llama example, each recipe, tp 2 + SP,
-pp 2 ZB-V, --compile) are under -m exhaustive.
+Tolerances (fp8_runs.py). The default run trains 8 steps: every FP8 curve within 2% of the
+bf16 run's final loss at every step (measured: 0.01-0.2%), no NaN / inf, and not the bf16
+curve itself (FP8 really ran); tp 2 (with and without sequence parallelism) within 1e-3 of tp
+1 per step; a ZB-V run saved half-way and resumed gives the uninterrupted losses exactly
+(dynamic scaling keeps no state). Under -m exhaustive, 300 steps (GPT-2 and the Llama
+example, each recipe, tp 2 + SP, pp 2 ZB-V, --compile): there two runs' per-step losses part
+as their weights do, bf16 against bf16 at tp 2 by 2.0% of the final loss at the worst step,
+so the curves are compared as 25-step means, within 3% of the bf16 final loss (bf16 at tp 2:
+1.0%); tp 2 against tp 1 per step over the first 20 steps, within max(1e-3, 4 x bf16's own
+tp-2 difference): bf16 itself moves by 6e-4 at its most sensitive step there, which FP8
+amplifies where a value sits on a rounding boundary (hybrid tensorwise: 2e-3). The scales
+themselves agree across the tp ranks exactly (tests/test_fp8_layers.py).
 """
 import os
 
 import pytest
 
 from fp8_runs import (TP_TOL, curve_problems, gpt2_fp8_argv, llama_fp8_argv, relative,
-                      train_runs)
+                      train_runs, window_problems)
 from harness import run_distributed
 from precision import requires_ds_bf16
 
@@ -94,6 +93,8 @@ def test_fp8_pipeline_zbv_tracks_bf16_and_resumes_exactly(gpt2_data, tmp_path):
 # ------------------------------------------------------------------ the 300-step curves
 LONG = 300
 RECIPES = ("e4m3-tensorwise", "hybrid-tensorwise", "e4m3-rowwise", "hybrid-rowwise")
+#: Steps over which tp 2 is held to tp 1 per step (further on, the runs part as bf16's do).
+TP_STEPS = 20
 
 
 @pytest.mark.slow
@@ -101,7 +102,8 @@ RECIPES = ("e4m3-tensorwise", "hybrid-tensorwise", "e4m3-rowwise", "hybrid-rowwi
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_fp8_300_steps_every_recipe_tp1_and_tp2_sp(family, gpt2_data):
     """Every recipe at tp 1 and at tp 2 with sequence parallelism against bf16 over 300
-    steps; tp 2 against tp 1 within max(1e-3, 4 x bf16's own tp-2 difference)."""
+    steps (25-step means within 3% of the bf16 final loss, no NaN / inf); over the first 20
+    steps tp 2 against tp 1 per step within max(1e-3, 4 x bf16's own tp-2 difference)."""
     argv = gpt2_fp8_argv if family == "gpt2" else llama_fp8_argv
     recipes = (None,) + RECIPES
     tp1 = run_distributed(train_runs, 1, family, [argv(gpt2_data, r, LONG) for r in recipes],
@@ -110,12 +112,12 @@ def test_fp8_300_steps_every_recipe_tp1_and_tp2_sp(family, gpt2_data):
                           [argv(gpt2_data, r, LONG, 2, 1, "--sequence-parallel")
                            for r in recipes], timeout=3600)[0]
     bf16 = tp1[0]
-    floor = relative(tp2[0], bf16)
-    problems = []
+    floor = relative(tp2[0][:TP_STEPS], bf16[:TP_STEPS])
+    problems = window_problems("bf16 tp 2 + SP", tp2[0], bf16)
     for recipe, one, two in zip(recipes[1:], tp1[1:], tp2[1:]):
-        problems += curve_problems(f"{recipe} tp 1", one, bf16)
-        problems += curve_problems(f"{recipe} tp 2 + SP", two, bf16)
-        error = relative(two, one)
+        problems += window_problems(f"{recipe} tp 1", one, bf16)
+        problems += window_problems(f"{recipe} tp 2 + SP", two, bf16)
+        error = relative(two[:TP_STEPS], one[:TP_STEPS])
         if error > max(TP_TOL, 4 * floor):
             problems.append(f"{recipe}: tp 2 {error:.2e} from tp 1 (bf16's own {floor:.2e})")
     assert not problems, problems
@@ -126,7 +128,8 @@ def test_fp8_300_steps_every_recipe_tp1_and_tp2_sp(family, gpt2_data):
 @pytest.mark.precision
 @requires_ds_bf16
 def test_fp8_300_steps_pipeline_zbv_and_compile(gpt2_data):
-    """pp 2 ZB-V (each recipe) against bf16 ZB-V, and --compile against eager bf16."""
+    """pp 2 ZB-V (each recipe) against bf16 ZB-V, and --compile against eager bf16, over 300
+    steps (the same tolerance)."""
     zbv = ("--pipeline-schedule", "zbv")
     recipes = (None,) + RECIPES
     pipe = run_distributed(train_runs, 2, "gpt2",
@@ -138,7 +141,7 @@ def test_fp8_300_steps_pipeline_zbv_and_compile(gpt2_data):
                                  ("e4m3-rowwise", ("--compile",)))], timeout=3600)[0]
     problems = []
     for recipe, curve in zip(RECIPES, pipe[1:]):
-        problems += curve_problems(f"{recipe} pp 2 zbv", curve, pipe[0])
+        problems += window_problems(f"{recipe} pp 2 zbv", curve, pipe[0])
     for recipe, curve in zip(("hybrid-tensorwise", "e4m3-rowwise"), compiled[1:]):
-        problems += curve_problems(f"{recipe} --compile", curve, compiled[0])
+        problems += window_problems(f"{recipe} --compile", curve, compiled[0])
     assert not problems, problems
