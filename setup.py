@@ -35,7 +35,8 @@ INSTALL_REQUIRES = [
 EXTRAS_REQUIRE = {
     # pytest-xdist: the suite runs on every core by default (tests/parallel_suite.py)
     "test": ["pytest", "pytest-xdist", "transformers", "tokenizers", "tensorboard", "wandb",
-             "matplotlib"],
+             "matplotlib", "torchao>=0.12"],
+    "fp8": ["torchao>=0.12"],  # --fp8-format: torchao's float8 scaling (megatron/mpu/fp8.py)
     "tensorboard": ["tensorboard"],
     "wandb": ["wandb"],  # --wandb-project
     "plot": ["matplotlib"],  # tools/plot_runs.py, benchmarks/kernels.py --plot

@@ -18,7 +18,11 @@ so they are measured here, on the CPU, at tp = pp = dp = 1, for:
   ``torch.compile``, clipping at 1.0 like our run scripts, torch's AdamW;
 - with ``--model t5`` (T5, ``--layers`` per stack, encoder ``--seq``, decoder ``--dec-seq``):
   ``hf compiled``, transformers' T5ForConditionalGeneration at the same sizes under
-  ``torch.compile`` instead of the plain GPT-2 (issue 43).
+  ``torch.compile`` instead of the plain GPT-2 (issue 43);
+- ``fp8`` / ``fp8-eager``: ``megatron compile`` / ``eager`` with ``--fp8-format`` and
+  ``--fp8-recipe`` as ``--fp8 FORMAT-RECIPE`` says (needs ``--bf16``): the FP8 casts and amax
+  reductions must all be inside the compiled graphs, so ``fp8``'s kernels outside them are
+  ``compile``'s; FP8 GEMMs (``aten::_scaled_mm``) are counted with the GEMMs.
 
 Per optimizer step (one micro-batch), from ``torch.profiler`` on the CPU: compiled-graph
 calls (``## Call CompiledFxGraph`` events: forward and backward graphs), kernels launched
@@ -53,7 +57,7 @@ NO_KERNEL = {"aten::view", "aten::reshape", "aten::as_strided", "aten::t", "aten
              "aten::split_with_sizes", "aten::numpy_T", "aten::contiguous",
              "aten::_has_compatible_shallow_copy_type", "aten::set_", "aten::result_type",
              "aten::is_nonzero", "aten::_local_scalar_dense", "aten::to", "aten::record_stream"}
-GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"}
 COMPILED_GRAPH = "## Call CompiledFxGraph"
 
 
@@ -71,7 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--loss-shape", type=int, nargs=2, default=(2048, 50304),
                    metavar=("TOKENS", "VOCAB"), help="the loss path's logits")
     p.add_argument("--kinds", default="compile,layers,eager,plain",
-                   help="compile, layers, eager; plain (GPT-2) or hf (T5) compiled")
+                   help="compile, layers, eager; plain (GPT-2) or hf (T5) compiled; fp8, "
+                        "fp8-eager (compile / eager with --fp8)")
+    p.add_argument("--fp8", default="hybrid-tensorwise", metavar="FORMAT-RECIPE",
+                   help="the fp8 kinds' --fp8-format and --fp8-recipe")
     p.add_argument("--bf16", action="store_true", help="autocast to bf16, as on the GPU")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--adamw", choices=("fused", "default"), default="fused",
@@ -118,8 +125,8 @@ def make_step(kind, args):
                           compiled=True)
     flags = _common_flags(opts, args.layers, args.hidden, args.heads, args.batch,
                           ["--seq-length", str(args.seq), "--max-position-embeddings",
-                           str(args.seq)])
-    project = "compile" if kind == "compile" else "eager"
+                           str(args.seq), *_fp8_flags(kind, args)])
+    project = "compile" if kind in ("compile", "fp8") else "eager"
     step, cfg = project_step(project, "gpt2", flags, args.vocab,
                              gpt2_batch_fn(args.batch, args.seq, args.vocab), opts.device)
     if kind == "layers":  # each layer its own region: --compile before issue 42
@@ -127,6 +134,14 @@ def make_step(kind, args):
 
         compile_layers(step.backend.module())
     return _name_optimizer_step(step)
+
+
+def _fp8_flags(kind, args):
+    """``--fp8-format`` / ``--fp8-recipe`` for the fp8 kinds (none for the others)."""
+    if not kind.startswith("fp8"):
+        return []
+    fmt, recipe = args.fp8.split("-")
+    return ["--fp8-format", fmt, "--fp8-recipe", recipe]
 
 
 def _name_optimizer_step(step):
@@ -210,7 +225,8 @@ def count_step(step):
                 counts["norm custom-op calls inside compiled graphs"] += 1
         if not e.name.startswith("aten::"):
             continue
-        if e.name in GEMMS and not any(c.name in GEMMS for c in e.cpu_children):
+        if e.name in GEMMS and not any(c.name in GEMMS for c in e.cpu_children) and \
+                not _under(e, "aten::_scaled_mm"):  # the CPU's _scaled_mm runs an mm inside
             counts["GEMM calls"] += 1
         if "scaled_dot_product" in e.name and not any("scaled_dot_product" in c.name
                                                       for c in e.cpu_children):
@@ -361,6 +377,13 @@ def main(argv=None):
     print(f"\n{'per step':36s}" + "".join(f"{k:>14s}" for k in results))
     for name in names:
         print(f"{name:36s}" + "".join(f"{results[k][name]:>14d}" for k in results))
+    if "fp8" in results and "compile" in results:
+        for name in ("compiled graph calls", "kernels outside compiled graphs", "GEMM calls"):
+            base = results["compile"][name]
+            if base:
+                print(f"ratio fp8 / compile, {name}: {results['fp8'][name] / base:.2f}")
+        extra = outside["fp8"] - outside["compile"]
+        print(f"kernels outside compiled graphs that fp8 adds to compile: {dict(extra)}")
     baseline = "hf" if args.model == "t5" else "plain"
     if baseline in results:
         for kind in (k for k in results if k != baseline):

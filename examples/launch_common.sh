@@ -15,9 +15,12 @@ megatron_has_gpu() {
 # bf16 has no fast kernels on most CPUs) and ds_args: the DeepSpeed config is always passed
 # (pretrain() uses it when it trains through an engine: pipeline stages, or --deepspeed),
 # and USE_DEEPSPEED=1 asks for DeepSpeed's data parallelism without pipeline stages.
+# FP8=e4m3|hybrid adds the FP8 GEMMs (--fp8-format, with FP8_RECIPE=tensorwise|rowwise);
+# they run under bf16, which PRECISION=auto then picks on GPUs and CPUs alike.
 megatron_precision_and_deepspeed_args() {
   if [ "$PRECISION" = auto ]; then
-    if megatron_has_gpu; then PRECISION=$1; else PRECISION=fp32; fi
+    if [ -n "${FP8:-}" ]; then PRECISION=bf16
+    elif megatron_has_gpu; then PRECISION=$1; else PRECISION=fp32; fi
     echo "> PRECISION=auto: $PRECISION"
   fi
   case "$PRECISION" in
@@ -26,6 +29,9 @@ megatron_precision_and_deepspeed_args() {
     bf16) precision_args="--bf16" ;;
     *) echo "error: PRECISION=$PRECISION: use fp32, fp16, bf16 or auto" >&2; exit 2 ;;
   esac
+  if [ -n "${FP8:-}" ]; then
+    precision_args="$precision_args --fp8-format $FP8 --fp8-recipe ${FP8_RECIPE:-tensorwise}"
+  fi
   ds_args="--deepspeed_config $config_json"
   if [ "${USE_DEEPSPEED:-0}" = 1 ]; then
     ds_args="--deepspeed $ds_args"

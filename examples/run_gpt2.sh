@@ -52,6 +52,9 @@ LR=${LR:-1.5e-4}
 HIDDEN_DROPOUT=${HIDDEN_DROPOUT:-0.1}  # dropout of the layers' outputs (--hidden-dropout)
 ATTENTION_DROPOUT=${ATTENTION_DROPOUT:-0.1}  # of the attention probabilities (0 for cp_size > 1)
 PRECISION=${PRECISION:-auto}          # fp32 | fp16 | bf16 | auto (fp16 on GPUs, fp32 on a CPU)
+FP8=${FP8:-}                          # e4m3 | hybrid: the layers' linear GEMMs in float8 (bf16
+                                      # around them; GPUs of compute capability >= 8.9)
+FP8_RECIPE=${FP8_RECIPE:-tensorwise}  # tensorwise | rowwise scaling (with FP8)
 
 # ---- data and checkpoints ---------------------------------------------------------------
 DATA_PATH=${DATA_PATH:-$repo/data/corpus_text_document}

@@ -53,6 +53,9 @@ HIDDEN_DROPOUT=${HIDDEN_DROPOUT:-0.1}  # dropout of the layers' outputs (--hidde
 ATTENTION_DROPOUT=${ATTENTION_DROPOUT:-0.1}  # of the attention probabilities
 PRECISION=${PRECISION:-auto}          # fp32 | fp16 | bf16 | auto (bf16 on GPUs, fp32 on a CPU;
                                       # T5 overflows easily in fp16)
+FP8=${FP8:-}                          # e4m3 | hybrid: the layers' linear GEMMs in float8 (bf16
+                                      # around them; GPUs of compute capability >= 8.9)
+FP8_RECIPE=${FP8_RECIPE:-tensorwise}  # tensorwise | rowwise scaling (with FP8)
 
 # ---- data and checkpoints ---------------------------------------------------------------
 DATA_PATH=${DATA_PATH:-$repo/data/corpus_text_document}

@@ -172,7 +172,12 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, argv=None,
     cp = f" x cp {cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
     if cfg.parallel.ep > 1:
         cp += f" (ep {cfg.parallel.ep} of dp x cp)"
+    fp8 = cfg.precision.fp8
     print_rank_0(f"> initialized: world {cfg.parallel.world} = tp {cfg.parallel.tp}{cp}"
                  f" x pp {cfg.parallel.pp} x dp {cfg.parallel.dp}, "
-                 f"backend {cfg.parallel.dist_backend}, compute dtype {cfg.precision.name}")
+                 f"backend {cfg.parallel.dist_backend}, compute dtype {cfg.precision.name}"
+                 + (f", {fp8.describe()} in the transformer layers' linears" if fp8 else ""))
+    if fp8 is not None and mpu.get_device().type == "cpu":
+        print_rank_0("> FP8 on the CPU: torch._scaled_mm computes the float8 GEMMs in "
+                     "software here, for their numerics, not for speed")
     return cfg

@@ -73,7 +73,7 @@ def _record_of_layers(config) -> dict:
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     tiny = dataclasses.replace(config, hidden_size=2 * heads, ffn_hidden_size=1, vocab_size=1,
                                true_vocab_size=None, sequence_parallel=False,
-                               checkpoint_activations=False, num_key_value_heads=kv)
+                               checkpoint_activations=False, num_key_value_heads=kv, fp8=None)
     mpu.set_tensor_model_parallel_world_size(1)
     mpu.set_tensor_model_parallel_rank(0)
     try:

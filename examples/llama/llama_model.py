@@ -56,21 +56,25 @@ class LlamaConfig:
     """The :class:`megatron.mpu.moe.MoEConfig` of the MoE layers (Mixtral), or None."""
     moe_layers: Optional[tuple] = None
     """Per layer: an MoE block instead of the SwiGLU MLP."""
+    fp8: Optional[mpu.Fp8Recipe] = None
+    """The layers' projections in FP8 with this recipe (``--fp8-format``); the embedding,
+    the norms and the untied output layer stay in the compute dtype."""
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
 
-def _linear(config, kind, n_in, n_out):
-    """A bias-free column- (``"col"``, output split) or row-parallel (``"row"``) linear."""
+def _linear(config, kind, n_in, n_out, fp8=True):
+    """A bias-free column- (``"col"``, output split) or row-parallel (``"row"``) linear; in
+    FP8 when the config asks for it, unless ``fp8`` is False (the output layer)."""
     init = init_method_normal(config.init_method_std)
-    sp = config.sequence_parallel
+    sp, recipe = config.sequence_parallel, config.fp8 if fp8 else None
     if kind == "col":
         return mpu.ColumnParallelLinear(n_in, n_out, bias=False, gather_output=False,
-                                        init_method=init, sequence_parallel=sp)
+                                        init_method=init, sequence_parallel=sp, fp8=recipe)
     return mpu.RowParallelLinear(n_in, n_out, bias=False, input_is_parallel=True,
-                                 init_method=init, sequence_parallel=sp)
+                                 init_method=init, sequence_parallel=sp, fp8=recipe)
 
 
 class LlamaEmbedding(nn.Module):
@@ -173,7 +177,8 @@ class LlamaHead(nn.Module):
         super().__init__()
         self.true_vocab_size = config.true_vocab_size
         with init_rng(config.seed, "lm_head"):
-            self.lm_head = _linear(config, "col", config.hidden_size, config.vocab_size)
+            self.lm_head = _linear(config, "col", config.hidden_size, config.vocab_size,
+                                   fp8=False)  # the output layer stays in bf16
         mpu.mark_padded_vocab_rows(self.lm_head.weight)
 
     def forward(self, hidden):
@@ -373,7 +378,8 @@ def model_config(cfg: Any, dropout: bool = True) -> LlamaConfig:
         sequence_parallel=cfg.parallel.sequence_parallel and dropout,
         checkpoint_activations=m.checkpoint_activations,
         token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type,
-        moe=moe, moe_layers=moe_layers)
+        moe=moe, moe_layers=moe_layers,
+        fp8=cfg.precision.fp8 if dropout else None)
 
 
 def build_model(cfg: Any, pipeline: bool) -> nn.Module:

@@ -134,6 +134,13 @@ def add_training_args(parser):
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--fp16", action="store_true", help="fp16 compute, fp32 master weights")
     g.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="with --bf16: the transformer layers' linear GEMMs in float8 (e4m3; "
+                        "hybrid: their gradients e5m2); embedding, output layer, norms and "
+                        "loss stay bf16 (Megatron-LM's flag; docs/training.md, FP8)")
+    g.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default=None,
+                   help="FP8 scaling: one scale per tensor (default) or per row, both from "
+                        "the current amax (nothing to save in a checkpoint)")
     g.add_argument("--loss-scale", type=float, default=0.0,
                    help="static loss scale; 0 = dynamic (fp16 only)")
     g.add_argument("--initial-scale-power", type=int, default=16,

@@ -137,9 +137,23 @@ class PrecisionConfig(Section):
     loss_scale_window: int
     hysteresis: int
     min_loss_scale: float
+    fp8_format: Optional[str] = None
+    """``--fp8-format``: ``e4m3``, ``hybrid`` or None (no FP8)."""
+    fp8_recipe: Optional[str] = None
+    """``--fp8-recipe``: ``tensorwise`` or ``rowwise`` (None without FP8)."""
 
     FLAGS: ClassVar[Dict[str, str]] = {"dtype": "compute_dtype"}
-    DEFAULTS: ClassVar[Dict[str, Any]] = {"params_dtype": torch.float32}
+    DEFAULTS: ClassVar[Dict[str, Any]] = {"params_dtype": torch.float32, "fp8_format": None,
+                                          "fp8_recipe": None}
+
+    @property
+    def fp8(self):
+        """The :class:`megatron.mpu.Fp8Recipe` the transformer layers' linears run, or None."""
+        if self.fp8_format is None:
+            return None
+        from ..mpu.fp8 import Fp8Recipe
+
+        return Fp8Recipe(self.fp8_format, self.fp8_recipe or "tensorwise")
 
     @property
     def fp16(self):

@@ -459,12 +459,14 @@ def derive_and_validate(args: argparse.Namespace, family: Optional[Any] = None,
     problems = []
     from .context_parallel import validate_context_parallel
     from .moe import validate_moe
+    from .fp8 import validate_fp8
     from .speed_flags import validate_speed
 
     for check in (_parallel, _model, check_recompute, _virtual_pipeline, _pipeline_schedule,
                   _batch, _optim, _distributed_optimizer, _data, _intervals,
                   _faults, _split, _wandb,
-                  _sequence_parallel, validate_context_parallel, validate_speed, validate_moe):
+                  _sequence_parallel, validate_context_parallel, validate_speed, validate_moe,
+                  validate_fp8):
         check(args, problems)
     if family is not None:
         family.validate(args, problems)

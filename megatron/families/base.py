@@ -34,6 +34,7 @@ FEATURES: Dict[str, Tuple[str, Callable]] = {
                          lambda ns: bool(getattr(ns, "reset_attention_mask", False)
                                          or getattr(ns, "reset_position_ids", False))),
     "moe": ("--num-experts", lambda ns: bool(getattr(ns, "num_experts", None))),
+    "fp8": ("--fp8-format", lambda ns: bool(getattr(ns, "fp8_format", None))),
 }
 
 #: Features a family provides when the model config it builds from the run carries them
@@ -42,7 +43,8 @@ FEATURES: Dict[str, Tuple[str, Callable]] = {
 #: ``.recompute_granularity`` / ``.recompute_method``; MoE: ``.moe``, the
 #: :class:`megatron.mpu.moe.MoEConfig` its layers build MoE blocks from; context
 #: parallelism and document masking: ``.token_layout``, the attention taking mpu's token
-#: layout, docs/new_model.md). The pipeline ones are provided by ``build_model(cfg,
+#: layout, docs/new_model.md; FP8: ``.fp8``, the recipe its layers pass to the mpu linears).
+#: The pipeline ones are provided by ``build_model(cfg,
 #: pipeline=True)`` itself, checked when it is built
 #: (:func:`megatron.training.backend_factory.check_pipeline_module`).
 FROM_MODEL_CONFIG = {"sequence_parallel": "sequence_parallel",
@@ -50,7 +52,7 @@ FROM_MODEL_CONFIG = {"sequence_parallel": "sequence_parallel",
                      "selective_recompute": "recompute_granularity",
                      "recompute_block": "recompute_method",
                      "context_parallel": "token_layout", "document_masking": "token_layout",
-                     "moe": "moe"}
+                     "moe": "moe", "fp8": "fp8"}
 
 
 def unsupported_flags(ns, family) -> list:
@@ -189,7 +191,8 @@ class ModelFamily:
         flags = saved_run_config(saved, self).replace(compute_dtype=torch.float32,
                                                       checkpoint_activations=False,
                                                       recompute_granularity=None,
-                                                      recompute_method=None)
+                                                      recompute_method=None,
+                                                      fp8_format=None, fp8_recipe=None)
         return self.model_config(flags, dropout=False)
 
     def forward_step(self, batch_fn: Callable) -> Callable:
@@ -236,7 +239,8 @@ def transformer_kwargs(cfg, dropout: bool = True) -> dict:
         true_vocab_size=m.true_vocab_size,
         sequence_parallel=cfg.parallel.sequence_parallel and dropout,  # not in inference
         attention_backend=kernels.attention_backend or "auto",
-        token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type)
+        token_layout=uses_token_layout(cfg), cp_comm_type=cfg.parallel.cp_comm_type,
+        fp8=cfg.precision.fp8 if dropout else None)  # inference: the compute dtype
 
 
 def uses_token_layout(cfg: Any) -> bool:

@@ -48,6 +48,8 @@ SCRIPT_VARIABLES = (
     (r"--hidden-dropout", "HIDDEN_DROPOUT"),
     (r"--attention-dropout", "ATTENTION_DROPOUT"),
     (r"--fp16|--bf16", "PRECISION"),
+    (r"--fp8-format", "FP8"),
+    (r"--fp8-recipe", "FP8_RECIPE"),
     (r"--data-path|data prefix", "DATA_PATH"),
     (r"--vocab-file", "VOCAB_FILE"),
     (r"--merge-file", "MERGE_FILE"),

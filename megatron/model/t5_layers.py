@@ -206,7 +206,8 @@ class T5Attention(nn.Module):
             # queries, and for cross-attention the encoder output for the keys/values.
             return mpu.ColumnParallelLinear(h, out, bias=False, gather_output=False,
                                             init_method=init,
-                                            sequence_parallel=config.sequence_parallel)
+                                            sequence_parallel=config.sequence_parallel,
+                                            fp8=config.fp8)
 
         if cross:  # per-head rows [heads, (k, v), d_kv]: a contiguous split keeps heads whole
             self.query = column(inner, init_method_normal(std_q))
@@ -215,7 +216,8 @@ class T5Attention(nn.Module):
             self.query_key_value = column(3 * inner, PerHeadInit((std_q, std_kv, std_kv), hn))
         self.dense = mpu.RowParallelLinear(inner, h, bias=False, input_is_parallel=True,
                                            init_method=init_method_normal(inner ** -0.5),
-                                           sequence_parallel=config.sequence_parallel)
+                                           sequence_parallel=config.sequence_parallel,
+                                           fp8=config.fp8)
         self.scale_mask_softmax = FusedScaleMaskSoftmax.for_dtype(
             config.compute_dtype, AttnMaskType.padding, config.masked_softmax_fusion,
             attention_mask_func, scale=None)
@@ -285,10 +287,11 @@ class T5MLP(nn.Module):
         h, ff = config.hidden_size, config.ffn_hidden_size
         self.dense_h_to_ff = mpu.ColumnParallelLinear(
             h, (2 if self.gated else 1) * ff, bias=False, gather_output=False,
-            init_method=init_method_normal(h ** -0.5), sequence_parallel=config.sequence_parallel)
+            init_method=init_method_normal(h ** -0.5), sequence_parallel=config.sequence_parallel,
+            fp8=config.fp8)
         self.dense_ff_to_h = mpu.RowParallelLinear(
             ff, h, bias=False, input_is_parallel=True, init_method=init_method_normal(ff ** -0.5),
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, fp8=config.fp8)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.tp_size = mpu.get_tensor_model_parallel_world_size()
 

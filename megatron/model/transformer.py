@@ -63,6 +63,9 @@ class ModelRunOptions:
     megatron/mpu/context_parallel.py), not a bool mask; a pipeline declares it ``int``."""
     cp_comm_type: str = "p2p"
     """How the context-parallel attention exchanges keys and values (``--cp-comm-type``)."""
+    fp8: Optional[mpu.Fp8Recipe] = None
+    """The layers' column- and row-parallel linears run their GEMMs in FP8 with this recipe
+    (``--fp8-format``); embedding, output layer and norms stay in the compute dtype."""
 
 
 @dataclass
@@ -103,11 +106,12 @@ class ParallelMLP(nn.Module):
         std = config.init_method_std
         self.dense_h_to_4h = mpu.ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size, bias=config.bias, gather_output=False,
-            init_method=init_method_normal(std), sequence_parallel=config.sequence_parallel)
+            init_method=init_method_normal(std), sequence_parallel=config.sequence_parallel,
+            fp8=config.fp8)
         self.dense_4h_to_h = mpu.RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, bias=config.bias, input_is_parallel=True,
             init_method=scaled_init_method_normal(std, config.num_layers),
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, fp8=config.fp8)
 
     def forward(self, hidden):  # [s, b, h] (SP: [s/tp, b, h] in and out)
         intermediate, _ = self.dense_h_to_4h(hidden)  # [s, b, ffn/tp]
@@ -133,7 +137,8 @@ class ParallelSelfAttention(nn.Module):
         std = config.init_method_std
         self.query_key_value = mpu.ColumnParallelLinear(
             config.hidden_size, 3 * projection, bias=config.bias, gather_output=False,
-            init_method=init_method_normal(std), sequence_parallel=config.sequence_parallel)
+            init_method=init_method_normal(std), sequence_parallel=config.sequence_parallel,
+            fp8=config.fp8)
         self.scale_mask_softmax = FusedScaleMaskSoftmax.for_dtype(
             config.compute_dtype, AttnMaskType.causal, config.masked_softmax_fusion,
             attention_mask_func, scale=1.0 / math.sqrt(self.head_dim))
@@ -145,7 +150,7 @@ class ParallelSelfAttention(nn.Module):
         self.dense = mpu.RowParallelLinear(
             projection, config.hidden_size, bias=config.bias, input_is_parallel=True,
             init_method=scaled_init_method_normal(std, config.num_layers),
-            sequence_parallel=config.sequence_parallel)
+            sequence_parallel=config.sequence_parallel, fp8=config.fp8)
 
     def forward(self, hidden, attention_mask, kv_cache=None):  # [sq, b, h] (SP: [sq/tp, b, h])
         np_, hn = self.heads_per_partition, self.head_dim

@@ -21,6 +21,7 @@ from .context_parallel import (
 from .cp_attention import CP_COMM_TYPES, context_parallel_attention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .data import broadcast_data
+from .fp8 import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES, Fp8Recipe
 from .grads import (clip_coefficient, clip_grad_norm, clip_grad_norm_tensor,
                     counts_toward_norm, grad_norms, norm_of_grads, param_is_shared)
 from .layers import (

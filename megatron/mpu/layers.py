@@ -4,6 +4,7 @@ Initialisation is layout-invariant: each layer draws its *full* (master) weight 
 CPU from the default generator, which holds the same state on every tensor-parallel
 rank, and keeps its own slice. The gathered weight is therefore the same for any tp.
 """
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -24,6 +25,8 @@ from .sequence_parallel import (
     reduce_scatter_to_sequence_parallel_region,
     sequence_parallel_param,
 )
+from .fp8 import Fp8Recipe, layer_gemms
+from .fp8_linear import fp8_gather_linear, fp8_linear
 from .sequence_parallel_linear import linear_with_sequence_parallel_gather
 from .utils import VocabUtility, divide, get_device
 from .weight_grad import deferrable_linear, weight_grad_store_of
@@ -175,6 +178,10 @@ class ColumnParallelLinear(nn.Module):
             only the shard is saved for the backward, which all-gathers it again
             (:mod:`.sequence_parallel_linear`).
         params_dtype, device, group, perform_initialization: as in VocabParallelEmbedding.
+        fp8: an :class:`~.fp8.Fp8Recipe`: the three GEMMs in float8 (:mod:`.fp8`), the
+            weight's scales agreed across the tensor-parallel ranks; None: the compute
+            dtype. This rank's ``input_size`` and ``output_size / tp`` must then be
+            multiples of 16.
 
     Returns (forward):
         ``(output, bias)``: ``bias`` is the bias parameter when ``skip_bias_add``, else None.
@@ -192,7 +199,8 @@ class ColumnParallelLinear(nn.Module):
                  skip_bias_add: bool = False, *, params_dtype: Optional[torch.dtype] = None,
                  device: Optional[torch.device] = None,
                  group: Optional[dist.ProcessGroup] = None,
-                 perform_initialization: bool = True, sequence_parallel: bool = False) -> None:
+                 perform_initialization: bool = True, sequence_parallel: bool = False,
+                 fp8: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: sequence_parallel needs gather_output=False "
@@ -203,6 +211,9 @@ class ColumnParallelLinear(nn.Module):
         self.group, tp_rank, self.tp_size = _tp_info(group)
         self.output_size_per_partition = divide(output_size, self.tp_size, "output size",
                                                 "tensor-model-parallel size")
+        self.fp8 = layer_gemms(fp8, "out", self.group, self.tp_size,
+                               (input_size, self.output_size_per_partition),
+                               "ColumnParallelLinear")
         factory = _factory(params_dtype, device)
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
                                                **factory))
@@ -221,12 +232,16 @@ class ColumnParallelLinear(nn.Module):
     # [*, in] -> [*, out] or [*, out/tp]; SP: [s/tp, ...] -> [s, ...]
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:  # all-gathered here and again in the backward
+        if self.sequence_parallel and self.fp8 is not None:
+            output_parallel = fp8_gather_linear(input_, self.weight, bias, self.group, self.fp8)
+        elif self.sequence_parallel:  # all-gathered here and again in the backward
             output_parallel = linear_with_sequence_parallel_gather(input_, self.weight, bias,
                                                                    self.group)
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, self.group)
-            if weight_grad_store_of(self.weight) is None:
+            if self.fp8 is not None:  # deferrable too (set_weight_grad_deferral)
+                output_parallel = fp8_linear(input_parallel, self.weight, bias, gemms=self.fp8)
+            elif weight_grad_store_of(self.weight) is None:
                 output_parallel = F.linear(input_parallel, self.weight, bias)
             else:  # set_weight_grad_deferral: a store may take the weight GEMM
                 output_parallel = deferrable_linear(input_parallel, self.weight, bias)
@@ -253,7 +268,8 @@ class RowParallelLinear(nn.Module):
             instead of all-reducing them, so the output is ``[s/tp, ...]``; needs
             ``input_is_parallel``. The bias gradient is then summed across tp.
         init_method, stride, keep_master_weight_for_test, skip_bias_add, params_dtype,
-            device, group, perform_initialization: as in ColumnParallelLinear.
+            device, group, perform_initialization, fp8: as in ColumnParallelLinear (here
+            ``input_size / tp`` and ``output_size`` must be multiples of 16 in FP8).
 
     Returns (forward):
         ``(output, bias)`` as ColumnParallelLinear (and its weight-gradient deferral).
@@ -267,7 +283,8 @@ class RowParallelLinear(nn.Module):
                  skip_bias_add: bool = False, *, params_dtype: Optional[torch.dtype] = None,
                  device: Optional[torch.device] = None,
                  group: Optional[dist.ProcessGroup] = None,
-                 perform_initialization: bool = True, sequence_parallel: bool = False) -> None:
+                 perform_initialization: bool = True, sequence_parallel: bool = False,
+                 fp8: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
@@ -277,6 +294,8 @@ class RowParallelLinear(nn.Module):
         self.group, tp_rank, self.tp_size = _tp_info(group)
         self.input_size_per_partition = divide(input_size, self.tp_size, "input size",
                                                "tensor-model-parallel size")
+        self.fp8 = layer_gemms(fp8, "in", self.group, self.tp_size,
+                               (self.input_size_per_partition, output_size), "RowParallelLinear")
         factory = _factory(params_dtype, device)
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
                                                **factory))
@@ -303,6 +322,8 @@ class RowParallelLinear(nn.Module):
         bias = self.bias
         # set_weight_grad_deferral: a store may take the weight GEMM
         linear = F.linear if weight_grad_store_of(self.weight) is None else deferrable_linear
+        if self.fp8 is not None:  # deferrable too
+            linear = functools.partial(fp8_linear, gemms=self.fp8)
         if self.tp_size == 1 and not self.skip_bias_add and \
                 not torch.is_autocast_enabled(input_parallel.device.type):
             # nothing to reduce: the bias goes into the matmul (one addmm, not mm + add).

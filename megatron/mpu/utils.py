@@ -89,3 +89,15 @@ def check_optional_size(value, name, minimum):
     if isinstance(value, bool) or int(value) != value or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum} or None, got {value!r}")
     return int(value)
+
+
+def autocast_linear_inputs(input_, weight, bias):
+    """Cast to the autocast dtype as autocast's ``linear`` would (outside an autograd
+    Function, so autograd casts the gradients back); returns the tensors and whether
+    autocast was on."""
+    device_type = input_.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return input_, weight, bias, False
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = [None if x is None else x.to(dtype) for x in (input_, weight, bias)]
+    return cast[0], cast[1], cast[2], True

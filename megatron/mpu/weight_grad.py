@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .utils import autocast_linear_inputs  # noqa: F401  (mpu's; imported from here before)
+
 #: Parameter attribute naming the store its linear layers defer to (absent: no deferral).
 STORE_ATTRIBUTE = "weight_grad_store"
 #: Parameter attribute: the parameter's index in :data:`_SLOTS` (what compiled code passes
@@ -240,18 +242,6 @@ def _same_layout(grad, param):
 def weight_grad_store_of(weight: torch.Tensor) -> Optional[WeightGradStore]:
     """The store a weight defers to (set by :func:`set_weight_grad_deferral`), or None."""
     return getattr(weight, STORE_ATTRIBUTE, None)
-
-
-def autocast_linear_inputs(input_, weight, bias):
-    """Cast to the autocast dtype as autocast's ``linear`` would (outside an autograd
-    Function, so autograd casts the gradients back); returns the tensors and whether
-    autocast was on."""
-    device_type = input_.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return input_, weight, bias, False
-    dtype = torch.get_autocast_dtype(device_type)
-    cast = [None if x is None else x.to(dtype) for x in (input_, weight, bias)]
-    return cast[0], cast[1], cast[2], True
 
 
 def deferral_target(weight: torch.Tensor):

@@ -35,7 +35,7 @@ from .data_iterators import build_train_valid_test_data_iterators, close_iterato
 from .divergence import check_pending, check_weights
 from .fault_tolerance import RunGuard
 from .run_summary import event_file, print_closing_line
-from .training_log import log_evaluation, log_training_step
+from .training_log import log_evaluation, log_training_step, peaks_line
 
 
 @dataclass
@@ -372,6 +372,8 @@ def _run(cfg, guard, state, dataset_provider, model_provider, forward_step_func,
         train_it, valid_it, test_it = build_train_valid_test_data_iterators(
             dataset_provider, cfg, state)
     print_rank_0(f"> training from iteration {state.iteration} to {cfg.batch.train_iters}")
+    if peaks_line(cfg):  # an FP8 run: which peaks its two MFU figures divide by
+        print_rank_0(peaks_line(cfg))
     start = state.iteration
     train(forward_step_func, backend, train_it, valid_it, cfg, state, guard)
     ckpt = cfg.checkpoint

@@ -22,6 +22,10 @@ PEAKS = {
     "L40S": (362.0, 183.0, 91.6), "A10": (125.0, 62.5, 31.2), "V100": (125.0, None, 15.7),
     "4090": (165.0, 82.6, 82.6), "3090": (71.0, 35.6, 35.6),
 }
+#: Dense FP8 tensor-core peaks (TFLOP/s per device, data sheets, not 2:4 sparse) of the GPUs
+#: in :data:`PEAKS` that have FP8 (compute capability 8.9 and later).
+FP8_PEAKS = {"H100 SXM": 1979.0, "H100 PCIe": 1513.0, "H100 NVL": 1671.0, "H200": 1979.0,
+             "H200 NVL": 1671.0, "L40S": 733.0}
 #: H100 NVL cards report 94 GB (the SXM and PCIe ones 80 GB) under a name without "NVL" on
 #: some drivers: above this many bytes an H100 is taken for an NVL.
 H100_NVL_MIN_BYTES = 90 * 2**30
@@ -91,6 +95,27 @@ def peak_tflops(cfg: Any) -> Optional[float]:
     return device_peak_tflops(props.name, props.total_memory, cfg.precision.dtype, tf32)
 
 
+def fp8_peak_tflops(cfg: Any) -> Optional[float]:
+    """The device's dense FP8 peak for an FP8 run (``--fp8-format``); None without FP8, on a
+    CPU or on a GPU not in :data:`FP8_PEAKS`."""
+    if cfg.precision.fp8 is None or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return FP8_PEAKS.get(gpu_model(props.name, props.total_memory))
+
+
+def peaks_line(cfg: Any) -> Optional[str]:
+    """The start-up line of an FP8 run saying which peaks its MFU figures divide by."""
+    if cfg.precision.fp8 is None:
+        return None
+    peak, fp8 = peak_tflops(cfg), fp8_peak_tflops(cfg)
+    if peak is None and fp8 is None:
+        return "> MFU: n/a (no peak known for this device; --peak-tflops gives the bf16 one)"
+    show = lambda p: f"{p:.0f} TFLOP/s" if p else "unknown"  # noqa: E731
+    return (f"> MFU against the bf16 dense peak ({show(peak)}); 'MFU of FP8 peak' against "
+            f"the FP8 dense peak ({show(fp8)})")
+
+
 def throughput(cfg: Any, seconds_per_step: float, flops_per_step: Optional[float] = None
                ) -> Tuple[float, float, Optional[float]]:
     """Tokens/s, TFLOP/s per device and MFU (None where it has no meaning).
@@ -142,8 +167,10 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
     steps = max(state.steps_in_interval, 1)
     seconds = interval_s / steps
     tokens_s, tflops, mfu = throughput(cfg, seconds, state.flops_per_step or 1.0)
+    fp8_peak = fp8_peak_tflops(cfg)
+    mfu_fp8 = tflops / fp8_peak if fp8_peak else None
     if not state.flops_per_step:  # a model that gave no count: no made-up figure
-        tflops = mfu = None
+        tflops = mfu = mfu_fp8 = None
     parts = [f"iteration {state.iteration:8d}/{cfg.batch.train_iters:8d}",
              f"consumed samples: {state.consumed_train_samples:10d}",
              f"elapsed time per iteration (ms): {seconds * 1000:.1f}",
@@ -155,6 +182,9 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
               f"tokens/s: {tokens_s:.0f}",
               f"TFLOP/s/device: {tflops:.3g}" if tflops is not None else "TFLOP/s/device: n/a",
               f"MFU: {mfu * 100:.1f}%" if mfu is not None else "MFU: n/a"]
+    if cfg.precision.fp8 is not None:  # the bf16 peak's MFU above, FP8's here
+        parts.append(f"MFU of FP8 peak: {mfu_fp8 * 100:.1f}%" if mfu_fp8 is not None
+                     else "MFU of FP8 peak: n/a")
     if compile_s >= 0.05:
         parts.append(f"compile (not in the step time): {compile_s:.1f} s")
     print_node_first(cfg, " | ".join(parts))
@@ -168,6 +198,8 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
             writer.add_scalar("train/tflops-per-device", tflops, it)
         if mfu is not None:
             writer.add_scalar("train/mfu", mfu, it)
+        if mfu_fp8 is not None:
+            writer.add_scalar("train/mfu-of-fp8-peak", mfu_fp8, it)
         if cfg.precision.fp16:
             writer.add_scalar("train/loss-scale", state.loss_scale, it)
         writer.add_scalar("train/skipped-iterations", state.skipped_in_interval, it)
