@@ -253,3 +253,59 @@ def test_the_run_scripts_fp8_variables(tmp_path):
     line = annotate("--fp16 with --fp8-format is not supported: ...",
                     os.path.join(REPO, "examples/run_gpt2.sh"))
     assert line.endswith("[run_gpt2.sh: PRECISION, FP8]"), line
+
+
+def _moe_fp8_losses(seed):
+    """Rank body: GPT-2 with an MoE layer and a dense one, bf16 and FP8, same weights;
+    returns the FP8 model's FP8 linears, the two losses and gradients."""
+    from megatron import mpu
+    from megatron.model.gpt2_model import GPT2Model
+    from megatron.model.transformer import TransformerConfig
+    from megatron.mpu import moe
+
+    def build(fp8):
+        torch.manual_seed(seed)
+        experts = moe.MoEConfig(num_experts=4, topk=2, hidden_size=32, ffn_hidden_size=32,
+                                aux_loss_coeff=0.01, init_method_std=0.05,
+                                shared_expert_intermediate_size=16)
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                   kv_channels=8, ffn_hidden_size=64, hidden_dropout=0.0,
+                                   attention_dropout=0.0, moe=experts, moe_layers=(True, False),
+                                   fp8=fp8)
+        return GPT2Model(config, 64, 16)
+
+    mpu.initialize_model_parallel(1, 1)
+    models = [build(None), build(mpu.Fp8Recipe("e4m3", "tensorwise"))]
+    in_fp8 = sorted(n for n, m in models[1].named_modules()
+                    if isinstance(m, (mpu.ColumnParallelLinear, mpu.RowParallelLinear))
+                    and m.fp8 is not None)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (2, 16), generator=gen)
+    pos = torch.arange(16)[None].expand_as(ids)
+    mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril().logical_not()
+    losses, grads = [], []
+    for model in models:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, pos, mask, labels=ids.roll(-1, 1)).float().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()
+                                if p.grad is not None]))
+    return in_fp8, losses, grads
+
+
+def test_moe_experts_stay_in_the_compute_dtype_under_fp8(seed):
+    """With MoE blocks, FP8 takes the attention and dense MLP linears; the router, the
+    grouped experts and the shared expert stay in bf16. The FP8 model's loss and gradients
+    are those of the same weights in bf16 within FP8's error (and not equal: FP8 ran)."""
+    from harness import run_distributed
+
+    in_fp8, losses, grads = run_distributed(_moe_fp8_losses, 1, seed)[0]
+    assert any(".1.mlp." in n for n in in_fp8), in_fp8  # the dense layer's MLP
+    assert all(".0.mlp." not in n for n in in_fp8), in_fp8  # the MoE block's shared expert
+    assert any(".0.attention." in n or ".0.self_attention." in n for n in in_fp8), in_fp8
+    assert torch.isfinite(losses[1]) and torch.isfinite(grads[1]).all()
+    assert not torch.equal(grads[0], grads[1])
+    assert abs(losses[1] - losses[0]) < 0.02 * abs(losses[0]), losses
+    rel = (grads[1] - grads[0]).norm() / grads[0].norm()
+    assert rel < 0.15, rel
