@@ -1,71 +1,63 @@
-"""The sharding record knows the expert dimension: the Llama example as Mixtral (layout-free
-names) saved at one (tp, ep), merged to whole tensors and cut for another, without a key map;
-the experts land where the other layout's model holds them."""
-import torch
-import torch.distributed as dist
+"""Checkpoints of expert-parallel runs: each ep rank's folder, exact resumes, bad layouts.
 
+The resumes at another ep (with a tp or pp change, from the distributed optimizer) are in
+test_moe_training.py; here: the file layout, an exact resume at the saved layout (the
+replicated and the distributed optimizer), and a missing ep folder refused on every rank.
+"""
+import os
+import shutil
+
+import pytest
+
+from gpt2_runs import full_and_resumed, gpt2_argv, train_gpt2, user_error
 from harness import run_distributed
-from llama_runs import llama_argv  # noqa: F401 (puts examples/llama on the path)
-from megatron import mpu
 
-LAYOUTS = [(2, 2), (1, 4), (1, 1), (2, 1), (1, 2)]  # (tp, ep) at 4 ranks
-
-
-def _model(tp, ep, seed):
-    from llama_model import LlamaConfig, LlamaModel
-    from megatron.mpu import moe
-
-    mpu.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
-    block = moe.MoEConfig(num_experts=4, topk=2, hidden_size=32, ffn_hidden_size=32,
-                          activation="swiglu", shared_expert_intermediate_size=16)
-    config = LlamaConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                         num_key_value_heads=2, ffn_hidden_size=48, vocab_size=64, seed=seed,
-                         moe=block, moe_layers=(False, True))
-    return LlamaModel(config)
+STEPS = 4
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-ffn-hidden-size", "32"]
 
 
-def _whole(model):
-    """Every rank's (state, record) -> whole tensors (one file per tp x ep rank)."""
-    from megatron.checkpoint.sharding import merge_recorded, sharding_record
-
-    st = mpu.get_parallel_state()
-    mine = (st.tp_rank, 0, st.ep_rank, st.edp_rank, model.state_dict(), sharding_record(model))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    files = {(t, p, e): (sd, rec) for t, p, e, edp, sd, rec in every if edp == 0}
-    return merge_recorded({k: v[0] for k, v in files.items()},
-                          {k: v[1] for k, v in files.items()}, None, "test")
+def _argv(data, ep, *extra):
+    return gpt2_argv(data, "--expert-model-parallel-size", str(ep), "--batch-size", "2",
+                     "--gas", "1", "--train-iters", str(STEPS), "--hidden-dropout", "0",
+                     "--attention-dropout", "0", "--log-interval", "1", *MOE, *extra)
 
 
-def _reshard(seed):
-    from megatron.checkpoint.sharding import sharding_record, slice_recorded
-
-    out = []
-    for (tp_a, ep_a), (tp_b, ep_b) in zip(LAYOUTS, LAYOUTS[1:] + LAYOUTS[:1]):
-        torch.manual_seed(seed)
-        whole = _whole(_model(tp_a, ep_a, seed))
-        mpu.destroy_model_parallel()
-        gen = torch.Generator().manual_seed(seed + 1)  # trained weights: not the init's
-        whole = {k: v + torch.randn(v.shape, generator=gen) for k, v in whole.items()}
-        torch.manual_seed(seed)
-        model = _model(tp_b, ep_b, seed + 3)  # another init: everything must come from `whole`
-        st = mpu.get_parallel_state()
-        model.load_state_dict(slice_recorded(whole, sharding_record(model), tp_b, st.tp_rank,
-                                             None, "test", ep_b, st.ep_rank))
-        experts = model.state_dict()["2.mlp.experts.weight1"]  # [E/ep, 2f/tp, h]
-        per = 4 // ep_b
-        want = whole["2.mlp.experts.weight1"][st.ep_rank * per:(st.ep_rank + 1) * per]
-        chunks = torch.chunk(want, 2 * tp_b, dim=1)  # [gate; up], each split over tp
-        want = torch.cat(chunks[st.tp_rank::tp_b], dim=1)
-        back = _whole(model)
-        mpu.destroy_model_parallel()
-        out.append(((tp_a, ep_a), (tp_b, ep_b), torch.equal(experts, want),
-                    sorted(back) == sorted(whole) and
-                    all(torch.equal(back[k], whole[k]) for k in whole)))
-    return out
+def _names(ckpt, iteration):
+    folder = os.path.join(ckpt, f"iter_{iteration:07d}")
+    return sorted(os.path.relpath(os.path.join(d, f), folder)
+                  for d, _, files in os.walk(folder) for f in files)
 
 
-def test_experts_reshard_at_another_ep_and_tp_without_a_key_map(seed):
-    for per_rank in run_distributed(_reshard, 4, seed):
-        for source, target, experts_ok, round_trip in per_rank:
-            assert experts_ok and round_trip, (source, target)
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["replicated", "distributed"])
+def test_ep2_resume_is_exact(gpt2_data, tmp_path, optimizer):
+    """ep 2 over dp 2: each ep rank writes its own folder (the distributed optimizer: each
+    data-parallel rank's file in its ep rank's); 2 steps, save, resume, 2 steps == 4 steps."""
+    extra = ["--use-distributed-optimizer"] if optimizer == "distributed" else []
+    ckpt = str(tmp_path / "ckpt")
+    full, resumed = full_and_resumed(train_gpt2, 2, _argv(gpt2_data, 2, *extra), ckpt,
+                                     STEPS // 2)
+    expected = ["manifest.json", "mp_rank_00_000_000/model_optim_rng.pt",
+                "mp_rank_00_000_001/model_optim_rng.pt"]
+    if optimizer == "distributed":
+        expected += ["mp_rank_00_000_000/optim_dp_rank_000.pt",
+                     "mp_rank_00_000_001/optim_dp_rank_001.pt"]
+    assert [n for n in _names(ckpt, STEPS // 2) if not n.startswith(".")] == sorted(expected)
+    assert len(resumed[0]) == STEPS
+    assert max(abs(a - b) for a, b in zip(full[0], resumed[0])) <= 1e-6, (full, resumed)
+
+
+@pytest.mark.slow
+def test_a_missing_ep_folder_fails_on_every_rank(gpt2_data, tmp_path):
+    """An ep 2 checkpoint without ep rank 1's folder: every rank raises the same
+    CheckpointError naming the missing folder, at the saved layout and at another ep."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(train_gpt2, 2, _argv(gpt2_data, 2, "--save", ckpt, "--save-interval",
+                                         str(STEPS)), timeout=300)
+    shutil.rmtree(os.path.join(ckpt, f"iter_{STEPS:07d}", "mp_rank_00_000_001"))
+    for ep in (2, 1):
+        errors = run_distributed(user_error, 2, _argv(gpt2_data, ep, "--load", ckpt,
+                                                      "--no-verify-checkpoint"), timeout=300)
+        assert all(e is not None and "mp_rank_00_000_001" in e for e in errors), errors
+        assert len(set(errors)) == 1, errors
