@@ -44,6 +44,10 @@ def test_ep2_resume_is_exact(gpt2_data, tmp_path, optimizer):
         expected += ["mp_rank_00_000_000/optim_dp_rank_000.pt",
                      "mp_rank_00_000_001/optim_dp_rank_001.pt"]
     assert [n for n in _names(ckpt, STEPS // 2) if not n.startswith(".")] == sorted(expected)
+    from megatron.checkpoint.verify import verify
+
+    (report,) = verify(ckpt, STEPS // 2)  # tools/verify_checkpoint.py: every file listed
+    assert report.ok and report.files == len(expected) - 1, report.lines()
     assert len(resumed[0]) == STEPS
     assert max(abs(a - b) for a, b in zip(full[0], resumed[0])) <= 1e-6, (full, resumed)
 
@@ -61,3 +65,50 @@ def test_a_missing_ep_folder_fails_on_every_rank(gpt2_data, tmp_path):
                                                       "--no-verify-checkpoint"), timeout=300)
         assert all(e is not None and "mp_rank_00_000_001" in e for e in errors), errors
         assert len(set(errors)) == 1, errors
+
+
+def _save_toy_ep2(root, seed):
+    """A tp 1 x ep 2 checkpoint of a toy model (family "toy", recorded sharding), written as
+    training writes one: each ep rank's folder holds 2 of the 4 experts and the dense
+    tensors' copy. Returns the whole tensors."""
+    import torch
+
+    from megatron.checkpoint import checkpoint_name, write_tracker
+
+    gen = torch.Generator().manual_seed(seed)
+    whole = {"experts.weight1": torch.randn(4, 6, 3, generator=gen),
+             "dense.weight": torch.randn(3, 5, generator=gen)}
+    record = {"experts.weight1": [1, 1, 0, 0, 0, 4], "dense.weight": [-1, 1, 0, 0, 0, 0]}
+    args = {"num_layers": 1, "hidden_size": 6, "num_attention_heads": 2,
+            "padded_vocab_size": 12, "true_vocab_size": 12, "make_vocab_size_divisible_by": 2,
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 2}
+    for ep_rank in range(2):
+        path = checkpoint_name(root, 3, 0, 0, ep_rank)
+        os.makedirs(os.path.dirname(path))
+        model = {"experts.weight1": whole["experts.weight1"][2 * ep_rank:2 * ep_rank + 2].clone(),
+                 "dense.weight": whole["dense.weight"].clone()}
+        torch.save({"iteration": 3, "args": args, "family": "toy", "sharding": record,
+                    "model": model, "consumed_train_samples": 24}, path)
+    write_tracker(root, 3)
+    return whole
+
+
+def test_an_ep2_checkpoint_converts_to_ep1_with_every_expert(seed, tmp_path):
+    """tools/convert_checkpoint.py reads an ep 2 checkpoint (the experts of both ep folders,
+    in ep order) and writes a native ep 1 one at tp 2 (the experts' dim 1 split)."""
+    import torch
+
+    from megatron.checkpoint import checkpoint_name
+    from test_conversion_recorded import _convert
+
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    whole = _save_toy_ep2(src, seed)
+    _convert("--input", src, "--output", out, "--target-tensor-parallel-size", 2)
+    for t in range(2):
+        state = torch.load(checkpoint_name(out, 3, t, 0), weights_only=True)
+        assert state["args"]["expert_model_parallel_size"] == 1
+        assert torch.equal(state["model"]["experts.weight1"],
+                           whole["experts.weight1"][:, 3 * t:3 * t + 3])
+        assert torch.equal(state["model"]["dense.weight"], whole["dense.weight"])
+    assert not os.path.exists(os.path.join(out, "iter_0000003", "mp_rank_00_000_001"))
