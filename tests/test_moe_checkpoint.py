@@ -29,42 +29,59 @@ def _names(ckpt, iteration):
                   for d, _, files in os.walk(folder) for f in files)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["replicated", "distributed"])
-def test_ep2_resume_is_exact(gpt2_data, tmp_path, optimizer):
-    """ep 2 over dp 2: each ep rank writes its own folder (the distributed optimizer: each
-    data-parallel rank's file in its ep rank's); 2 steps, save, resume, 2 steps == 4 steps."""
+def _resume_at_ep2(data, tmp_path, optimizer):
+    """ep 2 over dp 2, 2 steps, save, resume, 2 steps == 4 steps; each ep rank wrote its
+    own folder (the distributed optimizer: each data-parallel rank's file in its ep
+    rank's), every file in the manifest. Returns the checkpoint folder."""
+    from megatron.checkpoint.verify import verify
+
     extra = ["--use-distributed-optimizer"] if optimizer == "distributed" else []
     ckpt = str(tmp_path / "ckpt")
-    full, resumed = full_and_resumed(train_gpt2, 2, _argv(gpt2_data, 2, *extra), ckpt,
-                                     STEPS // 2)
+    full, resumed = full_and_resumed(train_gpt2, 2, _argv(data, 2, *extra), ckpt, STEPS // 2)
     expected = ["manifest.json", "mp_rank_00_000_000/model_optim_rng.pt",
                 "mp_rank_00_000_001/model_optim_rng.pt"]
     if optimizer == "distributed":
         expected += ["mp_rank_00_000_000/optim_dp_rank_000.pt",
                      "mp_rank_00_000_001/optim_dp_rank_001.pt"]
     assert [n for n in _names(ckpt, STEPS // 2) if not n.startswith(".")] == sorted(expected)
-    from megatron.checkpoint.verify import verify
-
     (report,) = verify(ckpt, STEPS // 2)  # tools/verify_checkpoint.py: every file listed
     assert report.ok and report.files == len(expected) - 1, report.lines()
     assert len(resumed[0]) == STEPS
     assert max(abs(a - b) for a, b in zip(full[0], resumed[0])) <= 1e-6, (full, resumed)
+    return ckpt
 
 
 @pytest.mark.slow
-def test_a_missing_ep_folder_fails_on_every_rank(gpt2_data, tmp_path):
-    """An ep 2 checkpoint without ep rank 1's folder: every rank raises the same
-    CheckpointError naming the missing folder, at the saved layout and at another ep."""
+def test_ep2_resume_is_exact_and_a_missing_ep_folder_fails_on_every_rank(gpt2_data, tmp_path):
+    """The distributed optimizer's exact resume at ep 2; then, without ep rank 1's folder,
+    every rank raises the same CheckpointError naming it (only rank 1 misses its file)."""
+    ckpt = _resume_at_ep2(gpt2_data, tmp_path, "distributed")  # the tracker names step 2
+    shutil.rmtree(os.path.join(ckpt, f"iter_{STEPS // 2:07d}", "mp_rank_00_000_001"))
+    errors = run_distributed(user_error, 2, _argv(gpt2_data, 2, "--load", ckpt,
+                                                  "--no-verify-checkpoint"), timeout=300)
+    assert all(e is not None and "mp_rank_00_000_001" in e for e in errors), errors
+    assert len(set(errors)) == 1, errors
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_ep2_resume_with_the_replicated_optimizer_is_exact(gpt2_data, tmp_path):
+    _resume_at_ep2(gpt2_data, tmp_path, "replicated")
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_a_missing_ep_folder_fails_at_another_ep(gpt2_data, tmp_path):
+    """Without ep rank 1's folder, a resume at ep 1 (the layout change, which reads every
+    folder) fails on every rank with the same CheckpointError naming it."""
     ckpt = str(tmp_path / "ckpt")
     run_distributed(train_gpt2, 2, _argv(gpt2_data, 2, "--save", ckpt, "--save-interval",
                                          str(STEPS)), timeout=300)
     shutil.rmtree(os.path.join(ckpt, f"iter_{STEPS:07d}", "mp_rank_00_000_001"))
-    for ep in (2, 1):
-        errors = run_distributed(user_error, 2, _argv(gpt2_data, ep, "--load", ckpt,
-                                                      "--no-verify-checkpoint"), timeout=300)
-        assert all(e is not None and "mp_rank_00_000_001" in e for e in errors), errors
-        assert len(set(errors)) == 1, errors
+    errors = run_distributed(user_error, 2, _argv(gpt2_data, 1, "--load", ckpt,
+                                                  "--no-verify-checkpoint"), timeout=300)
+    assert all(e is not None and "mp_rank_00_000_001" in e for e in errors), errors
+    assert len(set(errors)) == 1, errors
 
 
 def _save_toy_ep2(root, seed):
