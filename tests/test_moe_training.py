@@ -3,9 +3,8 @@
 The serial reference runs the same micro-batches (2 samples each; gas = dp of the other run's
 total), so every routing loss sees the same tokens. What runs today: expert parallelism 1
 (experts replicated) and ep > 1, pipelines, routing losses in the log, through the one
-training step (docs/moe.md). Resuming at another ep needs checkpoints of expert-parallel
-runs, which are refused today: those tests are marked xfail(strict) and must be unmarked the
-day they pass.
+training step (docs/moe.md), and resumes at another ep (each ep rank's experts in its own
+checkpoint folder: docs/moe.md, "Checkpoints and Hugging Face").
 """
 import pytest
 

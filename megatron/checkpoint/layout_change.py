@@ -6,7 +6,10 @@ DDP optimizer state is replicated across dp, and a DeepSpeed ZeRO engine re-part
 own).
 
 Every rank reads the whole checkpoint: the (tp, pp) main files and, for a run saved by a
-DeepSpeed engine, each (tp, pp)'s optimizer files. The weights and the optimizer state are
+DeepSpeed engine or the distributed optimizer, each (tp, pp)'s optimizer files. A checkpoint
+saved at expert-parallel size ep > 1 (one folder per ep rank) is put together first as if
+saved at ep 1 (:mod:`.expert_state`), and a change of ep alone comes here too; the run's ep
+rank keeps its experts. The weights and the optimizer state are
 merged into whole-model tensors with the model's key map (:func:`.native_reader.merge_layout`),
 their vocabulary rows re-padded for tp' (new padding rows are zero, and masked out of the
 logits), and this rank keeps its slice (:func:`.native_writer.stage_state`). The optimizer

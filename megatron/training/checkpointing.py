@@ -158,9 +158,11 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
     """Write a complete checkpoint for ``iteration`` (collective: every rank calls it).
 
     Data-parallel rank 0 of each (tp, pp) writes the model, schedule, RNG and progress (with
-    context parallelism: rank 0 of the data x context group). A backend whose optimizer
-    state is sharded across data-parallel ranks (DeepSpeed's ZeRO-1, bf16) has every rank
-    write its own optimizer file next to it. Each step that can fail on
+    context parallelism: rank 0 of the data x context group; with expert parallelism,
+    ep > 1, the first rank of each expert-data-parallel group writes its ep rank's folder).
+    A backend whose optimizer state is sharded across data-parallel ranks (the distributed
+    optimizer, DeepSpeed's ZeRO-1, bf16) has every rank write its own optimizer file next
+    to it. Each step that can fail on
     one rank alone (preparing the folder, writing the files, publishing) ends in one
     agreement (:func:`megatron.agreement.agree`), so a full disk on one node stops every rank
     with the same :class:`CheckpointError`, and the tracker still names the previous
