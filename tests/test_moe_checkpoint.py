@@ -129,3 +129,26 @@ def test_an_ep2_checkpoint_converts_to_ep1_with_every_expert(seed, tmp_path):
                            whole["experts.weight1"][:, 3 * t:3 * t + 3])
         assert torch.equal(state["model"]["dense.weight"], whole["dense.weight"])
     assert not os.path.exists(os.path.join(out, "iter_0000003", "mp_rank_00_000_001"))
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_ep2_distributed_optimizer_resumes_at_another_dp(gpt2_data, tmp_path):
+    """The same ep and global batch at another dp (2 -> 4: the expert-data-parallel group
+    doubles): the distributed optimizer's slices re-cut by name from every ep folder; the
+    losses continue the uninterrupted run."""
+    ckpt = str(tmp_path / "ckpt")
+
+    def argv(dp, *more):
+        flags = _argv(gpt2_data, 2, "--use-distributed-optimizer", *more)
+        flags[flags.index("--gas") + 1] = str(4 // dp)  # global batch 8 at both dp
+        return flags
+
+    full = run_distributed(train_gpt2, 2, argv(2, "--save", ckpt, "--save-interval", "2"),
+                           timeout=300)[0][0]
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write("2")
+    later = run_distributed(train_gpt2, 4, argv(4, "--load", ckpt), timeout=300)[0][0]
+    resumed = full[:2] + later
+    assert len(resumed) == STEPS
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, full)) < 1e-5, (full, later)
