@@ -1,8 +1,11 @@
 """Checkpoints of expert-parallel runs: each ep rank's folder, exact resumes, bad layouts.
 
 The resumes at another ep (with a tp or pp change, from the distributed optimizer) are in
-test_moe_training.py; here: the file layout, an exact resume at the saved layout (the
-replicated and the distributed optimizer), and a missing ep folder refused on every rank.
+test_moe_training.py; here: the file layout and an exact resume at the saved ep (the
+replicated and the distributed optimizer), at another dp, a missing ep folder refused on
+every rank (at the saved ep and at another), and the conversion of an ep 2 checkpoint.
+The default run keeps the refusal at another ep and the conversion; the training runs are
+exhaustive (the default run's covering resume: test_resume_ep2_as_ep1_with_a_tp_change).
 """
 import os
 import shutil
@@ -52,6 +55,7 @@ def _resume_at_ep2(data, tmp_path, optimizer):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_ep2_resume_is_exact_and_a_missing_ep_folder_fails_on_every_rank(gpt2_data, tmp_path):
     """The distributed optimizer's exact resume at ep 2; then, without ep rank 1's folder,
     every rank raises the same CheckpointError naming it (only rank 1 misses its file)."""
@@ -70,17 +74,25 @@ def test_ep2_resume_with_the_replicated_optimizer_is_exact(gpt2_data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.exhaustive
 def test_a_missing_ep_folder_fails_at_another_ep(gpt2_data, tmp_path):
-    """Without ep rank 1's folder, a resume at ep 1 (the layout change, which reads every
-    folder) fails on every rank with the same CheckpointError naming it."""
+    """An ep 2 checkpoint holding ep rank 0's folder only, resumed at ep 1 (the layout
+    change, which reads every folder): every rank raises the same CheckpointError naming
+    the missing folder, before any weight is loaded."""
+    import torch
+
+    from megatron.checkpoint import checkpoint_name, write_tracker
+
     ckpt = str(tmp_path / "ckpt")
-    run_distributed(train_gpt2, 2, _argv(gpt2_data, 2, "--save", ckpt, "--save-interval",
-                                         str(STEPS)), timeout=300)
-    shutil.rmtree(os.path.join(ckpt, f"iter_{STEPS:07d}", "mp_rank_00_000_001"))
+    path = checkpoint_name(ckpt, STEPS, 0, 0, 0)
+    os.makedirs(os.path.dirname(path))
+    torch.save({"iteration": STEPS, "model": {}, "sharding": {},
+                "args": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                         "expert_model_parallel_size": 2}}, path)
+    write_tracker(ckpt, STEPS)
     errors = run_distributed(user_error, 2, _argv(gpt2_data, 1, "--load", ckpt,
                                                   "--no-verify-checkpoint"), timeout=300)
-    assert all(e is not None and "mp_rank_00_000_001" in e for e in errors), errors
+    assert all(e is not None and "mp_rank_00_000_001, which are missing" in e
+               for e in errors), errors
     assert len(set(errors)) == 1, errors
 
 
