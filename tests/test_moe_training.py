@@ -3,9 +3,8 @@
 The serial reference runs the same micro-batches (2 samples each; gas = dp of the other run's
 total), so every routing loss sees the same tokens. What runs today: expert parallelism 1
 (experts replicated) and ep > 1, pipelines, routing losses in the log, through the one
-training step (docs/moe.md). Resuming at another ep needs checkpoints of expert-parallel
-runs, which are refused today: those tests are marked xfail(strict) and must be unmarked the
-day they pass.
+training step (docs/moe.md), and resumes at another ep (each ep rank's experts in its own
+checkpoint folder: docs/moe.md, "Checkpoints and Hugging Face").
 """
 import pytest
 
@@ -17,8 +16,6 @@ MICRO = 2
 GLOBAL = 8
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
        "--moe-z-loss-coeff", "1e-3", "--moe-ffn-hidden-size", "48"]
-EP_CHECKPOINTS = pytest.mark.xfail(reason="checkpoints at ep > 1 (each ep rank's experts in "
-                                          "their own file) are not written yet", strict=True)
 
 
 def _argv(data, tp=1, pp=1, dp=1, cp=1, ep=1, *extra, global_batch=GLOBAL):
@@ -240,21 +237,18 @@ def _resume_at(data, tmp_path, source, target, *extra):
 
 
 @pytest.mark.slow
-@EP_CHECKPOINTS
 def test_resume_ep2_as_ep1_with_a_tp_change(gpt2_data, tmp_path):
     _resume_at(gpt2_data, tmp_path, (1, 1, 2), (2, 1, 1))
 
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-@EP_CHECKPOINTS
 def test_resume_ep1_as_ep4_with_a_pp_change(gpt2_data, tmp_path):
     _resume_at(gpt2_data, tmp_path, (1, 2, 1), (1, 1, 4))
 
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-@EP_CHECKPOINTS
 def test_resume_from_a_distributed_optimizer_checkpoint_at_another_ep(gpt2_data, tmp_path):
     _resume_at(gpt2_data, tmp_path, (1, 1, 2), (1, 1, 4), "--use-distributed-optimizer")
 

@@ -6,6 +6,12 @@ Layout (Megatron-LM's)::
     <root>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/optim_dp_rank_{dp:03d}.pt   (sharded optimizers)
     <root>/latest_checkpointed_iteration.txt
 
+With expert parallelism (ep > 1) the ranks of one (tp, pp) hold different experts: each ep
+rank has its own folder, Megatron-LM's ``mp_rank_{tp:02d}_{pp:03d}_{ep:03d}``, with its model
+file and the optimizer files of the data-parallel ranks in that ep rank (``dp``: the rank in
+the data x context group, so the numbers of one (tp, pp) are spread over its ep folders).
+At ep 1 the names stay the ones above.
+
 Megatron-LM without pipeline stages names the rank folder ``mp_rank_{tp:02d}``; both are
 read. A writer builds the iteration folder under a temporary root, each file flushed to disk
 (``fsync``) as it is written; :func:`publish_iteration` flushes the folder's entries, renames
@@ -47,6 +53,9 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "kv_channels",
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_EP_RANK_DIR = re.compile(r"^mp_rank_(\d{2})_(\d{3})_(\d{3})$")
+#: The saved setting that names the expert-parallel size (1 when absent).
+EP_KEY = "expert_model_parallel_size"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 #: A damaged iteration folder moved aside by a resume keeps its name with this suffix.
@@ -58,10 +67,24 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int) -> str:
-    """Path of one rank's file inside ``root/iter_*`` (or a temporary iteration folder)."""
-    return os.path.join(iteration_dir(root, iteration), f"mp_rank_{tp_rank:02d}_{pp_rank:03d}",
-                        MODEL_FILENAME)
+def rank_dir_name(tp_rank: int, pp_rank: int, ep_rank: Optional[int] = None) -> str:
+    """The rank folder's name: ``mp_rank_{tp:02d}_{pp:03d}``, with ``_{ep:03d}`` for a run
+    at expert-parallel size > 1 (``ep_rank`` None: ep 1)."""
+    tail = "" if ep_rank is None else f"_{ep_rank:03d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}{tail}"
+
+
+def checkpoint_name(root: str, iteration: int, tp_rank: int, pp_rank: int,
+                    ep_rank: Optional[int] = None) -> str:
+    """Path of one rank's file inside ``root/iter_*`` (or a temporary iteration folder).
+
+    Args:
+        root, iteration: the checkpoint and its iteration.
+        tp_rank, pp_rank: the rank folder.
+        ep_rank: the expert-parallel rank of a run at ep > 1; None at ep 1.
+    """
+    return os.path.join(iteration_dir(root, iteration),
+                        rank_dir_name(tp_rank, pp_rank, ep_rank), MODEL_FILENAME)
 
 
 def megatron_v2_name(root: str, iteration: int, tp_rank: int) -> str:
@@ -70,9 +93,11 @@ def megatron_v2_name(root: str, iteration: int, tp_rank: int) -> str:
 
 
 def optimizer_shard_name(root: str, iteration: int, tp_rank: int, pp_rank: int,
-                         dp_rank: int) -> str:
-    """Per-data-parallel-rank optimizer file (DeepSpeed engines shard optimizer state)."""
-    return os.path.join(os.path.dirname(checkpoint_name(root, iteration, tp_rank, pp_rank)),
+                         dp_rank: int, ep_rank: Optional[int] = None) -> str:
+    """Per-data-parallel-rank optimizer file (the distributed optimizer, DeepSpeed engines),
+    in its ep rank's folder at ep > 1 (``ep_rank`` None: ep 1)."""
+    return os.path.join(os.path.dirname(checkpoint_name(root, iteration, tp_rank, pp_rank,
+                                                        ep_rank)),
                         f"optim_dp_rank_{dp_rank:03d}.pt")
 
 
@@ -176,7 +201,8 @@ def resolve_iteration(root: str, iteration: Optional[int] = None) -> int:
 
 
 def rank_files(folder: str) -> Dict[Tuple[int, int], str]:
-    """``{(tp_rank, pp_rank): path}`` for every rank folder in ``folder``."""
+    """``{(tp_rank, pp_rank): path}`` for every rank folder in ``folder`` (an ep > 1
+    checkpoint's folders are :func:`ep_rank_files`')."""
     files = {}
     for name in sorted(os.listdir(folder)):
         match = _RANK_DIR.match(name)
@@ -184,6 +210,25 @@ def rank_files(folder: str) -> Dict[Tuple[int, int], str]:
             key = (int(match.group(1)), int(match.group(2) or 0))
             files[key] = os.path.join(folder, name, MODEL_FILENAME)
     return files
+
+
+def ep_rank_files(folder: str) -> Dict[Tuple[int, int, int], str]:
+    """``{(tp_rank, pp_rank, ep_rank): path}`` for every rank folder in ``folder``: the
+    ``mp_rank_*_*_*`` folders of an ep > 1 checkpoint, and those of an ep 1 one as ep 0."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        match = _EP_RANK_DIR.match(name)
+        if match:
+            files[tuple(int(g) for g in match.groups())] = \
+                os.path.join(folder, name, MODEL_FILENAME)
+    for (tp, pp), path in rank_files(folder).items():
+        files.setdefault((tp, pp, 0), path)
+    return files
+
+
+def saved_ep(state: dict) -> int:
+    """The expert-parallel size a rank file's args record (1 when absent)."""
+    return int((state.get("args") or {}).get(EP_KEY) or 1)
 
 
 def published_iterations(root: str) -> List[int]:
@@ -222,17 +267,25 @@ def load_rank_file(path: str) -> dict:
                               f"{str(exc).splitlines()[0]}") from None
 
 
-def check_rank_layout(files: Dict[Tuple[int, int], str], tp: int, pp: int, folder: str) -> None:
-    """Raise unless ``files`` are exactly the rank folders of a ``tp`` x ``pp`` layout."""
-    expected = {(t, p) for t in range(tp) for p in range(pp)}
+def check_rank_layout(files: Dict[tuple, str], tp: int, pp: int, folder: str,
+                      ep: Optional[int] = None) -> None:
+    """Raise unless ``files`` are exactly the rank folders of a ``tp`` x ``pp`` layout
+    (keys ``(tp, pp)``), or of ``tp`` x ``pp`` x ``ep`` (keys ``(tp, pp, ep)``: ep 1's
+    folders are ep 0)."""
+    if ep is None:
+        expected = {(t, p) for t in range(tp) for p in range(pp)}
+    else:
+        expected = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
     missing, extra = sorted(expected - set(files)), sorted(set(files) - expected)
+    layout = f"tp={tp} x pp={pp}" + ("" if ep is None else f" x ep={ep}")
     if missing:
-        names = ", ".join(f"mp_rank_{t:02d}_{p:03d}" for t, p in missing)
-        raise CheckpointError(f"checkpoint {folder} is incomplete: tp={tp} x pp={pp} needs "
+        names = ", ".join(rank_dir_name(k[0], k[1], k[2] if ep and ep > 1 else None)
+                          for k in missing)
+        raise CheckpointError(f"checkpoint {folder} is incomplete: {layout} needs "
                               f"{names}, which are missing")
     if extra:
         raise CheckpointError(f"checkpoint {folder} has rank folders {extra} beyond its saved "
-                              f"layout tp={tp} x pp={pp}: files from different runs are mixed")
+                              f"layout {layout}: files from different runs are mixed")
 
 
 def saved_optimizer_files(root: str, iteration: int, tp_rank: int, pp_rank: int) -> List[str]:
@@ -255,6 +308,37 @@ def saved_optimizer_files(root: str, iteration: int, tp_rank: int, pp_rank: int)
         raise CheckpointError(f"optimizer file {missing[0]} is missing: the checkpoint is "
                               f"incomplete; {hint}")
     return paths
+
+
+def saved_ep_optimizer_files(root: str, iteration: int, tp_rank: int, pp_rank: int,
+                             ep: int) -> Dict[int, List[str]]:
+    """Every data-parallel rank's optimizer file of one (tp, pp) of an ep > 1 checkpoint,
+    by ep rank: ``{ep_rank: [paths in data-parallel rank order]}`` (each ep folder holds the
+    files of the data-parallel ranks in that ep rank; together they are ranks 0 .. dp-1).
+
+    Raises:
+        CheckpointError: there are none, or one is missing.
+    """
+    hint = "pass --no-load-optim (or --finetune) to load the weights only"
+    by_ep, ranks = {}, {}
+    for ep_rank in range(ep):
+        folder = os.path.dirname(checkpoint_name(root, iteration, tp_rank, pp_rank, ep_rank))
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        found = [int(n[len("optim_dp_rank_"):-3]) for n in names
+                 if re.fullmatch(r"optim_dp_rank_\d{3}\.pt", n)]
+        by_ep[ep_rank] = [os.path.join(folder, f"optim_dp_rank_{r:03d}.pt") for r in found]
+        ranks.update({r: ep_rank for r in found})
+    if not ranks:
+        raise CheckpointError(f"checkpoint in {root} has no optimizer files for tp {tp_rank}, "
+                              f"pp {pp_rank} (saved without optimizer state, or by the "
+                              f"replicated optimizer); {hint}")
+    missing = [r for r in range(max(ranks) + 1) if r not in ranks]
+    if missing or any(not paths for paths in by_ep.values()):
+        where = missing[0] if missing else "of an ep rank"
+        raise CheckpointError(f"the optimizer file of data-parallel rank {where} (tp "
+                              f"{tp_rank}, pp {pp_rank}) is missing from {root}: the "
+                              f"checkpoint is incomplete; {hint}")
+    return by_ep
 
 
 def check_compatible(saved: dict, args, path: str, ignore=()) -> None:

@@ -6,7 +6,10 @@ DDP optimizer state is replicated across dp, and a DeepSpeed ZeRO engine re-part
 own).
 
 Every rank reads the whole checkpoint: the (tp, pp) main files and, for a run saved by a
-DeepSpeed engine, each (tp, pp)'s optimizer files. The weights and the optimizer state are
+DeepSpeed engine or the distributed optimizer, each (tp, pp)'s optimizer files. A checkpoint
+saved at expert-parallel size ep > 1 (one folder per ep rank) is put together first as if
+saved at ep 1 (:mod:`.expert_state`), and a change of ep alone comes here too; the run's ep
+rank keeps its experts. The weights and the optimizer state are
 merged into whole-model tensors with the model's key map (:func:`.native_reader.merge_layout`),
 their vocabulary rows re-padded for tp' (new padding rows are zero, and masked out of the
 logits), and this rank keeps its slice (:func:`.native_writer.stage_state`). The optimizer
@@ -30,14 +33,16 @@ import torch
 
 from .. import mpu
 from ..errors import CheckpointError
-from .format import (LAYOUT_KEYS, check_compatible, check_rank_layout, iteration_dir,
-                     load_rank_file, rank_files, saved_optimizer_files, uses_pipeline_engine)
+from .expert_state import collapse_named, distributed_named, read_ep_states
+from .format import (EP_KEY, LAYOUT_KEYS, check_compatible, check_rank_layout, ep_rank_files,
+                     iteration_dir, load_rank_file, saved_ep, saved_optimizer_files,
+                     uses_pipeline_engine)
 from .chunks import placement_of, vpp_of
 from .key_maps import key_map_for
 from .native_reader import check_complete, merge_layout
 from .native_writer import check_layout, layout_args, stage_state
 from .optimizer_names import MOMENTS, named_adam_state
-from .sharding import has_records, merge_recorded, slice_recorded
+from .sharding import experts_of, has_records, merge_recorded, slice_recorded
 from .structural_match import FIX, match_names, pipeline_order, signature
 from .vocab_padding import repad_vocab_rows, resolve_true_vocab_size
 from .zero_state import is_zero_state, load_engine_optimizer_file, named_from_saved
@@ -83,30 +88,31 @@ class RankState:
 
 
 def _rank_states(root, iteration):
-    """``{(tp, pp): main file state}`` of the checkpoint, with its saved args and folder."""
+    """``{(tp, pp): main file state}`` of the checkpoint (at ep > 1 with every ep rank's
+    experts in its model: :mod:`.expert_state`), ``{(tp, pp): {ep_rank: state}}`` as saved,
+    its saved args and folder."""
     folder = iteration_dir(root, iteration)
-    files = rank_files(folder)
-    if (0, 0) not in files:
-        raise CheckpointError(f"checkpoint {folder} has no mp_rank_00_000 (or mp_rank_00) file")
-    states = {(0, 0): load_rank_file(files[(0, 0)])}
-    saved = dict(states[(0, 0)].get("args") or {})
+    files = ep_rank_files(folder)
+    if (0, 0, 0) not in files:
+        raise CheckpointError(f"checkpoint {folder} has no mp_rank_00_000 (or mp_rank_00, "
+                              f"mp_rank_00_000_000) file")
+    first = load_rank_file(files[(0, 0, 0)])
+    saved = dict(first.get("args") or {})
     tp, pp = saved["tensor_model_parallel_size"], saved.get("pipeline_model_parallel_size", 1)
-    check_rank_layout(files, tp, pp, folder)
-    for key in files:
-        if key not in states:
-            states[key] = load_rank_file(files[key])
-    return states, saved, folder
+    check_rank_layout(files, tp, pp, folder, ep=saved_ep(first))
+    states, by_ep = read_ep_states(files, {(0, 0, 0): first})
+    return states, by_ep, saved, folder
 
 
 def saved_layout_differs(root: str, iteration: int, cfg: Any) -> bool:
     """Whether the checkpoint's (tp, pp, v, placement) differs from the run's (reads one
     file's args; v: chunks per pipeline rank, 1 for checkpoints that do not record it; the
     placement: ZB-V's V or the loop of every other schedule)."""
-    files = rank_files(iteration_dir(root, iteration))
-    if (0, 0) not in files:
+    files = ep_rank_files(iteration_dir(root, iteration))
+    if (0, 0, 0) not in files:
         return False  # the normal path reports the missing file
     try:
-        saved = torch.load(files[(0, 0)], map_location="cpu", weights_only=True,
+        saved = torch.load(files[(0, 0, 0)], map_location="cpu", weights_only=True,
                            mmap=True).get("args", {})
     except Exception:
         return False  # the normal path reports the unreadable file
@@ -114,10 +120,13 @@ def saved_layout_differs(root: str, iteration: int, cfg: Any) -> bool:
             (vpp_of(saved), placement_of(saved)) != \
             (cfg.parallel.vpp, placement_of({"pipeline_schedule": cfg.parallel.pipeline_schedule})):
         return True  # the same pp, other chunks on each rank
+    if int(saved.get(EP_KEY) or 1) != int(cfg.get(EP_KEY) or 1):
+        return True  # other experts on each rank
     return any(k in saved and saved[k] != cfg.get(k) for k in LAYOUT_KEYS[:2])
 
 
-def named_optimizer_state(state, root, iteration, tp_rank, pp_rank, default_names=None):
+def named_optimizer_state(state, root, iteration, tp_rank, pp_rank, default_names=None,
+                          ep_rank=0):
     """One (tp, pp)'s optimizer state by parameter name, whatever wrote it.
 
     Args:
@@ -129,6 +138,7 @@ def named_optimizer_state(state, root, iteration, tp_rank, pp_rank, default_name
             checkpoint records none (releases before the record); only a resume at the
             saved layout, whose optimizer orders its parameters as the saved one did, may
             pass them.
+        ep_rank: which ep rank's folder ``state`` is of (a checkpoint saved at ep > 1).
 
     Returns:
         ``({name: {"exp_avg", "exp_avg_sq", "step"[, "fp32"]}}, param groups or None,
@@ -143,6 +153,9 @@ def named_optimizer_state(state, root, iteration, tp_rank, pp_rank, default_name
             raise unnamed
         named, groups = named_adam_state(state["optimizer"]["optimizer"], names)
         return named, groups, {"ddp": state["optimizer"].get("grad_scaler")}
+    if saved_ep(state) > 1:  # the dense slices in every ep folder, the experts in their own
+        return distributed_named({ep_rank: state}, root, iteration, tp_rank, pp_rank,
+                                 named_from_slices)[ep_rank]
     paths = saved_optimizer_files(root, iteration, tp_rank, pp_rank)
     first = load_engine_optimizer_file(paths[0])
     shards = [first] + [load_engine_optimizer_file(p) for p in paths[1:]]
@@ -165,12 +178,14 @@ def named_optimizer_state(state, root, iteration, tp_rank, pp_rank, default_name
                           f"read; {HINT}")
 
 
-def named_from_slices(shards, shapes, where):
+def named_from_slices(shards, shapes, where, keep=None):
     """Every data-parallel rank's distributed-optimizer state (rank order) -> named state.
 
     Each file holds the torch optimizer's state of its slices and, per state position, the
     slice's ``(parameter name, offset, length)``; a parameter's slices are put back in
-    offset order.
+    offset order. ``keep(name)``, when given, picks the parameters to read (an
+    expert-parallel checkpoint's dense and expert slices lie in different sets of files:
+    :mod:`.expert_state`).
 
     Returns:
         ``({name: {"exp_avg", "exp_avg_sq", "step"}}, param groups)``.
@@ -180,6 +195,8 @@ def named_from_slices(shards, shapes, where):
         torch_state = shard["optimizer"]
         positions = [i for g in torch_state["param_groups"] for i in g["params"]]
         for pos, (name, offset, numel) in zip(positions, shard["pieces"]):
+            if keep is not None and not keep(name):
+                continue
             moments = torch_state["state"].get(pos)
             if moments is None:
                 raise CheckpointError(f"{where}: the distributed optimizer's state has no "
@@ -204,13 +221,29 @@ def named_from_slices(shards, shapes, where):
     return named, groups
 
 
+def _named_of(by_ep, root, iteration, tp_rank, pp_rank):
+    """One (tp, pp)'s optimizer state by name (every ep rank's experts at ep > 1)."""
+    if len(by_ep) == 1:
+        return named_optimizer_state(by_ep[0], root, iteration, tp_rank, pp_rank)
+    record = by_ep[0].get("sharding") or {}
+    if "optimizer" in by_ep[0]:  # replicated: each ep rank's main file holds its own
+        found = {e: named_optimizer_state(s, root, iteration, tp_rank, pp_rank, ep_rank=e)
+                 for e, s in by_ep.items()}
+    else:
+        found = distributed_named(by_ep, root, iteration, tp_rank, pp_rank, named_from_slices)
+    named, groups, scaler = {e: f[0] for e, f in found.items()}, found[0][1], found[0][2]
+    where = f"{iteration_dir(root, iteration)} (tp {tp_rank}, pp {pp_rank})"
+    return collapse_named(named, record, where), groups, scaler
+
+
 def _full_moments(states, saved, folder, merge, root, iteration):
     """Whole-model optimizer tensors ``{"exp_avg"|"exp_avg_sq"[|"fp32"]: {key: tensor}}``,
-    the step, the param groups (or None) and the loss scaler (or None)."""
+    the step, the param groups (or None) and the loss scaler (or None); ``states``:
+    ``{(tp, pp): {ep_rank: main file state}}``."""
     named, groups, scaler = {}, None, None
-    for (tp_rank, pp_rank), state in states.items():
+    for (tp_rank, pp_rank), by_ep in states.items():
         named[(tp_rank, pp_rank)], rank_groups, rank_scaler = \
-            named_optimizer_state(state, root, iteration, tp_rank, pp_rank)
+            _named_of(by_ep, root, iteration, tp_rank, pp_rank)
         if (tp_rank, pp_rank) == (0, 0):
             groups, scaler = rank_groups, rank_scaler
     first = next(iter(named[(0, 0)].values()), None)
@@ -329,21 +362,51 @@ def _structural_names(states, cfg, own, folder, own_layout):
     return match_names(saved, sig_saved, list(own), sig_own, f"checkpoint {folder}")
 
 
-def _recorded_merge_and_slice(states, cfg, own, true_vocab, folder, renamed=None):
+def _recorded_merge_and_slice(states, cfg, own, true_vocab, folder, renamed=None,
+                              own_names=None):
     """The record-driven ``merge(getter, where)`` and ``slice_of(full, strict)``; with
-    ``renamed`` (``{saved name: own name}``) the merged tensors take the run's names."""
+    ``renamed`` (``{saved name: own name}``) the merged tensors take the run's names; with
+    ``own_names`` (``{own name: whole-model name}``) too, both sides meet in whole-model
+    names (:func:`_key_mapped_names`). The run's ep rank keeps its experts."""
     records = {k: s["sharding"] for k, s in states.items()}
+    own_names = own_names or {k: k for k in own}
+    own_named = {own_names[k]: spec for k, spec in own.items()}
 
     def merge(get, where):
         full = merge_recorded({k: get(*k) for k in states}, records, true_vocab, where)
-        return {renamed[k]: v for k, v in full.items()} if renamed else full
+        return {renamed.get(k, k): v for k, v in full.items()} if renamed else full
 
     def slice_of(full, strict=True):
-        mine = own if strict else {k: v for k, v in own.items() if k in full}
-        return slice_recorded(full, mine, cfg.parallel.tp, mpu.get_tensor_model_parallel_rank(),
-                              cfg.model.padded_vocab_size, folder)
+        mine = own_named if strict else {k: v for k, v in own_named.items() if k in full}
+        cut = slice_recorded(full, mine, cfg.parallel.tp, mpu.get_tensor_model_parallel_rank(),
+                             cfg.model.padded_vocab_size, folder,
+                             mpu.get_expert_model_parallel_world_size(),
+                             mpu.get_expert_model_parallel_rank())
+        return {k: cut[own_names[k]] for k in own if own_names[k] in cut}
 
     return merge, slice_of
+
+
+def _key_mapped_names(states, cfg, own, saved, family):
+    """``({saved name: whole-model name}, {own name: whole-model name})`` for a model with
+    MoE layers whose family has a key map (GPT-2, T5) between pp = 1 and pp > 1: the key
+    map renames (its tables know no expert tensors), the sharding record cuts; None when
+    this does not apply (no MoE layer, or no record)."""
+    if own is None or not has_records(states.values()):
+        return None
+    records = [s["sharding"] for s in states.values()] + [own]
+    if not any(experts_of(spec) for record in records for spec in record.values()):
+        return None
+    keys = key_map_for(saved, getattr(cfg, "model_family", None),
+                       list(states[(0, 0)].get("model") or ()), family)
+    layers = saved["num_layers"]
+
+    def whole(name):
+        return keys.pipe_to_full_key(name, layers) if keys.is_pipe_state({name: None}) \
+            else name
+
+    names = set().union(*(s["sharding"] for s in states.values()))
+    return {k: whole(k) for k in names}, {k: whole(k) for k in own}
 
 
 def _same_family(states, cfg, folder):
@@ -376,15 +439,16 @@ def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
         CheckpointError: another model, an incomplete checkpoint, or optimizer state that
             cannot move (see the module docstring).
     """
-    states, saved, folder = _rank_states(root, iteration)
+    states, by_ep, saved, folder = _rank_states(root, iteration)
     family = _same_family(states, cfg, folder)
     check_compatible(saved, cfg, folder, ignore=LAYOUT_KEYS)
     true_vocab = resolve_true_vocab_size(saved, cfg.model.true_vocab_size)
     _check_vocab(saved, cfg, folder)
     recorded, renamed = _uses_record(states, cfg, own, folder, own_layout)
-    if recorded:
+    mapped = None if recorded else _key_mapped_names(states, cfg, own, saved, family)
+    if recorded or mapped:
         merge, slice_of = _recorded_merge_and_slice(states, cfg, own, true_vocab, folder,
-                                                    renamed)
+                                                    *(mapped or (renamed,)))
         weights = merge(lambda t, p: states[(t, p)].get("model", {}), folder)
     else:
         keys = key_map_for(saved, getattr(cfg, "model_family", None),
@@ -399,7 +463,7 @@ def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
 
         weights = check_complete(keys, merge(lambda t, p: states[(t, p)].get("model", {}),
                                              folder), saved, folder)
-    moments = _full_moments(states, saved, folder, merge, root, iteration) \
+    moments = _full_moments(by_ep, saved, folder, merge, root, iteration) \
         if load_optim else None
     if moments is not None and "fp32" in moments[0]:
         weights.update(moments[0]["fp32"])  # ZeRO's fp32 masters: exact, where weights are fp16

@@ -17,8 +17,8 @@ import torch
 from ..errors import CheckpointError
 from ..progress import progress
 from . import gpt2_keys
-from .format import (check_rank_layout, iteration_dir, load_rank_file, rank_files,
-                     resolve_iteration)
+from .format import (EP_KEY, check_rank_layout, ep_rank_files, iteration_dir, load_rank_file,
+                     rank_files, resolve_iteration, saved_ep)
 from .key_maps import KEY_MAPS, key_map_for, key_map_named
 
 #: Replicated tensors (LayerNorms, row-parallel biases, the tied embedding copies) must agree
@@ -184,10 +184,12 @@ def read_native(root: str, iteration: Optional[int] = None, family: Optional[str
     """
     iteration = resolve_iteration(root, iteration)
     folder = iteration_dir(root, iteration)
-    files = rank_files(folder)
+    files, loaded = rank_files(folder), {}
+    if (0, 0) not in files and (0, 0, 0) in ep_rank_files(folder):
+        files, loaded = _expert_parallel(folder)
     if (0, 0) not in files:
         raise CheckpointError(f"checkpoint {folder} has no mp_rank_00_000 (or mp_rank_00) file")
-    first = load_rank_file(files[(0, 0)])
+    first = loaded.get((0, 0)) or load_rank_file(files[(0, 0)])
     args = dict(first.get("args") or {})
     required = ("num_layers", "padded_vocab_size", "tensor_model_parallel_size")
     if not all(k in args for k in required):
@@ -196,12 +198,13 @@ def read_native(root: str, iteration: Optional[int] = None, family: Optional[str
     tp, pp = args["tensor_model_parallel_size"], args.get("pipeline_model_parallel_size", 1)
     if _recorded_only(first):
         return _read_recorded(first, files, folder, args, None if any_recorded else family,
-                              iteration, tp, pp)
+                              iteration, tp, pp, loaded)
     keys = _check_family(first, family, files[(0, 0)])
     check_rank_layout(files, tp, pp, folder)
 
     def model_of(tp_rank, pp_rank):
-        state = first if (tp_rank, pp_rank) == (0, 0) else load_rank_file(files[(tp_rank, pp_rank)])
+        key = (tp_rank, pp_rank)
+        state = first if key == (0, 0) else loaded.get(key) or load_rank_file(files[key])
         return state.get("model", {})
 
     full = merge_layout(keys, args, model_of, folder)
@@ -223,7 +226,24 @@ def _recorded_only(first: dict) -> bool:
     return not any(keys.matches(dict(first.get("args") or {}), names) for keys in KEY_MAPS)
 
 
-def _read_recorded(first, files, folder, args, family, iteration, tp, pp) -> FullCheckpoint:
+def _expert_parallel(folder):
+    """An ep > 1 checkpoint's ``({(tp, pp): path of ep rank 0's file}, {(tp, pp): state
+    with every ep rank's experts})`` (:mod:`.expert_state`): read as if saved at ep 1."""
+    from .expert_state import read_ep_states
+
+    files = ep_rank_files(folder)
+    first = load_rank_file(files[(0, 0, 0)])
+    args = dict(first.get("args") or {})
+    check_rank_layout(files, args.get("tensor_model_parallel_size", 1),
+                      args.get("pipeline_model_parallel_size", 1), folder, ep=saved_ep(first))
+    states, _ = read_ep_states(files, {(0, 0, 0): first})
+    for key, state in states.items():  # whole models now: every expert in each (tp, pp)
+        states[key] = dict(state, args=dict(state.get("args") or {}, **{EP_KEY: 1}))
+    return {(t, p): path for (t, p, e), path in files.items() if e == 0}, states
+
+
+def _read_recorded(first, files, folder, args, family, iteration, tp, pp,
+                   loaded=None) -> FullCheckpoint:
     """:func:`read_native` of a recorded checkpoint: whole tensors under the model's own
     (layout-independent) names, vocabulary rows unpadded when the real size is saved."""
     from .sharding import has_records, merge_recorded
@@ -238,7 +258,8 @@ def _read_recorded(first, files, folder, args, family, iteration, tp, pp) -> Ful
                               f"table (hf_names), else with the model's own tool (e.g. "
                               f"examples/llama/convert_llama.py; docs/new_model.md)")
     check_rank_layout(files, tp, pp, folder)
-    states = {key: first if key == (0, 0) else load_rank_file(path)
+    loaded = loaded or {}
+    states = {key: first if key == (0, 0) else loaded.get(key) or load_rank_file(path)
               for key, path in files.items()}
     if not has_records(states.values()):
         raise CheckpointError(f"{folder}: some rank files carry no sharding record, so "

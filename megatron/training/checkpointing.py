@@ -124,6 +124,15 @@ def _publish(root, tmp_root, iteration, digests):
     print(f"> saved checkpoint at iteration {iteration} to {root}", flush=True)
 
 
+def _expert_place(dp_rank):
+    """``(ep rank for the file names or None at ep 1, whether this rank writes the main
+    file)``: at ep > 1 the ranks of one (tp, pp) hold different experts, so the first
+    rank of each expert-data-parallel group writes its ep rank's file."""
+    if mpu.get_expert_model_parallel_world_size() <= 1:
+        return None, dp_rank == 0
+    return mpu.get_expert_model_parallel_rank(), mpu.get_expert_data_parallel_rank() == 0
+
+
 def _prepare_folder(tmp_root, iteration):
     """Rank 0: an empty temporary iteration folder (a failed save's leftovers go)."""
     if dist.get_rank() == 0:
@@ -149,9 +158,11 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
     """Write a complete checkpoint for ``iteration`` (collective: every rank calls it).
 
     Data-parallel rank 0 of each (tp, pp) writes the model, schedule, RNG and progress (with
-    context parallelism: rank 0 of the data x context group). A backend whose optimizer
-    state is sharded across data-parallel ranks (DeepSpeed's ZeRO-1, bf16) has every rank
-    write its own optimizer file next to it. Each step that can fail on
+    context parallelism: rank 0 of the data x context group; with expert parallelism,
+    ep > 1, the first rank of each expert-data-parallel group writes its ep rank's folder).
+    A backend whose optimizer state is sharded across data-parallel ranks (the distributed
+    optimizer, DeepSpeed's ZeRO-1, bf16) has every rank write its own optimizer file next
+    to it. Each step that can fail on
     one rank alone (preparing the folder, writing the files, publishing) ends in one
     agreement (:func:`megatron.agreement.agree`), so a full disk on one node stops every rank
     with the same :class:`CheckpointError`, and the tracker still names the previous
@@ -180,12 +191,13 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
     # sharded optimizer (ZeRO over that group) gets one file per rank of it
     tp, pp, dp = (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
                   mpu.get_data_parallel_rank(with_context_parallel=True))
+    ep_rank, first = _expert_place(dp)
     files = []
-    if dp == 0:
+    if first:
         state = _main_state(iteration, backend, cfg, train_state, rng_states)
-        files.append((checkpoint_name(tmp_root, iteration, tp, pp), state))
+        files.append((checkpoint_name(tmp_root, iteration, tp, pp, ep_rank), state))
     if backend.state_io.sharded and not cfg.checkpoint.no_save_optim:
-        files.append((optimizer_shard_name(tmp_root, iteration, tp, pp, dp),
+        files.append((optimizer_shard_name(tmp_root, iteration, tp, pp, dp, ep_rank),
                       backend.state_io.state_dict()))
     if writer is not None:
         writer.submit(root, tmp_root, iteration, files)
@@ -204,8 +216,8 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
 def _read_own_file(cfg, iteration):
     root = cfg.checkpoint.load
     tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
-    path = checkpoint_name(root, iteration, tp, pp)
-    if not os.path.isfile(path) and pp == 0 and \
+    path = checkpoint_name(root, iteration, tp, pp, _run_ep_rank())
+    if not os.path.isfile(path) and pp == 0 and _run_ep_rank() is None and \
             os.path.isfile(megatron_v2_name(root, iteration, tp)):
         path = megatron_v2_name(root, iteration, tp)
     check_file(path)  # against the manifest, before a byte of it is used
@@ -219,6 +231,12 @@ def _read_own_file(cfg, iteration):
     check_compatible(state.get("args", {}), cfg, path)
     _check_family(state, cfg, path)
     return state
+
+
+def _run_ep_rank():
+    """This rank's ep rank in file names (None at expert-parallel size 1)."""
+    return mpu.get_expert_model_parallel_rank() \
+        if mpu.get_expert_model_parallel_world_size() > 1 else None
 
 
 def _check_family(state, cfg, path):

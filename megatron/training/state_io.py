@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .. import mpu
 from ..checkpoint.layout_change import NamedOptimizerState, named_optimizer_state
 from ..checkpoint.optimizer_names import HYPER_PARAMETERS, adam_state_dict, param_names
 from ..checkpoint.zero_state import _new_step
@@ -64,7 +65,7 @@ class OptimizerStateIO:
             return
         named, groups, scaler = named_optimizer_state(
             state, root, iteration, tp_rank, pp_rank, default_names=adamw_order(
-                self.backend.module()))
+                self.backend.module()), ep_rank=mpu.get_expert_model_parallel_rank())
         self.load_named(NamedOptimizerState(named, _step_of(named), groups, scaler))
 
     def counters(self) -> Dict[str, int]:
