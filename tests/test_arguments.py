@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.config import parse_args
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 from precision import WITH_FP16, WITHOUT_FP16
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",

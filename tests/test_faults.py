@@ -386,7 +386,7 @@ def step(*args, **kwargs):
     return real_step(*args, **kwargs)
 training.train_step = step
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 run_main(pretrain_gpt2.main, sys.argv[1:])
 '''
 
@@ -422,7 +422,7 @@ def test_divergence_names_the_newest_good_checkpoint(tmp_path, bad_loss_at, bad_
 
     from megatron.training.checkpointing import read_tracker, write_tracker
     from megatron.config import saved_run_config
-    from megatron.errors import DivergenceError
+    from megatron.common.errors import DivergenceError
     from megatron.training.divergence import check_pending
 
     save = tmp_path / "ckpt"
@@ -479,7 +479,7 @@ def test_divergence_message_offers_only_what_the_backend_accepts(tmp_path, flags
     import torch
 
     from megatron.config import saved_run_config
-    from megatron.errors import DivergenceError
+    from megatron.common.errors import DivergenceError
     from megatron.training.divergence import check_pending
 
     cfg = saved_run_config(dict(compute_dtype=torch.float32, save=str(tmp_path), load=None,

@@ -67,7 +67,7 @@ def _spec(**kw):
 
 
 def test_cp_is_offered_only_where_the_run_allows_it():
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
     from megatron.memory.planner import Hardware, layouts
 
     hw = Hardware(gpus=8, gpu_memory=80 * 2**30)

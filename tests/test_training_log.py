@@ -9,7 +9,7 @@ import pytest
 from gpt2_runs import gpt2_argv
 from harness import run_distributed
 from megatron.config import saved_run_config
-from megatron.training.training_log import model_flops_per_step, throughput
+from megatron.observability.training_log import model_flops_per_step, throughput
 
 
 def _matmul_flops(b, s, layers, h, vocab):
@@ -118,7 +118,7 @@ def test_mfu_peak_of_the_emulated_device_and_precision(monkeypatch, name, memory
 
     import torch
 
-    from megatron.training import training_log
+    from megatron.observability import training_log
 
     props = types.SimpleNamespace(name=name, total_memory=memory)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -222,7 +222,7 @@ def test_node_first_process_prints_the_last_stages_losses_with_one_broadcast_per
 def test_the_closing_line_names_only_what_exists(tmp_path, monkeypatch):
     """A checkpoint folder, log file or event file that is not there is not named as if it
     were; a run with --tensorboard-dir that wrote no events says why."""
-    from megatron.training import run_summary
+    from megatron.observability import run_summary
 
     save, events, log = tmp_path / "ckpt", tmp_path / "tb" / "events.out.x", tmp_path / "n0.log"
     cfg = saved_run_config(dict(save=str(save), tensorboard_dir=str(tmp_path / "tb")))
@@ -249,7 +249,7 @@ def test_compile_time_is_the_union_of_the_ranks_compile_spans():
     """A pipeline's stages compile one after another (each waits for the last): the
     interval's compile time is the wall time in which some rank compiled, not the most of
     one rank; overlapping spans count once."""
-    from megatron.compile_watch import union_seconds
+    from megatron.observability.compile_watch import union_seconds
 
     stage0, stage1 = [(0.0, 40.0), (95.0, 100.0)], [(40.0, 90.0)]  # forward, backward
     assert union_seconds(stage0 + stage1) == pytest.approx(95.0)

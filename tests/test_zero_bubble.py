@@ -63,7 +63,7 @@ def test_schedule_flag_and_what_it_implies(extra, schedule, vpp):
      r"zb-h1 needs --pipe-parallel-size >= 2"),
 ])
 def test_bad_schedules_are_config_errors(extra, message):
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         _parse(*extra)

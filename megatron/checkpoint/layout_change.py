@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import mpu
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from .format import (LAYOUT_KEYS, check_compatible, check_rank_layout, iteration_dir,
                      load_rank_file, rank_files, saved_optimizer_files, uses_pipeline_engine)
 from .chunks import placement_of, vpp_of

@@ -140,7 +140,7 @@ def _let_peers_report():
     """Wait (at most :data:`REPORT_WAIT_S`) until every rank has printed its error line.
 
     torchrun ends every rank as soon as one exits: without this, the ranks that reached the
-    same error (a bad flag, an agreed failure, :mod:`megatron.agreement`) a few
+    same error (a bad flag, an agreed failure, :mod:`megatron.resilience.agreement`) a few
     milliseconds later are stopped before they print it. Each rank counts itself in the
     job's rendezvous store and exits once all have; a rank that failed alone exits after
     the bound. Nothing is waited for without a store (one process, or a launcher without
