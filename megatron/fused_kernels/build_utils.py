@@ -26,9 +26,9 @@ from ..resilience.locks import owned_lock, remove_stale_baton
 logger = logging.getLogger(__name__)
 
 #: Where a wheel / ``pip install .`` puts the sources (setup.py's build_py copies csrc/ there).
-PACKAGED_CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+PACKAGED_CSRC_DIR = Path(__file__).resolve().parents[1] / "csrc"
 #: The repository's top-level csrc/ (a checkout, or ``pip install -e .``).
-REPO_CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+REPO_CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 
 
 def find_csrc_dir():
