@@ -165,7 +165,7 @@ def _load_with_tracker_seen_by_rank_1(load, fault):
             return None if fault == "missing" else 3
         ck.read_tracker = read
     cfg = types.SimpleNamespace(model_family=None, checkpoint=types.SimpleNamespace(
-        load=load, no_load_optim=False, finetune=False))
+        load=load, save=None, no_load_optim=False, finetune=False))
     start = time.monotonic()
     try:
         return "returned", ck.load_checkpoint(None, cfg, None), time.monotonic() - start

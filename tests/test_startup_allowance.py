@@ -131,7 +131,7 @@ def test_a_startup_timeout_needs_the_watchdog():
 _SLOW_STARTUP = r'''
 import sys, time
 from megatron.config import parse_args
-from megatron.training import startup_allowance as sa
+from megatron.resilience import startup_allowance as sa
 from megatron.resilience.watchdog import start_watchdog
 
 load, startup = sys.argv[1], float(sys.argv[2])
