@@ -6,7 +6,7 @@ The model, its batch, its loss and its datasets are described once, by the famil
 for a model of your own passes Megatron-style providers to ``pretrain`` instead
 (docs/training.md).
 """
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 from megatron.families.gpt2 import FAMILY as GPT2
 from megatron.training import pretrain
 

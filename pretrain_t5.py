@@ -7,7 +7,7 @@ megatron.training.pretrain().
 Works at every layout: T5Model without pipeline stages (``--pipe-parallel-size 1``),
 T5ModelPipe through tds's pipeline engine otherwise. T5 flags: megatron/families/t5.py.
 """
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 from megatron.families.t5 import FAMILY as T5
 from megatron.training import pretrain
 

@@ -62,7 +62,7 @@ class BuildPyWithSources(build_py):
 
     The repository keeps the kernel sources at the top (DESIGN.md's layout); a wheel or
     ``pip install .`` must carry them inside the package so that the just-in-time build
-    finds them (megatron.build_utils.find_csrc_dir looks there first). An editable install
+    finds them (megatron.fused_kernels.build_utils.find_csrc_dir looks there first). An editable install
     compiles from the checkout's ``csrc/`` and needs no copy.
     """
 

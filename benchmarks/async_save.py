@@ -80,7 +80,7 @@ def run_argv(data, args, save, asynchronous):
 
 def worker(argv):
     """In the training process: run pretrain_gpt2 with timers on saves and steps."""
-    import megatron.training.fault_tolerance as ft
+    import megatron.resilience.fault_tolerance as ft
     import megatron.training.loop as loop
 
     saves, steps, marks = [], [], {}

@@ -20,7 +20,7 @@ Every case trains on the same device in the same process, tp = pp = dp = 1, bf16
 
 Reported per case: ms/step (median), tokens/s, TFLOP/s (Megatron's formula, the same
 count for every case of a size), MFU (the device's dense peak for the precision,
-megatron/training/training_log.py's table; ``--peak-tflops`` overrides), peak memory, and tokens/s relative to the compiled baseline.
+megatron/observability/training_log.py's table; ``--peak-tflops`` overrides), peak memory, and tokens/s relative to the compiled baseline.
 """
 import argparse
 import os
@@ -51,13 +51,13 @@ KIND_FLAGS = {"eager": (), "compile": ("--compile",),
 
 
 def peak_tflops(device, override, dtype):
-    """Per-device dense peak for ``dtype`` (megatron.training.training_log's table: H100
+    """Per-device dense peak for ``dtype`` (megatron.observability.training_log's table: H100
     SXM / PCIe / NVL, H200, A100, ...), or None (CPU, unknown GPU) without ``--peak-tflops``."""
     if override:
         return override
     if device.type != "cuda":
         return None
-    from megatron.training.training_log import device_peak_tflops
+    from megatron.observability.training_log import device_peak_tflops
 
     props = torch.cuda.get_device_properties(device)
     return device_peak_tflops(props.name, props.total_memory, dtype,
@@ -127,9 +127,9 @@ def _init_project(argv, family, vocab, eod):
     global _DIST_READY
     from megatron import mpu
     from megatron.config import build_run_config
-    from megatron.global_vars import reset_globals, set_globals
+    from megatron.common.global_vars import reset_globals, set_globals
     from megatron.initialize import _load_kernels, init_distributed, set_random_seed
-    from megatron.timers import Timers
+    from megatron.common.timers import Timers
 
     cfg, _ = build_run_config(argv, family, check_files=False, world_size=1, rank=0)
     cfg = cfg.replace(padded_vocab_size=vocab, true_vocab_size=vocab)
@@ -160,7 +160,7 @@ def _common_flags(opts, layers, hidden, heads, batch, extra):
 def project_step(kind, family, flags, vocab, batch_fn, device):
     """``step()`` of the real training path for ``family`` (``gpt2`` / ``t5``)."""
     from megatron.families import get_family
-    from megatron.global_vars import get_tokenizer
+    from megatron.common.global_vars import get_tokenizer
     from megatron.training.backend_factory import build_backend
 
     model_family = get_family(family)
@@ -399,7 +399,7 @@ def parse_args(argv=None):
 
 def plot(tables, output):
     """Each table's tokens/s against its best baseline (the last column), as bar charts."""
-    from megatron.run_plots import plot_tables
+    from megatron.observability.run_plots import plot_tables
 
     results = []
     for title, rows in tables.items():
@@ -414,7 +414,7 @@ def plot(tables, output):
 def main(argv=None):
     opts = parse_args(argv)
     if opts.plot:  # fail on a missing matplotlib before the benchmark, not after it
-        from megatron.run_plots import check_matplotlib
+        from megatron.observability.run_plots import check_matplotlib
 
         check_matplotlib()
     os.environ.setdefault("MEGATRON_DEVICE", opts.device.type)

@@ -153,7 +153,7 @@ def time_megatron(model, opts, data):
         entry.main(megatron_argv(model, opts, data, warm + timed + 1 + counted))
     finally:
         loop.train_step = original
-    from megatron.global_vars import get_args
+    from megatron.common.global_vars import get_args
 
     times = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(starts[warm:warm + timed],
                                                           starts[warm + 1:])]

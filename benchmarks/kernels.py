@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron import fused_kernels, run_plots  # noqa: E402
+from megatron import fused_kernels  # noqa: E402
+from megatron.observability import run_plots  # noqa: E402
 from megatron.model.fused_layer_norm import MixedFusedLayerNorm, MixedFusedRMSNorm  # noqa: E402
 from megatron.model.fused_softmax import AttnMaskType, FusedScaleMaskSoftmax  # noqa: E402
 

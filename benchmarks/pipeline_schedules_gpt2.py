@@ -39,7 +39,7 @@ each other, so a pass costs more where the pipeline is full than in its fill and
 The costs measured in the run carry that contention on average; "wall/cpu" (callback wall
 time over its CPU time) shows how much, and "floor" (all ranks' CPU time per step / the
 cores) is the least time the machine could take for the step's work, whatever the
-schedule. docs/pipeline_schedules.md ("Measured with real GPT-2 chunks") says what
+schedule. docs/measurements/pipeline_schedules.md ("Measured with real GPT-2 chunks") says what
 this means for the comparison.
 """
 import argparse

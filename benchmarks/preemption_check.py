@@ -47,7 +47,7 @@ def _rank(rank, world, port, calls, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.training.preemption import PreemptionHandler
+    from megatron.resilience.preemption import PreemptionHandler
 
     handler = PreemptionHandler(check_interval=1)
     handler.armed = True

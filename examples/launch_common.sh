@@ -13,8 +13,8 @@ megatron_has_gpu() {
 # megatron_precision_and_deepspeed_args GPU_DEFAULT: sets precision_args (--fp16 / --bf16)
 # from PRECISION (auto: GPU_DEFAULT on GPUs, fp32 on a CPU, where DeepSpeed runs no fp16 and
 # bf16 has no fast kernels on most CPUs) and ds_args: the DeepSpeed config is always passed
-# (pretrain() uses it when it trains through an engine: pipeline stages, or --deepspeed),
-# and USE_DEEPSPEED=1 asks for DeepSpeed's data parallelism without pipeline stages.
+# (without --deepspeed its ZeRO stage 1 asks for the distributed optimizer; DeepSpeed's engine
+# steps only with --deepspeed), and USE_DEEPSPEED=1 asks for that engine (at pp_size 1).
 # FP8=e4m3|hybrid adds the FP8 GEMMs (--fp8-format, with FP8_RECIPE=tensorwise|rowwise);
 # they run under bf16, which PRECISION=auto then picks on GPUs and CPUs alike.
 megatron_precision_and_deepspeed_args() {

@@ -11,15 +11,15 @@ import torch
 import torch.distributed as dist
 
 from . import mpu
-from .agreement import gather_failures, summary
+from .resilience.agreement import gather_failures, summary
 from .config import build_run_config
 from .config.parser import RankFileProblems
-from .errors import ConfigError
-from .global_vars import reset_globals, set_globals
-from .metrics_writers import build_metrics_writer
-from .startup_times import StartupTimes
-from .timers import Timers
-from .utils import print_rank_0
+from .common.errors import ConfigError
+from .common.global_vars import reset_globals, set_globals
+from .observability.metrics_writers import build_metrics_writer
+from .observability.startup_times import StartupTimes
+from .common.timers import Timers
+from .common.utils import print_rank_0
 
 #: Seconds a collective may wait before torch.distributed gives up (so a hang ends).
 DIST_TIMEOUT_S = int(os.environ.get("MEGATRON_DIST_TIMEOUT", "1800"))

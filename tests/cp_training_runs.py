@@ -48,7 +48,7 @@ def train_runs(runs, count_syncs=()):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
     from megatron.training import pretrain
 
     out = []

@@ -49,7 +49,7 @@ def native_logits(ckpt_dir, ids):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.inference import load_gpt2_for_inference
+    from megatron.generation.inference import load_gpt2_for_inference
     from megatron.model.utils import causal_attention_mask
 
     mpu.initialize_model_parallel(dist.get_world_size(), 1)

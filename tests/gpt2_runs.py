@@ -44,7 +44,7 @@ def user_error(argv):
     """Rank body: run pretrain_gpt2.main(argv); return the user error's message (a
     MegatronError: bad flags, bad checkpoint, ...), or None when it ran."""
     import pretrain_gpt2
-    from megatron.errors import MegatronError
+    from megatron.common.errors import MegatronError
 
     try:
         pretrain_gpt2.main(argv)
@@ -92,7 +92,7 @@ def error_with_precision_support(argv, fp16, bf16):
     from deepspeed.accelerator import get_accelerator
 
     import pretrain_gpt2
-    from megatron.errors import MegatronError
+    from megatron.common.errors import MegatronError
 
     accelerator = get_accelerator()
     accelerator.is_fp16_supported = lambda: fp16

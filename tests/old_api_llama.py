@@ -91,7 +91,7 @@ OLD_LLAMA_AMBIGUOUS = dataclasses.replace(OLD_LLAMA, build_model=_builder(True))
 
 def train(argv, ambiguous=False):
     """Rank body: pretrain the family; its losses, or the CheckpointError's message."""
-    from megatron.errors import CheckpointError
+    from megatron.common.errors import CheckpointError
     from megatron.training import pretrain
 
     try:

@@ -11,7 +11,7 @@ instead:
   call is counted: the training thread has no business reading tensors back in a step);
 - whole-device waits (:data:`DEVICE_SYNCS`): DeepSpeed's ``get_accelerator().synchronize()``
   (its timers call it), ``torch.cuda.synchronize``, ``torch.accelerator.synchronize`` and this
-  project's ``megatron.timers.synchronize_device``, wrapped while the counter is open and
+  project's ``megatron.common.timers.synchronize_device``, wrapped while the counter is open and
   counted on CPU too, where they return at once (DeepSpeed's CPU accelerator) or would fail
   (CUDA's, with no device: counted, then raised). A wait that calls another (the CUDA
   accelerator's calls ``torch.cuda.synchronize``) counts once.
@@ -42,7 +42,7 @@ HOST_READS = ("cpu", "tolist", "numpy")
 #: Whole-device waits: ``(module path, attribute)``; DeepSpeed's accelerator is added when
 #: DeepSpeed imports (its object's ``synchronize``, see :func:`_device_sync_owners`).
 DEVICE_SYNCS = (("torch.cuda", "synchronize"), ("torch.accelerator", "synchronize"),
-                ("megatron.timers", "synchronize_device"))
+                ("megatron.common.timers", "synchronize_device"))
 #: Frames that belong to the project (named in the events, to find a sync's source).
 PROJECT_PATHS = ("/megatron/", "/tds/", "pretrain_", "/benchmarks/")
 

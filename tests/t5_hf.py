@@ -70,7 +70,7 @@ def native_logits(ckpt_dir, batch):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.inference import load_t5_for_inference
+    from megatron.generation.inference import load_t5_for_inference
 
     mpu.initialize_model_parallel(dist.get_world_size(), 1)
     mpu.model_parallel_cuda_manual_seed(1)
@@ -84,8 +84,8 @@ def native_generate(source, enc, enc_real, max_new_tokens):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.inference import load_t5_for_inference
-    from megatron.t5_generation import greedy_generate
+    from megatron.generation.inference import load_t5_for_inference
+    from megatron.generation.t5_generation import greedy_generate
 
     mpu.initialize_model_parallel(dist.get_world_size(), 1)
     mpu.model_parallel_cuda_manual_seed(1)

@@ -1,12 +1,13 @@
 """Flags, aliases, YAML configs and the validation pass."""
 import glob
 import os
+import sys
 
 import pytest
 import torch
 
 from megatron.config import parse_args
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 from precision import WITH_FP16, WITHOUT_FP16
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
@@ -150,16 +151,23 @@ def test_shipped_configs_parse(path, device):
 
     from megatron.config.preflight import uses_deepspeed
 
+    from megatron.families import load_family
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from plan_layout import default_family  # configs/<folder>/ names the family
+
+    family = load_family(default_family(path))
     argv = ["--config", path, "--train-iters", "10"]
     layout = yaml.safe_load(open(path)).get("parallel_config", {})  # e.g. 64 GPUs for 175B
     world = max(8, layout.get("model_parallel", 1) * layout.get("pipeline_stage", 1))
     if device is WITHOUT_FP16:
         full = parse_args(argv, world_size=world, rank=0, check_files=False,
-                          accelerator=WITH_FP16)
+                          accelerator=WITH_FP16, family=family)
         if full.fp16 and uses_deepspeed(full):  # a DeepSpeed engine would refuse it
             with pytest.raises(ConfigError, match="--fp16 is not supported.*use --bf16 or fp32"):
                 parse_args(argv, world_size=world, rank=0, check_files=False,
-                           accelerator=device)
+                           accelerator=device, family=family)
             return
-    args = parse_args(argv, world_size=world, rank=0, check_files=False, accelerator=device)
+    args = parse_args(argv, world_size=world, rank=0, check_files=False, accelerator=device,
+                      family=family)
     assert args.num_layers > 0 and args.global_batch_size > 0

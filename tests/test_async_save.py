@@ -44,7 +44,7 @@ def _files(root):
 
 
 def test_snapshot_is_a_copy_and_refills_the_previous_one():
-    from megatron.training.async_save import snapshot
+    from megatron.resilience.async_save import snapshot
 
     state = {"model": {"w": torch.randn(4, 3), "b": torch.randn(3)}, "step": 5,
              "rng": [torch.randint(0, 9, (6,)), (1.5, "x")]}

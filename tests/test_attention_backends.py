@@ -169,7 +169,7 @@ def test_attention_dropout_same_statistics_and_tracker_stream(seed):
 
 
 def test_attention_backend_spellings():
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
     from megatron.model.attention import resolve_attention_backend
 
     assert {resolve_attention_backend(n) for n in ("auto", "flash", "fused", "sdpa", None)} \

@@ -24,7 +24,7 @@ import pytest
 from bert_runs import (AUTOGRAD_WARNING, BERT_SPEC, VOCAB, pipelines, serial_and_resumes,
                        tensor_parallel_and_hf)
 from harness import run_distributed
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 TOL = 1e-5
 EXACT = 1e-6  # a resume: float32 rounding of the logged loss only (measured 8e-8)

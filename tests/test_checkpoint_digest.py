@@ -25,7 +25,7 @@ from gpt2_runs import REPO
 from megatron.checkpoint import digest, format as fmt, manifest
 from megatron.checkpoint.native_writer import reshard, write_native
 from megatron.checkpoint.zero_state import load_engine_optimizer_file
-from megatron.errors import CheckpointDigestError, CheckpointError
+from megatron.common.errors import CheckpointDigestError, CheckpointError
 
 INDEPENDENT = {"xxh3_128": lambda data: xxhash.xxh3_128(data).hexdigest(),
                "blake2b": lambda data: hashlib.blake2b(data).hexdigest(),

@@ -160,8 +160,8 @@ def test_the_agreed_decision_and_the_move_aside(tmp_path, seed):
 
     from gpt2_ckpt import random_checkpoint
     from megatron.checkpoint.native_writer import reshard, write_native
-    from megatron.errors import CheckpointDigestError
-    from megatron.training.checkpoint_integrity import damaged_or_none, set_aside_damaged
+    from megatron.common.errors import CheckpointDigestError
+    from megatron.resilience.checkpoint_integrity import damaged_or_none, set_aside_damaged
 
     root = str(tmp_path / "ckpt")
     for iteration in (3, 6):

@@ -124,7 +124,7 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(flags, message):
     import torch
 
     from megatron.config.parser import parse_args
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     if "CUDA device" in message and torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")

@@ -4,7 +4,7 @@ when they cannot work, before any process group (on every rank of a launch)."""
 import pytest
 
 from megatron.config import parse_args
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
         "--seq-length", "64", "--batch-size", "2", "--train-iters", "10", "--lr", "1e-3",

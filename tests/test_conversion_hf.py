@@ -15,7 +15,7 @@ from gpt2_hf import hf_logits, make_hf_gpt2, native_logits
 from harness import run_distributed
 from megatron.checkpoint_conversion import ConversionRequest, read_native, run_conversion
 from megatron.checkpoint_conversion import safetensors_io
-from megatron.errors import CheckpointError
+from megatron.common.errors import CheckpointError
 
 TOL = 1e-4
 VOCAB = 300  # pads to 384 at tp=1 and 512 at tp=2 with --make-vocab-size-divisible-by 128

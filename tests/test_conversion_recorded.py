@@ -207,7 +207,7 @@ def test_llama_pipeline_stages_kept_or_merged(gpt2_data, tmp_path):
     assert set(merged["model"]) == src[0] | src[1]
     assert {tuple(spec[3:5]) for spec in merged["sharding"].values()} == {(0, 0)}
     from megatron.checkpoint_conversion import ConversionRequest, run_conversion
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="changes in a conversion only to 1"):
         run_conversion(ConversionRequest(roots["src"], str(tmp_path / "pp4"), pp=4))
@@ -232,7 +232,7 @@ def test_tied_tensor_merges_to_one_stage_when_its_copies_agree():
     tied weight, stale on one stage) are refused by name, found tp rank by tp rank."""
     from megatron.checkpoint.native_reader import FullCheckpoint, stage_copies_differ
     from megatron.checkpoint.recorded_reshard import check_recorded_layout
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     weight, stale = torch.randn(8, 4), torch.randn(3, 4)
     state = {"tied_modules.embed.weight": weight, "tied_modules.embed.pos": stale,

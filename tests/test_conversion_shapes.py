@@ -14,7 +14,7 @@ import torch
 import bert_runs  # noqa: F401 (examples/bert and tools/ on the path)
 from megatron.checkpoint_conversion import hf_io
 from megatron.checkpoint_conversion.hf_table import LeadingOne
-from megatron.errors import CheckpointError
+from megatron.common.errors import CheckpointError
 
 HERE = os.path.abspath(__file__)
 VOCAB = 100

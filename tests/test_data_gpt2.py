@@ -8,7 +8,7 @@ import pytest
 from harness import run_distributed
 from megatron.data import indexed_dataset as ids
 from megatron.data.gpt2_dataset import build_train_valid_test_datasets, get_train_valid_test_split_
-from megatron.errors import ConfigError, DataError
+from megatron.common.errors import ConfigError, DataError
 
 
 def _write(prefix, docs, dtype=np.int32):

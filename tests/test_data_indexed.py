@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron.data import indexed_dataset as ids
-from megatron.errors import DataError
+from megatron.common.errors import DataError
 
 # The format description, re-implemented here without our module's code.
 SPEC_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}

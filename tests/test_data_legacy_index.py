@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron.data import indexed_dataset
-from megatron.errors import DataError
+from megatron.common.errors import DataError
 
 CODES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4, np.dtype(np.int64): 5}
 

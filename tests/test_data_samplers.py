@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron.data.data_samplers import MegatronPretrainingSampler, build_pretraining_data_loader
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 
 class _Range:

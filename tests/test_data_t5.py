@@ -7,7 +7,7 @@ import torch
 
 from megatron.data import indexed_dataset as ids
 from megatron.data import t5_dataset as t5
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 
 class _Tok:

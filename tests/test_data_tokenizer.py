@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from datautil import random_text, random_unicode, run_tool, training_corpus
-from megatron.errors import ConfigError, DataError
+from megatron.common.errors import ConfigError, DataError
 from megatron.config.validation import derive_vocab
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.tokenizer.bpe_trainer import count_words, train_bpe

@@ -145,7 +145,7 @@ def test_skip_bad_lines_counts_them(vocab, tmp_path):
 
 
 def test_data_prefix_without_idx_exits_with_message(tmp_path):
-    code = ("from megatron.errors import run_main\n"
+    code = ("from megatron.common.errors import run_main\n"
             "from megatron.data.gpt2_dataset import build_train_valid_test_datasets as b\n"
             f"run_main(b, [{str(tmp_path / 'corpus_text_document')!r}], '1', [1,0,0], 8, 1)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

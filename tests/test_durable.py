@@ -1,4 +1,4 @@
-"""Durable publication (megatron/durable.py): with ``os.fsync`` recorded, every writer of a
+"""Durable publication (megatron/resilience/durable.py): with ``os.fsync`` recorded, every writer of a
 checkpoint flushes the data files, then the tracker, then the folder that names it, in that
 order; and the asynchronous snapshot copies every piece of state a later step can change."""
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.checkpoint import format as fmt
-from megatron.training.checkpoint_integrity import gather_digests
+from megatron.resilience.checkpoint_integrity import gather_digests
 
 TRACKER = fmt.TRACKER_FILENAME
 
@@ -136,7 +136,7 @@ def test_llama_export_is_flushed_before_it_is_renamed(gpt2_data, tmp_path, fsync
     from llama_runs import llama_argv, train_llama
 
     from megatron.checkpoint.native_reader import read_native
-    from megatron.errors import CheckpointError
+    from megatron.common.errors import CheckpointError
 
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     run_distributed(train_llama, 1, llama_argv(gpt2_data, 1, 1, "--save", ckpt, steps=1,
@@ -168,7 +168,7 @@ def test_snapshot_copies_every_mutable_object():
     place (DeepSpeed's loss scaler, a dict inside an object) must be copied now."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from megatron.training.async_save import snapshot
+    from megatron.resilience.async_save import snapshot
 
     scaler = DynamicLossScaler(init_scale=2.0 ** 16, scale_window=1000, min_scale=1,
                                delayed_shift=2, consecutive_hysteresis=False)

@@ -33,7 +33,7 @@ def _captured(argv, family=None, **providers):
     import io
 
     from megatron import mpu
-    from megatron.errors import MegatronError
+    from megatron.common.errors import MegatronError
     from megatron.training import pretrain
 
     out = io.StringIO()
@@ -52,7 +52,7 @@ def _providers():
     """Megatron-style providers for the example model (no family)."""
     from llama_model import LLAMA, add_flags, build_model
     from megatron.families import decoder_lm
-    from megatron.global_vars import get_args, get_tokenizer
+    from megatron.common.global_vars import get_args, get_tokenizer
 
     def model_provider(pipeline=False):
         return build_model(get_args(), pipeline)
@@ -153,7 +153,7 @@ def _logs_its_flops(losses, log):
 
 
 def test_names_go_through_the_registry_and_plan_layout_says_there_is_no_memory_model():
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
     from megatron.families import get_family, register
 
     with pytest.raises(ConfigError, match=r"megatron.families.register\('mine_unregistered'"):
@@ -172,7 +172,7 @@ def _plan_mine():
     import importlib.util
     import os
 
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("plan_layout",

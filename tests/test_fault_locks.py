@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A builder doing what cpp_extension.load does with its baton, then "compiling" forever.
 _KILLED_BUILD = textwrap.dedent("""
     import sys, time
-    from megatron.build_utils import load_native
+    from megatron.fused_kernels.build_utils import load_native
     from torch.utils.file_baton import FileBaton
 
     def builder(directory):

@@ -253,15 +253,21 @@ def test_the_tests_cpu_fp16_emulation_adds_fp16_to_the_cpu_accelerator_only(monk
 
 
 @pytest.mark.precision
-def test_fp16_pipeline_on_a_device_without_fp16_fails_on_every_rank(gpt2_data):
+def test_fp16_without_deepspeed_fp16_pipeline_trains_deepspeed_engine_refused(gpt2_data):
+    """On a device whose DeepSpeed accelerator has no fp16: a pipeline run trains in fp16 (the
+    project's step scales the loss itself; DeepSpeed's engine takes no part), while
+    ``--deepspeed`` at pp 1 (DeepSpeed's engine steps) is refused on every rank, quickly."""
     from gpt2_runs import error_with_precision_support
     from harness import run_distributed
 
-    argv = gpt2_argv(gpt2_data, "--batch-size", "2", "--train-iters", "2", "--fp16",
-                     "--pipe-parallel-size", "2")
+    base = gpt2_argv(gpt2_data, "--batch-size", "2", "--train-iters", "2", "--fp16")
+    pipeline = run_distributed(error_with_precision_support, 2,
+                               base + ["--pipe-parallel-size", "2"], fp16=False, bf16=True,
+                               timeout=120, env=NO_NATIVE)
+    assert pipeline == [None, None], pipeline
     start = time.monotonic()
-    messages = run_distributed(error_with_precision_support, 2, argv, fp16=False, bf16=True,
-                               timeout=60, env=NO_NATIVE)
+    messages = run_distributed(error_with_precision_support, 2, base + ["--deepspeed"],
+                               fp16=False, bf16=True, timeout=60, env=NO_NATIVE)
     assert time.monotonic() - start < 60
     assert all(m and "--fp16 is not supported by DeepSpeed on this device" in m
                and "--bf16" in m for m in messages), messages
@@ -386,7 +392,7 @@ def step(*args, **kwargs):
     return real_step(*args, **kwargs)
 training.train_step = step
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 run_main(pretrain_gpt2.main, sys.argv[1:])
 '''
 
@@ -422,7 +428,7 @@ def test_divergence_names_the_newest_good_checkpoint(tmp_path, bad_loss_at, bad_
 
     from megatron.training.checkpointing import read_tracker, write_tracker
     from megatron.config import saved_run_config
-    from megatron.errors import DivergenceError
+    from megatron.common.errors import DivergenceError
     from megatron.training.divergence import check_pending
 
     save = tmp_path / "ckpt"
@@ -472,14 +478,14 @@ def test_corrupt_index_entry_in_the_middle_fails_on_every_rank(gpt2_data, tmp_pa
 
 
 @pytest.mark.parametrize("flags, offered", [({}, True), ({"deepspeed": True}, False),
-                                            ({"pipeline_model_parallel_size": 2}, False)])
+                                            ({"pipeline_model_parallel_size": 2}, True)])
 def test_divergence_message_offers_only_what_the_backend_accepts(tmp_path, flags, offered):
-    """--skip-nonfinite-steps is offered to DDP runs only: validation refuses it for DeepSpeed
-    and pipeline runs (issue 26)."""
+    """--skip-nonfinite-steps is offered where the project's step runs (pp 1 and pipelines):
+    validation refuses it where DeepSpeed's engine steps (--deepspeed at pp 1)."""
     import torch
 
     from megatron.config import saved_run_config
-    from megatron.errors import DivergenceError
+    from megatron.common.errors import DivergenceError
     from megatron.training.divergence import check_pending
 
     cfg = saved_run_config(dict(compute_dtype=torch.float32, save=str(tmp_path), load=None,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.config import parse_args
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
@@ -204,7 +204,7 @@ def test_mfu_against_the_bf16_and_the_fp8_peaks(monkeypatch, capsys):
     (989 TFLOP/s) and against FP8's (1979); a bf16 run only the first; the start-up line says
     which peak is which."""
     from megatron.config import saved_run_config
-    from megatron.training import training_log
+    from megatron.observability import training_log
 
     props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

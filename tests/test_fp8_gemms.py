@@ -126,7 +126,7 @@ def test_scaled_mm_layouts_and_out_dtypes(seed):
 
 
 def test_recipe_rejects_unknown_names():
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="FP8 format 'e5m2'"):
         mpu.Fp8Recipe("e5m2")

@@ -11,7 +11,8 @@ import types
 import pytest
 import torch
 
-from megatron import build_utils, fused_kernels
+from megatron import fused_kernels
+from megatron.fused_kernels import build_utils
 from megatron.fused_kernels import build
 from megatron.model.fused_layer_norm import MixedFusedLayerNorm
 from megatron.model.fused_softmax import AttnMaskType, FusedScaleMaskSoftmax

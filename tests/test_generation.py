@@ -14,7 +14,7 @@ from gpt2_hf import make_hf_gpt2
 from gpt2_runs import REPO, run_script
 from harness import run_distributed
 from megatron.checkpoint_conversion import ConversionRequest, run_conversion
-from megatron.text_generation import SamplingConfig, filter_top_k, filter_top_p, sample
+from megatron.generation.text_generation import SamplingConfig, filter_top_k, filter_top_p, sample
 
 VOCAB = 300  # padded to 384 (tp=1) / 512 (tp=2)
 MAX_NEW = 16
@@ -46,7 +46,7 @@ def _prompts(seed):
 
 def _generate_each(model, prompts, runs):
     """``{name: generate(...)}`` for each ``name: (sampling kwargs, use_cache, eod)``."""
-    from megatron.text_generation import generate
+    from megatron.generation.text_generation import generate
 
     return {name: generate(model, prompts, MAX_NEW, VOCAB,
                            SamplingConfig(**kwargs) if kwargs else None, eod, use_cache)
@@ -75,8 +75,8 @@ def _decode_all(ckpt_dir, prompts, seed):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.inference import load_gpt2_for_inference
-    from megatron.text_generation import generate
+    from megatron.generation.inference import load_gpt2_for_inference
+    from megatron.generation.text_generation import generate
 
     mpu.initialize_model_parallel(dist.get_world_size(), 1)
     mpu.model_parallel_cuda_manual_seed(1)

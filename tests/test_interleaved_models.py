@@ -50,14 +50,14 @@ def test_virtual_stages_flag_and_derivation(extra, vpp):
      r"must be positive, got 0"),
 ])
 def test_bad_virtual_stages_are_config_errors(extra, message):
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         _parse(*extra)
 
 
 def test_t5_counts_both_stacks():
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
     from megatron.families import get_family
 
     t5 = get_family("t5")

@@ -12,7 +12,7 @@ import torch
 from megatron.checkpoint import gpt2_keys, t5_keys
 from megatron.checkpoint.format import checkpoint_name, write_tracker
 from megatron.checkpoint.key_maps import key_map_for
-from megatron.errors import CheckpointError
+from megatron.common.errors import CheckpointError
 
 ARGS = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": 16,
         "padded_vocab_size": 16, "max_position_embeddings": 8,

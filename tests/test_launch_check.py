@@ -24,11 +24,12 @@ def _text(path):
 
 
 def test_a_setting_error_is_one_message_and_exit_2_before_any_launcher(gpt2_data, tmp_path):
-    """Two bad settings through run_gpt2.sh (heads not divisible by tp; fp16 on a device whose
-    DeepSpeed has none): both in one message, printed once, naming the script's variables;
+    """Two bad settings through run_gpt2.sh (heads not divisible by tp; fp16 stepped by
+    DeepSpeed's engine, USE_DEEPSPEED=1 at pp_size 1, on a device whose DeepSpeed has none):
+    both in one message, printed once, naming the script's variables;
     exit 2 in well under 30 s, and torchrun never started (no rendezvous, no restart)."""
     env = launch_env(gpt2_data, tmp_path, NHEADS="5", NHIDDEN="40", PRECISION="fp16",
-                     MEGATRON_TDS_DS_FP16="0")
+                     pp_size="1", USE_DEEPSPEED="1", MEGATRON_TDS_DS_FP16="0")
     start = time.monotonic()
     proc = subprocess.run(["bash", "examples/run_gpt2.sh"], cwd=REPO, env=env, text=True,
                           capture_output=True, timeout=120)

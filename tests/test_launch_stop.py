@@ -1,5 +1,5 @@
 """Stopping a run as people do: Ctrl-C (SIGINT) or SIGTERM to the run scripts' torchrun
-(megatron/launch/torchrun.py) and to the training processes (megatron/training/preemption.py).
+(megatron/launch/torchrun.py) and to the training processes (megatron/resilience/preemption.py).
 
 - The agent passes the first signal on and exits 0 once its workers saved and exited 0; a
   second aborts at once (130). A worker's second SIGINT ends it where it is.
@@ -26,7 +26,7 @@ from launch_runs import finish, free_port, launch_env, log_losses
 _WORKER = r'''
 import os, sys, time
 import torch.distributed as dist
-from megatron.training.preemption import PreemptionHandler
+from megatron.resilience.preemption import PreemptionHandler
 sys.stdout.reconfigure(line_buffering=True, write_through=False)  # a line is one write
 dist.init_process_group("gloo")
 print(f"STARTED {dist.get_rank()}", flush=True)
@@ -168,7 +168,7 @@ def _run_python(code):
 
 def test_worker_records_the_first_ctrl_c_and_dies_on_the_second():
     code = ("import os, signal, time\n"
-            "from megatron.training.preemption import PreemptionHandler\n"
+            "from megatron.resilience.preemption import PreemptionHandler\n"
             "h = PreemptionHandler().install()\n"
             "h.should_stop(1)\n"  # armed
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)\n"
@@ -184,7 +184,7 @@ def test_worker_records_the_first_ctrl_c_and_dies_on_the_second():
 
 def test_ctrl_c_during_start_up_is_one_line_and_130():
     code = ("import os, signal, time\n"
-            "from megatron.errors import run_main\n"
+            "from megatron.common.errors import run_main\n"
             "def main():\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(5)\n"

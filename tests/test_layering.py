@@ -13,26 +13,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Lowest first. A module belongs to the entry naming it or its nearest parent package
 #: ("megatron" names the package's own ``__init__`` only).
 LAYERS = [
-    ("base", ["megatron", "megatron.errors", "megatron.locks", "megatron.progress",
-              "megatron.agreement", "megatron.durable", "megatron.device",
-              "megatron.timers", "megatron.utils", "megatron.build_utils",
-              "megatron.global_vars", "megatron.metrics_writers", "megatron.run_plots",
-              "megatron.startup_times", "megatron.compile_watch"]),
+    ("base", ["megatron", "megatron.common", "megatron.utils", "megatron.global_vars",
+              "megatron.resilience", "megatron.observability"]),
     ("pipeline", ["tds.pipe", "tds.comm_ready"]),  # the schedules: generic, no megatron
     ("kernels", ["megatron.fused_kernels"]),  # below mpu: mpu's fused norms call them
     ("mpu", ["megatron.mpu"]),
-    ("model", ["megatron.model", "megatron.optimizer", "megatron.distributed",
-               "megatron.learning_rates"]),
+    ("model", ["megatron.model", "megatron.optimizer", "megatron.distributed"]),
     ("tds", ["tds", "tds.engine"]),  # DeepSpeed's API over the schedules and megatron's step
     ("data", ["megatron.tokenizer", "megatron.data"]),
     ("config", ["megatron.config"]),
-    ("checkpoint", ["megatron.checkpoint"]),
+    # the resilience modules that read checkpoint directories
+    ("checkpoint", ["megatron.checkpoint", "megatron.resilience.async_save",
+                    "megatron.resilience.checkpoint_integrity",
+                    "megatron.resilience.startup_allowance", "megatron.resilience.watchdog"]),
     ("conversion", ["megatron.checkpoint_conversion"]),
     ("families", ["megatron.families"]),
-    ("run", ["megatron.initialize", "megatron.inference", "megatron.text_generation",
-             "megatron.t5_generation", "megatron.planning",
-             "megatron.memory"]),
-    ("training", ["megatron.training"]),
+    ("run", ["megatron.initialize", "megatron.generation", "megatron.text_generation",
+             "megatron.memory", "megatron.observability.training_log",
+             "megatron.observability.run_summary"]),
+    ("training", ["megatron.training", "megatron.resilience.fault_tolerance"]),
     ("launch", ["megatron.launch"]),  # around the training processes: nothing imports it
 ]
 
@@ -191,3 +190,45 @@ print("IMPORTS OK")
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, text=True,
                          capture_output=True, timeout=300)
     assert out.returncode == 0 and "IMPORTS OK" in out.stdout, out.stderr[-3000:]
+
+
+#: What megatron/ may hold besides packages: the Megatron-LM entry point every script calls
+#: (``megatron.initialize``) and the old Megatron-LM module paths users import from, kept as
+#: re-exports of their new homes.
+TOP_LEVEL_MODULES = {"__init__.py", "initialize.py", "utils.py", "global_vars.py",
+                     "text_generation.py"}
+REEXPORTS = {"megatron.utils": "megatron.common.utils",
+             "megatron.global_vars": "megatron.common.global_vars",
+             "megatron.text_generation": "megatron.generation.text_generation"}
+
+
+def test_the_top_level_holds_packages_and_the_named_modules_only():
+    top = os.path.join(REPO, "megatron")
+    loose = {n for n in os.listdir(top) if n.endswith(".py")}
+    assert loose == TOP_LEVEL_MODULES, (
+        f"loose modules in megatron/: {sorted(loose - TOP_LEVEL_MODULES)} (put them in the "
+        f"package of their purpose); missing: {sorted(TOP_LEVEL_MODULES - loose)}")
+    for old, new in REEXPORTS.items():  # a re-export holds its import and nothing else
+        tree = ast.parse(open(os.path.join(REPO, *old.split(".")) + ".py").read())
+        body = [n for n in tree.body if not isinstance(n, ast.Expr)]  # the docstring
+        assert len(body) == 1 and isinstance(body[0], ast.ImportFrom), old
+        assert body[0].level == 1 and "megatron." + body[0].module == new, old
+
+
+def test_megatron_lm_import_paths_still_import():
+    """The paths Megatron-LM's users write keep working, naming the same objects."""
+    import importlib
+
+    for old, new in REEXPORTS.items():
+        old_mod, new_mod = importlib.import_module(old), importlib.import_module(new)
+        public = [n for n in vars(new_mod) if not n.startswith("_")
+                  and getattr(getattr(new_mod, n), "__module__", None) == new]
+        assert public, new
+        assert all(getattr(old_mod, n) is getattr(new_mod, n) for n in public), old
+    from megatron import mpu  # noqa: F401
+    from megatron.initialize import initialize_megatron  # noqa: F401
+    from megatron.training import pretrain  # noqa: F401
+    from megatron.tokenizer import build_tokenizer  # noqa: F401
+    from megatron.utils import print_rank_0  # noqa: F401
+    from megatron.global_vars import get_args  # noqa: F401
+    from megatron.text_generation import generate  # noqa: F401

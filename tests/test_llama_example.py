@@ -37,7 +37,7 @@ def _same_weights_at_every_layout(tmp_path, names):
 
     from megatron.checkpoint.native_reader import read_native
 
-    from megatron.errors import CheckpointError
+    from megatron.common.errors import CheckpointError
 
     fulls = [read_native(str(tmp_path / n.replace(" ", "_")), 4).state for n in names]
     with pytest.raises(CheckpointError, match="holds a 'llama' model, not 'gpt2'.*convert_llama"):

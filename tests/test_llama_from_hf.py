@@ -140,7 +140,7 @@ def test_from_hf_refusals(tmp_path, seed):
     import json
 
     from convert_llama import import_hf
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     _random_hf(str(tmp_path / "hf"), 100, seed)
     with pytest.raises(ConfigError, match="num_key_value_heads \\(2\\) is not divisible by "

@@ -470,7 +470,7 @@ def test_what_it_cannot_read_is_named(reference, tmp_path, seed, capsys):
     refused by name, and the pickled code never runs."""
     from megatron.checkpoint import megatron_core
     from megatron.checkpoint_conversion import ConversionRequest, run_conversion
-    from megatron.errors import CheckpointError
+    from megatron.common.errors import CheckpointError
 
     model, _ = reference
     root, dist = tmp_path / "untied", tmp_path / "dist"

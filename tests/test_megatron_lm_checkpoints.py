@@ -31,7 +31,7 @@ from harness import run_distributed
 from megatron.checkpoint.megatron_lm import detect, read_megatron_lm, write_megatron_lm
 from megatron.checkpoint_conversion import ConversionRequest, run_conversion
 from megatron.checkpoint_conversion.hf_gpt2 import hf_to_full, args_from_hf_config
-from megatron.errors import CheckpointError, ConfigError
+from megatron.common.errors import CheckpointError, ConfigError
 
 VOCAB, LAYERS, HIDDEN, HEADS, POSITIONS = 100, 4, 32, 4, 16
 DIVISIBLE_BY = 8  # Megatron pads the vocabulary to a multiple of this x tp

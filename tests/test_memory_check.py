@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from megatron.errors import WillNotFitError
+from megatron.common.errors import WillNotFitError
 from megatron.memory import GIB, MemorySpec, predict
 from megatron.memory.check import check_memory
 from megatron.memory.planner import Hardware, plan
@@ -69,7 +69,7 @@ def test_planner_ranks_layouts_that_fit(capsys):
 def test_planner_flags_are_checked(flags, said):
     import sys
 
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     sys.path.insert(0, "tools")
     import plan_layout
@@ -136,7 +136,7 @@ def test_grad_accum_dtype_is_read_from_the_deepspeed_config(tmp_path):
     ConfigError naming it (the start-up check prints it). A pipeline run (the project's own
     step) accumulates in its fp32 gradient buffer whatever the JSON says."""
     from megatron.config import build_run_config
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
     from megatron.families import get_family
     from megatron.memory import predict, spec_from_run_config
 

@@ -26,7 +26,7 @@ BODY = """
 import torch
 
 import pretrain_gpt2
-from megatron.global_vars import get_args
+from megatron.common.global_vars import get_args
 from megatron.memory import predict, spec_from_run_config
 
 pretrain_gpt2.main({argv!r})

@@ -8,7 +8,7 @@ import pytest
 from gpt2_runs import gpt2_argv
 from harness import run_distributed
 from megatron.config import build_run_config
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 from megatron.families import get_family
 
 GPT2 = get_family("gpt2")
@@ -107,7 +107,7 @@ def test_family_without_an_moe_block_is_refused():
 def _refused_on_every_rank(argvs):
     import pretrain_gpt2
     from megatron import mpu
-    from megatron.errors import MegatronError
+    from megatron.common.errors import MegatronError
 
     out = []
     for argv in argvs:

@@ -10,7 +10,7 @@ import torch
 
 import moe_reference as ref
 from megatron import mpu
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 from megatron.mpu import moe
 
 H, F_, E = 16, 24, 8

@@ -7,7 +7,7 @@ import torch
 
 from harness import run_distributed
 from megatron import mpu
-from megatron.learning_rates import AnnealingLR
+from megatron.optimizer.learning_rates import AnnealingLR
 from megatron.optimizer import DynamicGradScaler, MegatronOptimizer, get_param_groups
 
 

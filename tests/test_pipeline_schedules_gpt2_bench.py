@@ -3,7 +3,7 @@
 prediction from the costs measured in the same run, and the zero-bubble schedules' measured
 bubble below 1F1B's.
 
-Tolerance (docs/pipeline_schedules.md, "Measured with real GPT-2 chunks"): at this size
+Tolerance (docs/measurements/pipeline_schedules.md, "Measured with real GPT-2 chunks"): at this size
 on the shared 2-core VM, loaded by other jobs (load average 4-35), measured / predicted was
 0.98-1.25 over repeated runs, highest for interleaved and ZB-V: the runner's own time per
 action and a blocked rank's wake-up on a busy machine are not in the prediction, and those

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))

@@ -109,7 +109,7 @@ def test_a_reserve_that_leaves_nothing_is_refused():
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import plan_layout
 
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--reserve 90GiB must be >= 0 and below"):
         plan_layout.main(["--config", "configs/gpt2/gpt2_345m.yaml", "--gpus", "8",

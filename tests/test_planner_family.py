@@ -43,7 +43,7 @@ def test_plan_layout_ranks_a_family_given_by_import_path(tmp_path):
 
 
 def test_an_import_path_that_is_not_a_family_is_refused():
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
     from megatron.families import load_family
 
     with pytest.raises(ConfigError, match="examples.llama.llama_model has no 'NOPE'"):
@@ -104,7 +104,7 @@ def test_an_encoder_decoder_that_is_not_t5_is_told_it_has_no_description(tmp_pat
     refusal, not a T5 model silently missing its settings."""
     import dataclasses
 
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
     from megatron.families import load_family
     from megatron.memory.describe import describe
 

@@ -99,7 +99,7 @@ def test_the_cli_prints_the_table_and_needs_a_config_otherwise(capsys):
     import os
     import sys
 
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
     import plan_layout

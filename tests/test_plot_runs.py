@@ -8,7 +8,7 @@ import pytest
 
 from gpt2_runs import REPO, gpt2_argv
 from harness import run_distributed
-from megatron.run_plots import read_run
+from megatron.observability.run_plots import read_run
 from test_training_log import _train_logged
 
 

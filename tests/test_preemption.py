@@ -33,7 +33,7 @@ def step(*args, **kwargs):
     return real_step(*args, **kwargs)
 training.train_step = step
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 run_main(pretrain_gpt2.main, sys.argv[1:])
 '''
 
@@ -115,7 +115,7 @@ def test_exit_signal_flags_are_checked():
 def test_handler_agrees_on_one_signal_in_a_single_process():
     """In one process: no signal, no stop; a signal, the stop names it and this rank; the
     previous handler is back after uninstall."""
-    from megatron.training.preemption import PreemptionHandler
+    from megatron.resilience.preemption import PreemptionHandler
 
     before = signal.getsignal(signal.SIGUSR1)
     handler = PreemptionHandler(check_interval=2).install()
@@ -138,7 +138,7 @@ def test_signal_during_start_up_acts_as_without_the_handler(tmp_path):
     import sys
 
     code = ("import os, signal, time\n"
-            "from megatron.training.preemption import PreemptionHandler\n"
+            "from megatron.resilience.preemption import PreemptionHandler\n"
             "handler = PreemptionHandler().install()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(5)\n"

@@ -13,7 +13,7 @@ import termios
 import pytest
 
 from gpt2_runs import REPO
-from megatron.progress import PlainProgress, progress
+from megatron.observability.progress import PlainProgress, progress
 
 
 def _run_in_pty(cmd, env):

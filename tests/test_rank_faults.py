@@ -1,7 +1,7 @@
 """Faults on one rank alone (a full disk on one node, less free memory on one device, a kernel
 that builds on some ranks only): every rank ends, at once, with the same clear error.
 
-The decisions are agreed by :func:`megatron.agreement.agree`; the end-to-end cases run the
+The decisions are agreed by :func:`megatron.resilience.agreement.agree`; the end-to-end cases run the
 entry script under torchrun (2 ranks, tp=2, so both ranks write checkpoint files) with the
 fault injected in one rank, and assert the exit codes, every rank's message, the time to
 exit and what is on disk.
@@ -25,8 +25,8 @@ def _agree_cases():
     and a bug; each rank returns what it raised."""
     import torch.distributed as dist
 
-    from megatron.agreement import agree
-    from megatron.errors import CheckpointError
+    from megatron.resilience.agreement import agree
+    from megatron.common.errors import CheckpointError
 
     rank, seen = dist.get_rank(), []
 
@@ -83,7 +83,7 @@ LEFT_NONE = "process groups left at exit: False"
 _RESUME = _GROUPS_AT_EXIT + r'''
 import sys
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 run_main(pretrain_gpt2.main, sys.argv[1:])
 '''
 
@@ -98,7 +98,7 @@ def full_disk(path, state):
     return real_write(path, state)
 ck._write_file = full_disk
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 run_main(pretrain_gpt2.main, sys.argv[1:])
 '''
 
@@ -185,7 +185,7 @@ def failing_tracker(root, iteration):
     return real_tracker(root, iteration)
 fmt.write_tracker = failing_tracker  # what publish_iteration calls, in both save paths
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 run_main(pretrain_gpt2.main, sys.argv[1:])
 '''
 
@@ -225,7 +225,7 @@ import megatron.memory.check as check
 real_free = check.free_device_memory
 check.free_device_memory = lambda device: 4096 if os.environ["RANK"] == "1" else real_free(device)
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 run_main(pretrain_gpt2.main, sys.argv[1:])
 '''
 

@@ -35,7 +35,7 @@ def _run_entry(tmp_path, body, argv, env=None):
     script.write_text(_GROUPS_AT_EXIT + body + r'''
 import sys
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 run_main(pretrain_gpt2.main, sys.argv[1:])
 ''')
     start = time.monotonic()
@@ -96,7 +96,7 @@ def test_files_missing_on_every_rank_still_fail_before_torch_distributed(gpt2_da
     script.write_text(r'''
 import sys
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 import torch.distributed as dist
 try:
     run_main(pretrain_gpt2.main, sys.argv[1:])
@@ -132,7 +132,7 @@ def _error_without_process_group(argv, rank_1_vocab):
 
     from megatron.config import build_run_config
     from megatron.config.parser import RankFileProblems
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
     from megatron.families import get_family
 
     if dist.get_rank() == 1:
@@ -155,7 +155,7 @@ def _load_with_tracker_seen_by_rank_1(load, fault):
     import torch.distributed as dist
 
     import megatron.training.checkpointing as ck
-    from megatron.errors import CheckpointError
+    from megatron.common.errors import CheckpointError
 
     if dist.get_rank() == 1:
         def read(root):
@@ -165,7 +165,7 @@ def _load_with_tracker_seen_by_rank_1(load, fault):
             return None if fault == "missing" else 3
         ck.read_tracker = read
     cfg = types.SimpleNamespace(model_family=None, checkpoint=types.SimpleNamespace(
-        load=load, no_load_optim=False, finetune=False))
+        load=load, save=None, no_load_optim=False, finetune=False))
     start = time.monotonic()
     try:
         return "returned", ck.load_checkpoint(None, cfg, None), time.monotonic() - start
@@ -210,7 +210,7 @@ def test_a_malformed_tracker_on_one_rank_ends_every_rank_with_status_2(gpt2_data
     body = r'''
 import os
 import megatron.training.checkpointing as ck
-from megatron.errors import CheckpointError
+from megatron.common.errors import CheckpointError
 if os.environ["RANK"] == "1":
     def read(root):
         raise CheckpointError(f"{root}/{ck.TRACKER_FILENAME} should hold an iteration number, "
@@ -293,7 +293,7 @@ def test_the_dataset_index_failing_on_rank_0_ends_every_rank_with_its_cause(tmp_
 _SAME_ERROR_LATER_ON_RANK_1 = r'''
 import os, sys, time
 import torch.distributed as dist
-from megatron.errors import ConfigError, run_main
+from megatron.common.errors import ConfigError, run_main
 
 def main():
     if os.environ["CASE"] != "late, before torch.distributed":  # then: the agent's store
@@ -340,7 +340,7 @@ def test_a_rank_that_fails_first_waits_for_its_peer_to_print(tmp_path, case):
 
 @pytest.mark.slow
 def test_a_rank_failing_alone_exits_after_the_bound(tmp_path):
-    from megatron.errors import REPORT_WAIT_S
+    from megatron.common.errors import REPORT_WAIT_S
 
     result, raised, ended = _peer_report_run(tmp_path, "alone")
     err = result.stderr

@@ -19,7 +19,7 @@ from recompute_runs import train_variants
 from t5_runs import t5_argv
 
 from megatron.config import parse_args
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 TOL = 1e-5
 SELECTIVE = ["--recompute-granularity", "selective"]

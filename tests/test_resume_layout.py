@@ -142,7 +142,7 @@ def test_zero1_state_moves_to_another_tensor_and_pipeline_size(gpt2_data, tmp_pa
 def test_optimizer_state_that_cannot_move_is_refused_with_the_way_out(tmp_path):
     """DeepSpeed's fp16/bf16 optimizer without ZeRO, and checkpoints that do not name their
     parameters, are refused with a message naming --no-load-optim."""
-    from megatron.errors import CheckpointError
+    from megatron.common.errors import CheckpointError
     from megatron.checkpoint.format import optimizer_shard_name
     from megatron.checkpoint.layout_change import named_optimizer_state
 

@@ -86,7 +86,7 @@ def test_a_checkpoint_with_only_a_step_count_resumes_on_the_flags_schedule(capsy
 
     import torch
 
-    from megatron.learning_rates import AnnealingLR
+    from megatron.optimizer.learning_rates import AnnealingLR
     from megatron.training.schedule_change import resume_schedule
 
     steps, decay = random.randint(3, 9), random.randint(12, 40)

@@ -17,8 +17,8 @@ from gpt2_ckpt import random_checkpoint
 from gpt2_runs import REPO
 from megatron.checkpoint.native_writer import write_native
 from megatron.config import parse_args
-from megatron.errors import ConfigError
-from megatron.training import startup_allowance as sa
+from megatron.common.errors import ConfigError
+from megatron.resilience import startup_allowance as sa
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
@@ -103,7 +103,7 @@ def test_the_flag_sets_the_allowance(tmp_path, capsys):
     assert computed == sa.startup_allowance(_cfg(*load)).seconds > 300.0
     assert f"> watchdog: start-up allowance {computed:.0f} s" in capsys.readouterr().out
     assert sa.startup_timeout(_cfg()) is None  # no --step-timeout: no watchdog
-    from megatron.training.watchdog import start_watchdog
+    from megatron.resilience.watchdog import start_watchdog
 
     for given, expected in ((computed, computed), (None, 300.0)):  # None: the base alone
         dog = start_watchdog(_cfg(*load).faults, given)
@@ -131,8 +131,8 @@ def test_a_startup_timeout_needs_the_watchdog():
 _SLOW_STARTUP = r'''
 import sys, time
 from megatron.config import parse_args
-from megatron.training import startup_allowance as sa
-from megatron.training.watchdog import start_watchdog
+from megatron.resilience import startup_allowance as sa
+from megatron.resilience.watchdog import start_watchdog
 
 load, startup = sys.argv[1], float(sys.argv[2])
 sa.STARTUP_FLOOR_S, sa.STARTUP_STEPS = 0.0, 2  # small numbers: base = 2 x 0.5 s = 1 s

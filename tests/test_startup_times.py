@@ -1,9 +1,9 @@
-"""The start-up line (megatron/startup_times.py): each timed phase with its time, the rest
+"""The start-up line (megatron/observability/startup_times.py): each timed phase with its time, the rest
 what the process spent before and between them, the total from the process start."""
 import re
 import time
 
-from megatron.startup_times import StartupTimes, process_age
+from megatron.observability.startup_times import StartupTimes, process_age
 
 
 def test_phases_and_the_rest_add_up_to_the_process_age():

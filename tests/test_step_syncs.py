@@ -107,11 +107,11 @@ def test_counter_sees_device_waits_once_each_and_restores_them(monkeypatch):
     """DeepSpeed's accelerator ``synchronize()`` (a no-op on CPU), ``torch.cuda.synchronize``
     (raises without CUDA: counted first) and the project's timer sync are counted; a wait
     that calls another counts once; the originals are back afterwards."""
-    import megatron.timers
+    import megatron.common.timers
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    before = (torch.cuda.synchronize, megatron.timers.synchronize_device)
+    before = (torch.cuda.synchronize, megatron.common.timers.synchronize_device)
     with SyncCounter() as counter:
         accelerator.synchronize()
         try:
@@ -122,7 +122,7 @@ def test_counter_sees_device_waits_once_each_and_restores_them(monkeypatch):
     names = [name for name, _ in counter.events]
     assert names == ["accelerator.synchronize", "torch.cuda.synchronize"], names
     assert counter.device_waits == counter.events and float(x.sum()) == 6
-    assert (torch.cuda.synchronize, megatron.timers.synchronize_device) == before
+    assert (torch.cuda.synchronize, megatron.common.timers.synchronize_device) == before
     assert "synchronize" not in vars(accelerator)  # the class's method shows through again
     # as on a GPU: the project's timer sync calls torch.cuda.synchronize (here a stand-in)
     calls = []
@@ -130,9 +130,9 @@ def test_counter_sees_device_waits_once_each_and_restores_them(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(a))
     with SyncCounter() as nested:
-        megatron.timers.synchronize_device()
+        megatron.common.timers.synchronize_device()
     assert calls == [()] and [n for n, _ in nested.events] == [
-        "megatron.timers.synchronize_device"], nested.events  # one wait, counted once
+        "megatron.common.timers.synchronize_device"], nested.events  # one wait, counted once
 
 
 def test_no_syncs_ddp_tp1_fp32(gpt2_data):

@@ -1,5 +1,5 @@
 """The training log: Megatron's FLOP count, the progress line, TensorBoard scalars, and
-which process prints it (each node's first) at what cost (one broadcast per log interval)."""
+which process prints it (each node's first) at what cost (the loss stage's stats shared once per log interval)."""
 import contextlib
 import io
 import re
@@ -9,7 +9,7 @@ import pytest
 from gpt2_runs import gpt2_argv
 from harness import run_distributed
 from megatron.config import saved_run_config
-from megatron.training.training_log import model_flops_per_step, throughput
+from megatron.observability.training_log import model_flops_per_step, throughput
 
 
 def _matmul_flops(b, s, layers, h, vocab):
@@ -118,7 +118,7 @@ def test_mfu_peak_of_the_emulated_device_and_precision(monkeypatch, name, memory
 
     import torch
 
-    from megatron.training import training_log
+    from megatron.observability import training_log
 
     props = types.SimpleNamespace(name=name, total_memory=memory)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -185,14 +185,14 @@ def _counted_run(argv):
     return [dict(c) for c in steps], state.losses, out.getvalue()
 
 
-def test_node_first_process_prints_the_last_stages_losses_with_one_broadcast_per_interval(
+def test_node_first_process_prints_the_last_stages_losses_shared_once_per_interval(
         gpt2_data, tmp_path):
     """At pp 2 the losses exist on the last stage only; rank 0 (the node's first process)
     prints the training lines, the validation line and the closing line with the last
-    stage's values, and the last rank prints none of them. What it takes: one broadcast
-    from the last rank at each log interval, nothing in the steps between (every
-    torch.distributed call counted per step: a step between log lines makes the very calls
-    of another, a logging step those and one broadcast more)."""
+    stage's values, and the last rank prints none of them. What it takes: the last rank's
+    stats shared once at each log interval (their names, then their values), nothing in
+    the steps between (every torch.distributed call counted per step: a step between log
+    lines makes the very calls of another, a logging step those and the sharing more)."""
     argv = gpt2_argv(gpt2_data, "--pipe-parallel-size", "2", "--batch-size", "2", "--gas", "2",
                      "--train-iters", "6", "--log-interval", "2", "--eval-interval", "6",
                      "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -204,11 +204,11 @@ def test_node_first_process_prints_the_last_stages_losses_with_one_broadcast_per
         quiet, logging = steps[2], steps[3]  # step 3: between lines; step 4: a line
         assert steps[4] == quiet and steps[1] == logging, steps
         extra = {k: logging.get(k, 0) - quiet.get(k, 0) for k in set(logging) | set(quiet)}
-        # at a line: the losses' broadcast, and the divergence check's agreement that was
-        # there before it (megatron/training/divergence.py); every step also has the
-        # engine's own loss broadcast to its pipeline group (DeepSpeed's
-        # _aggregate_total_loss, tds/pipe/engine.py), which the line does not rely on
-        assert {k: v for k, v in extra.items() if v} == {"broadcast(src=1)": 1,
+        # at a line: the loss stage's stats shared over the pipeline group (their count
+        # and names, then their values: StepBackend.share_stats) and the divergence
+        # check's agreement (megatron/training/divergence.py); nothing per step
+        assert {k: v for k, v in extra.items() if v} == {"broadcast_object_list": 1,
+                                                         "broadcast(src=1)": 1,
                                                          "all_reduce": 1}, extra
     assert len(losses1) == 6 and losses0 == losses1  # every rank has the last stage's
     printed = [float(x) for x in re.findall(r"iteration\s+\d+/\s+6 \|.*?lm loss: (\S+)", out0)]
@@ -222,7 +222,7 @@ def test_node_first_process_prints_the_last_stages_losses_with_one_broadcast_per
 def test_the_closing_line_names_only_what_exists(tmp_path, monkeypatch):
     """A checkpoint folder, log file or event file that is not there is not named as if it
     were; a run with --tensorboard-dir that wrote no events says why."""
-    from megatron.training import run_summary
+    from megatron.observability import run_summary
 
     save, events, log = tmp_path / "ckpt", tmp_path / "tb" / "events.out.x", tmp_path / "n0.log"
     cfg = saved_run_config(dict(save=str(save), tensorboard_dir=str(tmp_path / "tb")))
@@ -249,7 +249,7 @@ def test_compile_time_is_the_union_of_the_ranks_compile_spans():
     """A pipeline's stages compile one after another (each waits for the last): the
     interval's compile time is the wall time in which some rank compiled, not the most of
     one rank; overlapping spans count once."""
-    from megatron.compile_watch import union_seconds
+    from megatron.observability.compile_watch import union_seconds
 
     stage0, stage1 = [(0.0, 40.0), (95.0, 100.0)], [(40.0, 90.0)]  # forward, backward
     assert union_seconds(stage0 + stage1) == pytest.approx(95.0)

@@ -84,7 +84,7 @@ def _native_gpt2_loss(ckpt_dir, ids):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.inference import load_gpt2_for_inference
+    from megatron.generation.inference import load_gpt2_for_inference
     from megatron.model.utils import causal_attention_mask
 
     mpu.initialize_model_parallel(dist.get_world_size(), 1)
@@ -114,7 +114,7 @@ def _native_t5_loss(ckpt_dir, batch, labels):
     import torch.distributed as dist
 
     from megatron import mpu
-    from megatron.inference import load_t5_for_inference
+    from megatron.generation.inference import load_t5_for_inference
 
     mpu.initialize_model_parallel(dist.get_world_size(), 1)
     mpu.model_parallel_cuda_manual_seed(1)

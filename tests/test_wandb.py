@@ -7,7 +7,7 @@ import pytest
 
 from gpt2_runs import gpt2_argv, user_error
 from harness import run_distributed
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 from wandb_records import read_config, read_history
 
 

@@ -33,7 +33,7 @@ def step(*args, **kwargs):
     return real_step(*args, **kwargs)
 training.train_step = step
 import pretrain_gpt2
-from megatron.errors import run_main
+from megatron.common.errors import run_main
 run_main(pretrain_gpt2.main, sys.argv[1:])
 '''
 
@@ -82,7 +82,7 @@ def test_watchdog_fires_on_a_stuck_phase_only(tmp_path):
     report; one that keeps entering new steps in time is not."""
     code = r'''
 import sys, time
-from megatron.training.watchdog import Watchdog
+from megatron.resilience.watchdog import Watchdog
 dog = Watchdog({"startup": 5, "step": 0.6, "save": 1.0}).start()
 for i in range(6):              # steps of 0.2 s: well within 0.6 s
     time.sleep(0.2)

@@ -72,7 +72,7 @@ def test_wheel_installs_outside_checkout_and_builds_kernels(gpt2_data, tmp_path)
     work.mkdir()
     shutil.copy(os.path.join(REPO, "pretrain_gpt2.py"), work)
     env.update(MEGATRON_TDS_BUILD_DIR=str(tmp_path / "kernel_cache"), OMP_NUM_THREADS="1")
-    where = _run([python, "-c", "import megatron, megatron.build_utils as b; "
+    where = _run([python, "-c", "import megatron, megatron.fused_kernels.build_utils as b; "
                   "print(megatron.__file__); print(b.CSRC_DIR)"], work, env).split()
     site = str(venv / "lib")
     assert where[0].startswith(site) and where[1].startswith(site), where

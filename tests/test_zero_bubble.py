@@ -63,7 +63,7 @@ def test_schedule_flag_and_what_it_implies(extra, schedule, vpp):
      r"zb-h1 needs --pipe-parallel-size >= 2"),
 ])
 def test_bad_schedules_are_config_errors(extra, message):
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         _parse(*extra)
@@ -173,10 +173,8 @@ def test_resume_across_schedules_and_layouts(gpt2_data, tmp_path):
 
 
 def _low_precision_equals_1f1b(precision, data):
-    """Clipping off: DeepSpeed's fp16/bf16 optimizers measure their own gradient norm,
-    which at pp > 1 is not Megatron's (docs/tds.md) and here depends on whether the tied
-    embedding has one copy (the V) or two (the loop): with clipping on, bf16 ZB-V was
-    4e-4 from 1F1B after 8 steps while ZB-H1 (the loop) was equal."""
+    """The three schedules' low-precision steps (clipping off: the comparison is of the
+    schedules' gradients, not of the clipping, which tests/test_one_step.py holds)."""
     runs = [argv("gpt2", data, 4, 1, 2, 4, schedule, 1, precision, "--clip-grad", "0")
             for schedule in ("1f1b", "zb-h1", "zbv")]
     for (reference, _), *others in run_distributed(train_layouts, 2, "gpt2", runs, timeout=600):
@@ -191,8 +189,8 @@ def _low_precision_equals_1f1b(precision, data):
 @pytest.mark.precision
 @requires_ds_bf16
 def test_bf16_zero_bubble_equals_bf16_1f1b(gpt2_data):
-    """DeepSpeed's bf16 optimizer under ZB-H1 and ZB-V (its bf16 gradients moved to the
-    fp32 ones after each input and each weight pass): the 1F1B engine's steps."""
+    """bf16 under ZB-H1 and ZB-V (the weight passes' gradients accumulated into the fp32
+    grad buffer as the input passes' are): the 1F1B schedule's steps."""
     _low_precision_equals_1f1b("--bf16", gpt2_data)
 
 
@@ -200,6 +198,6 @@ def test_bf16_zero_bubble_equals_bf16_1f1b(gpt2_data):
 @pytest.mark.precision
 @requires_ds_fp16
 def test_fp16_zero_bubble_equals_fp16_1f1b(gpt2_data):
-    """DeepSpeed's fp16 optimizer (the loss scale applied in the last chunk's input pass)
-    under ZB-H1 and ZB-V: the 1F1B engine's steps."""
+    """fp16 (the loss scale applied in the last chunk's input pass) under ZB-H1 and ZB-V:
+    the 1F1B schedule's steps."""
     _low_precision_equals_1f1b("--fp16", gpt2_data)

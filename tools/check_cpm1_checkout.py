@@ -215,7 +215,7 @@ class Cpm1Checkout:
         _check_origin(tds, self.project)
         if mpu is not sys.modules.get("megatron_tds.mpu.cpm"):
             raise RuntimeError(f"megatron.mpu is {mpu}, not this project's CPM namespace")
-        import megatron.global_vars as gv
+        import megatron.common.global_vars as gv
         import megatron.initialize as init
 
         sys.argv = self._argv(case, config_path)

@@ -27,7 +27,7 @@ from megatron.checkpoint_conversion.cli import (  # noqa: E402
     convert_and_report,
     parse_conversion_args,
 )
-from megatron.errors import entry_point  # noqa: E402
+from megatron.common.errors import entry_point  # noqa: E402
 
 
 def get_args(argv=None):

@@ -22,9 +22,9 @@ import torch.distributed as dist  # noqa: E402
 from megatron import mpu  # noqa: E402
 from megatron.checkpoint.format import (iteration_dir, load_rank_file, rank_files,  # noqa: E402
                                         resolve_iteration)
-from megatron.inference import load_gpt2_for_inference  # noqa: E402
-from megatron.errors import ConfigError, DataError, entry_point  # noqa: E402
-from megatron.text_generation import SamplingConfig, generate_text  # noqa: E402
+from megatron.generation.inference import load_gpt2_for_inference  # noqa: E402
+from megatron.common.errors import ConfigError, DataError, entry_point  # noqa: E402
+from megatron.generation.text_generation import SamplingConfig, generate_text  # noqa: E402
 from megatron.tokenizer import build_tokenizer  # noqa: E402
 
 TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")

@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron import mpu  # noqa: E402
 from megatron.checkpoint_conversion import hf_io  # noqa: E402
-from megatron.errors import ConfigError, DataError, entry_point  # noqa: E402
+from megatron.common.errors import ConfigError, DataError, entry_point  # noqa: E402
 
 
 def get_args(argv=None):
@@ -106,8 +106,8 @@ def init_distributed(backend):
 
 @entry_point
 def main(argv=None):
-    from megatron.inference import load_t5_for_inference
-    from megatron.t5_generation import fill_spans, greedy_generate
+    from megatron.generation.inference import load_t5_for_inference
+    from megatron.generation.t5_generation import fill_spans, greedy_generate
 
     args = get_args(argv)
     texts = read_texts(args)

@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.errors import ConfigError, entry_point  # noqa: E402
+from megatron.common.errors import ConfigError, entry_point  # noqa: E402
 
 SKIP_DIRS = {"__pycache__", "test", "tests", "testing", "site-packages", "dist-packages",
              "idle_test", "lib2to3", "node_modules"}

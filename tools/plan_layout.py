@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.errors import ConfigError, run_main  # noqa: E402
+from megatron.common.errors import ConfigError, run_main  # noqa: E402
 from megatron.memory.step_time import A100, H100  # noqa: E402
 
 PRESETS = {"h100": H100, "a100": A100}

@@ -13,8 +13,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.errors import ConfigError, entry_point  # noqa: E402
-from megatron.run_plots import TAGS, plot_runs, read_run  # noqa: E402
+from megatron.common.errors import ConfigError, entry_point  # noqa: E402
+from megatron.observability.run_plots import TAGS, plot_runs, read_run  # noqa: E402
 
 
 def get_args(argv=None):

@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 
 from megatron.data import indexed_dataset  # noqa: E402
 from megatron.data.text_input import FORMATS, check_input, detect_format, iter_units, parse_unit  # noqa: E402,E501
-from megatron.errors import DataError, entry_point  # noqa: E402
-from megatron.progress import progress as make_progress  # noqa: E402
+from megatron.common.errors import DataError, entry_point  # noqa: E402
+from megatron.observability.progress import progress as make_progress  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 CHUNK = 64  # documents per task sent to a worker: amortizes the inter-process traffic

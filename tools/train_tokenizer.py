@@ -19,8 +19,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.data.text_input import FORMATS, check_input, iter_documents  # noqa: E402
-from megatron.errors import DataError, entry_point  # noqa: E402
-from megatron.progress import progress  # noqa: E402
+from megatron.common.errors import DataError, entry_point  # noqa: E402
+from megatron.observability.progress import progress  # noqa: E402
 
 CHAR_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[SPACE]"]
 

@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint.verify import verify  # noqa: E402
-from megatron.errors import entry_point  # noqa: E402
+from megatron.common.errors import entry_point  # noqa: E402
 
 DAMAGED_EXIT = 1
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from megatron import mpu
 from megatron.checkpoint_conversion.hf_table import HFNameTable
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 from megatron.families import ModelFamily, decoder_lm, pipeline_placement, pipeline_topology
 from megatron.model.lm_head import VocabParallelBias, tied_embedding_specs
 from megatron.model.spec_model import SpecModel

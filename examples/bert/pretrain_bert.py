@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # bert_model, megatron
 
 from bert_model import BERT  # noqa: E402
-from megatron.errors import run_main  # noqa: E402
+from megatron.common.errors import run_main  # noqa: E402
 from megatron.training import pretrain  # noqa: E402
 
 

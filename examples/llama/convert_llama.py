@@ -30,7 +30,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # llama_model, megatron
 
-from megatron.errors import run_main  # noqa: E402
+from megatron.common.errors import run_main  # noqa: E402
 
 
 def export_hf(load: str, output: str, iteration=None):
@@ -112,7 +112,7 @@ def layout_records(config, pp: int, vpp: int = 1, placement: str = "loop") -> di
 
 
 def _check_layout(config, tp, pp, vpp, schedule):
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     problems = [f"--{what} must be >= 1" for what, n in (("tensor-model-parallel-size", tp),
                 ("pipeline-model-parallel-size", pp), ("virtual-pipeline-model-parallel-size",

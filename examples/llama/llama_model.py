@@ -296,7 +296,7 @@ def config_from_hf(hf: dict, padded_vocab: int) -> LlamaConfig:
         ConfigError: a Llama variant this model does not compute (biases, other activation,
             rope scaling, a head size other than hidden / heads).
     """
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     heads = hf["num_attention_heads"]
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers 5 / 4

@@ -49,7 +49,7 @@ def config_from_hf(hf: dict, padded_vocab: int, **block) -> LlamaConfig:
         padded_vocab: the vocabulary rows of our embedding.
         **block: other :class:`~megatron.mpu.moe.MoEConfig` settings (``grouped_gemm`` ...).
     """
-    from megatron.errors import ConfigError
+    from megatron.common.errors import ConfigError
 
     if hf.get("model_type", "mixtral") != "mixtral" or hf.get("sliding_window"):
         raise ConfigError(f"this Hugging Face model cannot be converted as Mixtral: model_type "

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 
 DEFAULT_ALGORITHM = "xxh3_128"
 

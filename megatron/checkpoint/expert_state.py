@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from .format import load_rank_file, saved_ep, saved_ep_optimizer_files
 from .optimizer_names import MOMENTS
 from .sharding import experts_of

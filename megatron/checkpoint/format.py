@@ -17,7 +17,7 @@ read. A writer builds the iteration folder under a temporary root, each file flu
 (``fsync``) as it is written; :func:`publish_iteration` flushes the folder's entries, renames
 it into place and flushes its parent, then rewrites the tracker the same way (temporary file,
 flush, rename, flush of the folder), so neither a killed process nor a crashed node leaves a
-tracker naming a half checkpoint (:mod:`megatron.durable`). Every file is written through
+tracker naming a half checkpoint (:mod:`megatron.resilience.durable`). Every file is written through
 :func:`write_checkpoint_file`, which hashes its bytes as they are written; the folder's
 manifest of those digests (:mod:`.manifest`) is published with it, before the tracker, and
 every reader verifies a file against it before loading it. Every reader here loads with
@@ -30,10 +30,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import durable
+from ..resilience import durable
 from ..config.run_config import uses_pipeline_engine  # noqa: F401 (part of the format)
-from ..errors import CheckpointError, not_text
-from ..locks import remove_stale_tmps, tmp_name
+from ..common.errors import CheckpointError, not_text
+from ..resilience.locks import remove_stale_tmps, tmp_name
 from .digest import FileDigest, save_with_digest
 from .manifest import check_file, write_manifest
 

@@ -26,7 +26,7 @@ L+1 the final LayerNorm (``{L+1}.norm.*``).
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from .chunks import Bounds, placement_of, rank_bounds, spec_indices, vpp_of
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"

@@ -12,7 +12,7 @@ built from the mpu layers needs none: its files record their sharding (:mod:`.sh
 from types import ModuleType
 from typing import Any, Iterable, Optional
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from . import gpt2_keys, t5_keys
 
 #: The built-in key maps, asked in this order (``matches``) when nothing names the model.

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import mpu
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from .expert_state import collapse_named, distributed_named, read_ep_states
 from .format import (EP_KEY, LAYOUT_KEYS, check_compatible, check_rank_layout, ep_rank_files,
                      iteration_dir, load_rank_file, saved_ep, saved_optimizer_files,

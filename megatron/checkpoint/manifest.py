@@ -16,7 +16,7 @@ file of the folder has a digest, so a file written around the common write path
 Reading: every reader of a native checkpoint file (:func:`.format.load_rank_file`,
 :func:`.zero_state.load_engine_optimizer_file`, the training resume) calls :func:`check_file`
 first, which hashes the file and compares it with its manifest entry, raising
-:class:`~megatron.errors.CheckpointDigestError` on any difference. A folder without a manifest
+:class:`~megatron.common.errors.CheckpointDigestError` on any difference. A folder without a manifest
 (written before checkpoints carried digests) is read unverified and noted. The resume scopes
 its reads in :func:`verification` (``--no-verify-checkpoint`` turns the checks off, and the
 scope reports what was checked); a tool's reads outside any scope are checked all the same.
@@ -28,8 +28,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
-from .. import durable
-from ..errors import CheckpointDigestError, CheckpointError
+from ..resilience import durable
+from ..common.errors import CheckpointDigestError, CheckpointError
 from .digest import ALGORITHMS, DEFAULT_ALGORITHM, FileDigest, file_digest
 
 MANIFEST_FILENAME = "manifest.json"

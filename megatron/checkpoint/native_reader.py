@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..errors import CheckpointError
-from ..progress import progress
+from ..common.errors import CheckpointError
+from ..observability.progress import progress
 from . import gpt2_keys
 from .format import (EP_KEY, check_rank_layout, ep_rank_files, iteration_dir, load_rank_file,
                      rank_files, resolve_iteration, saved_ep)

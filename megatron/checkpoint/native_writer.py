@@ -21,8 +21,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
-from ..progress import progress
+from ..common.errors import CheckpointError, ConfigError
+from ..observability.progress import progress
 from ..tokenizer import vocab_size_with_padding
 from .format import (CHECKPOINT_FORMAT, checkpoint_name, iteration_dir, publish_iteration,
                      uses_pipeline_engine, write_checkpoint_file)

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

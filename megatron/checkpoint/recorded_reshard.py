@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
+from ..common.errors import CheckpointError, ConfigError
 from .chunks import VPP_KEY, vpp_of
 from .native_reader import FullCheckpoint
 from .sharding import Record, slice_recorded

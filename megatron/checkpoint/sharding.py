@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from ..mpu.vocab_padding import mark_padded_vocab_rows  # noqa: F401 (the record's marker)
 
 Record = Dict[str, List[int]]

@@ -15,7 +15,7 @@ match is refused, saying which and what to do (:func:`match_names`).
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 
 #: What identifies a tensor without its name: the class of the module holding it (None when
 #: the checkpoint does not record it), its own name, its whole shape (the vocabulary rows

@@ -29,7 +29,7 @@ stage that holds layers of that stack.
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from .chunks import Bounds, placement_of, rank_bounds, spec_indices, vpp_of
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from .format import TRACKER_FILENAME, iteration_dir, published_iterations, read_tracker
 from .manifest import MANIFEST_FILENAME, verify_folder
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from ..tokenizer import vocab_size_with_padding
 from .gpt2_keys import WORD_EMBEDDINGS
 

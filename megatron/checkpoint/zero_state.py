@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from .manifest import check_file
 
 #: What each parameter carries: the fp32 master weight and the two Adam moments.

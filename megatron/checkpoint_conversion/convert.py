@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional, Tuple
 
 from ..checkpoint.native_writer import reshard
-from ..errors import CheckpointError, ConfigError
+from ..common.errors import CheckpointError, ConfigError
 from . import hf_gpt2, t5_hf
 from .formats import MEGATRON_CORE, MEGATRON_LM, NATIVE, CheckpointFormat, hf_format
 

@@ -18,7 +18,7 @@ import os
 
 from ..checkpoint.native_reader import FullCheckpoint
 from ..checkpoint.vocab_padding import resolve_true_vocab_size, tokenizer_from_args
-from ..errors import CheckpointError, ConfigError
+from ..common.errors import CheckpointError, ConfigError
 from . import hf_io
 
 #: HF activation names that are GeLU's tanh approximation, which GPT2Model uses.

@@ -12,8 +12,8 @@ import shutil
 
 import torch
 
-from .. import durable
-from ..errors import CheckpointError
+from ..resilience import durable
+from ..common.errors import CheckpointError
 from . import safetensors_io
 
 CONFIG = "config.json"
@@ -69,7 +69,7 @@ def read_weights(path):
 
 def write_hf_dir(path, config, state, extra_files=(), extra_json=None):
     """Write an HF directory atomically and durably (``<path>.tmp<pid>``, every file and the
-    folder flushed, then renamed to ``path`` and its parent flushed: :mod:`megatron.durable`).
+    folder flushed, then renamed to ``path`` and its parent flushed: :mod:`megatron.resilience.durable`).
 
     Args:
         path: output directory; must not exist or be empty.

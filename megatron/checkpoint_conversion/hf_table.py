@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator
 
 from ..checkpoint.native_reader import FullCheckpoint
-from ..errors import CheckpointError, ConfigError
+from ..common.errors import CheckpointError, ConfigError
 from . import hf_io
 from .convert import BaseConversionRequest
 from .formats import NATIVE, hf_format
@@ -153,7 +153,7 @@ def serial_record(family: Any, args: Dict[str, Any]):
 
     from ..checkpoint.sharding import sharding_record
     from ..config import saved_run_config
-    from ..device import device_override
+    from ..common.device import device_override
 
     cfg = saved_run_config(args, family).replace(
         compute_dtype=torch.float32, checkpoint_activations=False, sequence_parallel=False)

@@ -9,7 +9,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as _load_file
 from safetensors.torch import save_file as _save_file
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 
 
 def load_file(path):

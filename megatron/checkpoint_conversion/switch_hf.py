@@ -17,7 +17,7 @@ directory) for everything but the feed-forward.
 import torch
 
 from ..checkpoint import t5_keys
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 
 #: HF's capacity written for a dropless model (tokens per sequence per expert).
 DROPLESS_CAPACITY = 2 ** 20

@@ -2,7 +2,7 @@
 
 The conversion itself is the generic :func:`~.convert.run_conversion` with a
 :class:`~.convert.T5ConversionRequest`; HF reading/writing is :mod:`.t5_hf`; loading a model
-for generation is :func:`megatron.inference.load_t5_for_inference`.
+for generation is :func:`megatron.generation.inference.load_t5_for_inference`.
 """
 from ..checkpoint.native_reader import read_native
 from .convert import FORMATS, T5ConversionRequest, run_conversion  # noqa: F401 (tool flags)

@@ -25,7 +25,7 @@ import torch
 from ..checkpoint import t5_keys
 from ..checkpoint.native_reader import FullCheckpoint
 from ..checkpoint.vocab_padding import resolve_true_vocab_size, tokenizer_from_args
-from ..errors import CheckpointError, ConfigError
+from ..common.errors import CheckpointError, ConfigError
 from . import hf_io
 
 FF_TYPES = ("relu", "gated-gelu")

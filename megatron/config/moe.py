@@ -10,7 +10,7 @@ layer; 1: all) or a list of 0/1 per layer, in Megatron-LM's forms ``[1,0,1,0]`` 
 """
 import ast
 
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 
 #: The training step the run goes through implements the MoE contract: expert gradients
 #: reduced over the expert-data-parallel group (and counted once in the norm),

@@ -8,7 +8,7 @@ with Megatron-LM v2 spellings as aliases (``--tensor-model-parallel-size``,
 ``--config file.yaml`` sets defaults from a file (keys are flag names, dashes or
 underscores, plus a MindFormers-style ``parallel_config`` block); a flag given on the
 command line overrides the file. :func:`build_run_config` then validates everything at once
-(the generic flags and the model family's) and raises :class:`~megatron.errors.ConfigError`
+(the generic flags and the model family's) and raises :class:`~megatron.common.errors.ConfigError`
 listing every problem, before any process group exists, so each rank fails the same way and
 none hangs. Problems with the files that only this rank may see (a lost mount) are raised as
 :class:`RankFileProblems` in a run of several processes, for the ranks to agree on once
@@ -18,7 +18,7 @@ import argparse
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ConfigError, MegatronError
+from ..common.errors import ConfigError, MegatronError
 from .flags import ADD_GROUPS
 from .run_config import ParallelDims, RunConfig
 from .validation import derive_and_validate, derive_vocab, rank_file_problems

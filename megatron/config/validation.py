@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import ConfigError, DataError
+from ..common.errors import ConfigError, DataError
 from . import preflight
 from .recompute import check_recompute
 
@@ -292,7 +292,7 @@ def _faults(args, problems):
         return
     # A save of a large model takes far longer than a step: by default it gets ten steps'
     # worth, and at least five minutes. Start-up's default follows the checkpoint to load
-    # and --compile, computed when the watchdog starts (training/startup_allowance.py).
+    # and --compile, computed when the watchdog starts (resilience/startup_allowance.py).
     args.save_timeout = args.save_timeout or max(10 * args.step_timeout, 300.0)
 
 

@@ -15,7 +15,7 @@ values, plus an optional MindFormers-style block::
 import argparse
 from typing import Any, Dict
 
-from ..errors import ConfigError, not_text
+from ..common.errors import ConfigError, not_text
 
 PARALLEL_CONFIG_KEYS = {
     "data_parallel": "expected_data_parallel_size",

@@ -4,7 +4,7 @@ import logging
 import numpy as np
 
 from megatron.data import helpers
-from megatron.errors import DataError
+from megatron.common.errors import DataError
 
 logger = logging.getLogger(__name__)
 

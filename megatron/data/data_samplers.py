@@ -6,7 +6,7 @@ batch do not depend on dp, and resuming from ``consumed_samples`` continues the 
 """
 import numpy as np
 
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 
 class MegatronPretrainingSampler:

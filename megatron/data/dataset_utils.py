@@ -6,7 +6,7 @@ import numpy as np
 
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.indexed_dataset import make_dataset
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")

@@ -19,8 +19,8 @@ import numpy as np
 from megatron.data import helpers
 from megatron.data.dataset_utils import build_blended_splits, get_train_valid_test_split_  # noqa: F401
 from megatron.data.index_cache import cached_arrays
-from megatron.errors import ConfigError, DataError
-from megatron.progress import progress
+from megatron.common.errors import ConfigError, DataError
+from megatron.observability.progress import progress
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Sample-index and blending-index builders: C++ (csrc/data/helpers.cpp) with NumPy twins.
 
-The C++ module is compiled on first use through :func:`megatron.build_utils.load_native`
+The C++ module is compiled on first use through :func:`megatron.fused_kernels.build_utils.load_native`
 (cached per source hash, rank 0 first). When it cannot be built, the NumPy versions below
 run instead; both return identical arrays (tests/test_data_helpers.py). Set
 ``MEGATRON_TDS_DATA_HELPERS=numpy`` to force the fallback.
@@ -14,8 +14,8 @@ import sysconfig
 
 import numpy as np
 
-from megatron.build_utils import CSRC_DIR, load_native
-from megatron.locks import remove_stale_tmps, tmp_name
+from megatron.fused_kernels.build_utils import CSRC_DIR, load_native
+from megatron.resilience.locks import remove_stale_tmps, tmp_name
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Global rank 0 builds the arrays and writes them (temporary name + rename, a small
 ``_desc.json`` last, which marks the set complete); then it tells every rank whether that
-worked (:func:`megatron.agreement.agree`, which doubles as the barrier: a failure raises the
+worked (:func:`megatron.resilience.agreement.agree`, which doubles as the barrier: a failure raises the
 same error, with rank 0's cause, on every rank), and every rank memory-maps the files.
 A rank that cannot see the files afterwards (node-local disks on a multi-node run) builds
 the same arrays itself: the construction is deterministic, so every rank agrees.
@@ -13,9 +13,9 @@ import os
 
 import numpy as np
 
-from megatron.agreement import agree
-from megatron.errors import DataError
-from megatron.locks import remove_stale_tmps, tmp_name
+from megatron.resilience.agreement import agree
+from megatron.common.errors import DataError
+from megatron.resilience.locks import remove_stale_tmps, tmp_name
 
 logger = logging.getLogger(__name__)
 

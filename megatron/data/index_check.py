@@ -9,7 +9,7 @@ entries, so a billion-entry index needs a few seconds and bounded memory.
 """
 import numpy as np
 
-from megatron.errors import DataError
+from megatron.common.errors import DataError
 
 #: Entries checked per NumPy call (bounds the temporaries to a few tens of MB).
 BLOCK = 1 << 22

@@ -24,8 +24,8 @@ import numpy as np
 from megatron.data.index_check import check_doc_idx, check_entries
 from megatron.data.legacy_indexed_dataset import LegacyIndexedDataset, is_legacy_index
 from megatron.data.sequence_access import SequenceAccess
-from megatron.errors import ConfigError, DataError
-from megatron.locks import remove_stale_tmps, tmp_name
+from megatron.common.errors import ConfigError, DataError
+from megatron.resilience.locks import remove_stale_tmps, tmp_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -24,7 +24,7 @@ import struct
 import numpy as np
 
 from megatron.data.sequence_access import SequenceAccess
-from megatron.errors import DataError
+from megatron.common.errors import DataError
 
 MAGIC = b"TNTIDX\x00\x00"
 _HEADER = struct.Struct("<8sQQQQQQ")  # magic, version, code, element size, N, S, D

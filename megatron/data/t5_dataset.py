@@ -23,7 +23,7 @@ import numpy as np
 
 from megatron.data.dataset_utils import build_blended_splits
 from megatron.data.gpt2_dataset import GPT2Dataset
-from megatron.errors import ConfigError
+from megatron.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ into ``{key: text}`` or raises ``ValueError`` with a message the caller prefixes
 import json
 import os
 
-from megatron.errors import DataError
+from megatron.common.errors import DataError
 
 FORMATS = ("jsonl", "json", "text")
 _DECODER = json.JSONDecoder()

@@ -34,7 +34,7 @@ of your own with ``register("llama", lambda: LLAMA)`` (docs/new_model.md).
 """
 from typing import Callable, Dict, Optional, Union
 
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 from .base import (FEATURES, ModelFamily, pipeline_placement, pipeline_topology,
                    provided_problems, transformer_kwargs, unsupported_flags,
                    uses_token_layout)

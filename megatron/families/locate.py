@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 
 
 def _module(where: str) -> Any:

@@ -27,7 +27,7 @@ from .. import mpu
 from ..checkpoint import t5_keys
 from ..checkpoint_conversion import t5_hf
 from ..config.run_config import Section
-from ..errors import ConfigError, DataError
+from ..common.errors import ConfigError, DataError
 from ..model.language_model import masked_lm_loss
 from ..model.t5_layers import FF_TYPES, T5DecoderLayer, T5EncoderLayer
 from ..model.t5_model import t5_attention_masks

@@ -175,7 +175,7 @@ def load(kernels=None):
     if kernels is not None:
         flag = kernels.layernorm_fusion
         _FLAGS.update(layernorm_fusion=None if flag is None else bool(flag))
-    from ..device import get_device
+    from ..common.device import get_device
 
     kind = get_device().type
     failure = disabled_reason()

@@ -6,7 +6,7 @@ Two extension modules with the same functions (see csrc/kernels/bindings.h):
 - ``megatron_tds_kernels_cuda``: pybind glue (.cpp) + kernels (.cu, sm_80 and sm_90 SASS,
   compute_90 PTX for newer GPUs), built with nvcc, only on a machine with a GPU.
 
-A JIT build goes through :func:`megatron.build_utils.load_native`: cached per hash of every
+A JIT build goes through :func:`megatron.fused_kernels.build_utils.load_native`: cached per hash of every
 source and header, the torch / CUDA / Python versions, the flags and the compiler; rank 0
 builds first; any failure logs one line and returns None, and the callers fall back to
 PyTorch. ``MEGATRON_TDS_BUILD_EXT=1 pip install -e .`` builds both ahead of time
@@ -23,7 +23,7 @@ import subprocess
 
 import torch
 
-from ..build_utils import CSRC_DIR, load_native
+from .build_utils import CSRC_DIR, load_native
 
 logger = logging.getLogger(__name__)
 

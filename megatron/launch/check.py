@@ -20,7 +20,7 @@ import runpy
 import sys
 
 from ..config import CHECK_ONLY_ENV
-from ..errors import USER_ERROR_EXIT, MegatronError
+from ..common.errors import USER_ERROR_EXIT, MegatronError
 
 #: What in a message names a setting (a regular expression) -> the run script's variable
 #: that sets it (examples/run_gpt2.sh, run_t5.sh; tests/test_launch_check.py checks that

@@ -39,7 +39,7 @@ from torch.distributed.elastic.multiprocessing import api as mp_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from ..errors import PEER_LOST_EXIT, USER_ERROR_EXIT
+from ..common.errors import PEER_LOST_EXIT, USER_ERROR_EXIT
 
 #: Signals whose first arrival stops the run cleanly (the workers save and exit 0).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

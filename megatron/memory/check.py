@@ -3,8 +3,8 @@ a run predicted not to fit, before the model is allocated."""
 from dataclasses import fields
 from typing import List, Optional
 
-from ..agreement import agree
-from ..errors import ConfigError, WillNotFitError
+from ..resilience.agreement import agree
+from ..common.errors import ConfigError, WillNotFitError
 from .planner import Hardware, plan
 from .report import GIB, format_stage, predict
 from .spec import MemorySpec
@@ -89,7 +89,7 @@ def startup_memory_check(cfg, step_flops: Optional[float] = None) -> None:
         step_flops: the step's model FLOPs (ranks the suggested changes).
     """
     from .. import mpu
-    from ..utils import print_rank_0
+    from ..common.utils import print_rank_0
     from .spec import spec_from_run_config
 
     line = recompute_line(cfg, mpu.get_device().type)

@@ -18,7 +18,7 @@ A family's ``memory_model`` is one of:
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 
 #: The generic descriptions by name, and the memory model's family kind for each.
 KINDS = {"gpt2": "gpt2", "decoder": "gpt2", "encoder": "gpt2", "t5": "t5"}

@@ -7,7 +7,7 @@
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 
 #: Bytes per element of each precision's activations and low-precision weights.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -179,7 +179,7 @@ class MemorySpec:
         return self.schedule or ("interleaved" if self.vpp > 1 else "1f1b")
 
     def check(self) -> None:
-        """Raise :class:`~megatron.errors.ConfigError` for a spec the model cannot describe."""
+        """Raise :class:`~megatron.common.errors.ConfigError` for a spec the model cannot describe."""
         problems = []
         if self.family not in ("gpt2", "t5"):
             problems.append(f"family {self.family!r}: the memory model knows gpt2 and t5")

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import mpu
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 from .fused_softmax import causal_exclusion
 
 #: Megatron-LM's ``--attention-backend`` choices (and ours) -> the implementation used.

@@ -30,7 +30,8 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import nn
 
-from .. import compile_watch, fused_kernels, mpu
+from .. import fused_kernels, mpu
+from ..observability import compile_watch
 from ..mpu import random as mpu_random
 
 #: Class names of the blocks :func:`compile_layers` compiles (pipeline subclasses included).
@@ -50,7 +51,7 @@ def prepare_for_compile():
     - ``fused_kernels.kernels_available`` is a constant of the graph (its first call may
       build the kernels; ``assume_constant_result`` marks the function in place);
     - a fork of the model-parallel RNG stream runs eagerly: one graph break per fork;
-    - compiles are timed and said while they run (:mod:`megatron.compile_watch`).
+    - compiles are timed and said while they run (:mod:`megatron.observability.compile_watch`).
     """
     torch.compiler.assume_constant_result(fused_kernels.kernels_available)
     mpu_random.fork_eagerly_under_compile()

@@ -43,7 +43,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 
 #: ``--fp8-format``: the forward operands are e4m3; ``hybrid`` casts the gradient e5m2.
 FORMATS = ("e4m3", "hybrid")

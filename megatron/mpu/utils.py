@@ -3,7 +3,7 @@ from typing import Tuple
 
 import torch
 
-from ..device import get_device  # noqa: F401  (mpu.get_device: its home is the base layer)
+from ..common.device import get_device  # noqa: F401  (mpu.get_device: its home is the base layer)
 
 
 def ensure_divisibility(numerator: int, denominator: int, what: str = "value",

@@ -5,7 +5,7 @@
 """
 import logging
 
-from megatron.errors import ConfigError, DataError
+from megatron.common.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 

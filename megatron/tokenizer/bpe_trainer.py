@@ -13,7 +13,7 @@ import os
 
 import regex
 
-from megatron.locks import remove_stale_tmps, tmp_name
+from megatron.resilience.locks import remove_stale_tmps, tmp_name
 from megatron.tokenizer.gpt2_bpe import BYTE_ENCODER, EOD_TOKEN, PRETOKENIZE_PATTERN
 
 

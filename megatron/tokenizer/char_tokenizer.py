@@ -9,7 +9,7 @@ produced by :meth:`tokenize`.
 """
 import os
 
-from megatron.errors import DataError, not_text
+from megatron.common.errors import DataError, not_text
 
 REQUIRED = ("[PAD]", "[UNK]", "[CLS]")
 

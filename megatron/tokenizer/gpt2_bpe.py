@@ -13,7 +13,7 @@ import os
 
 import regex
 
-from megatron.errors import DataError, not_text
+from megatron.common.errors import DataError, not_text
 
 PRETOKENIZE_PATTERN = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
                        r"""|\s+(?!\S)|\s+""")

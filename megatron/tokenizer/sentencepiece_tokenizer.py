@@ -10,7 +10,7 @@ nothing is appended but the sentinels. If the ``.model`` already holds the
 import os
 import re
 
-from megatron.errors import DataError
+from megatron.common.errors import DataError
 
 _SENTINEL_RE = re.compile(r"(<extra_id_\d+>)")
 

@@ -16,7 +16,7 @@ so they take the same steps. The loop (megatron/training/loop.py) and the checkp
 """
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..learning_rates import AnnealingLR
+from ..optimizer.learning_rates import AnnealingLR
 from ..optimizer import get_param_groups
 from ..optimizer.adamw import build_adamw
 
@@ -28,7 +28,7 @@ class TrainingBackend:
         name: ``ddp``, ``deepspeed`` or ``pipeline`` (for logs and messages only).
         model: the trained object (DDP-wrapped module or engine), what providers receive.
         optimizer: the optimizer the checkpoints save (ours, or the engine's).
-        lr_scheduler: :class:`~megatron.learning_rates.AnnealingLR`.
+        lr_scheduler: :class:`~megatron.optimizer.learning_rates.AnnealingLR`.
         state_io: how the optimizer state goes into a checkpoint and comes back
             (:class:`~.state_io.OptimizerStateIO`).
     """
@@ -87,7 +87,7 @@ class TrainingBackend:
 
     def module(self) -> Any:
         """The bare model (no DDP or engine wrapper): what the checkpoints hold."""
-        from ..utils import unwrap_model
+        from ..common.utils import unwrap_model
 
         return unwrap_model(self.model)
 

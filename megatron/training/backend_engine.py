@@ -11,7 +11,7 @@ import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .. import mpu
-from ..errors import ConfigError, not_text
+from ..common.errors import ConfigError, not_text
 from .backend import TrainingBackend, build_optimizer_and_scheduler
 from .engine_state_io import EngineStateIO
 

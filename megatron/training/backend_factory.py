@@ -49,7 +49,7 @@ def check_pipeline_module(model: Any, cfg: Any) -> None:
     """
     from deepspeed.pipe import PipelineModule
 
-    from ..errors import ConfigError
+    from ..common.errors import ConfigError
     from ..families import pipeline_placement
 
     family = getattr(cfg, "model_family", None)
@@ -78,7 +78,7 @@ def _compile(model, cfg, pipeline):
     """``--compile``: each pipeline chunk as one region, its loss included (pp = 1: the whole
     model and the family's loss); a family whose ``compile_classes`` is ``()`` opts out."""
     from ..model.compile import compile_model, compile_pipeline, compiler
-    from ..utils import print_rank_0, warn_rank_0
+    from ..common.utils import print_rank_0, warn_rank_0
 
     family = getattr(cfg, "model_family", None)
     classes = family.compile_classes if family is not None else None

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .. import mpu
 from ..distributed import DataParallel, DDPConfig, autocast_region, tied_weights_of
-from ..learning_rates import AnnealingLR
+from ..optimizer.learning_rates import AnnealingLR
 from ..optimizer import build_grad_scaler, build_optimizer, get_param_groups
 from ..optimizer.adamw import build_adamw
 from .backend import TrainingBackend
@@ -177,7 +177,7 @@ def _pipeline_schedule(module, cfg, batch_fn, model):
     from tds.pipe.schedule_step import ScheduleStep, Stage
     from tds.pipe.schedules import ZERO_BUBBLE
 
-    from ..utils import print_rank_0
+    from ..common.utils import print_rank_0
     from .batch_draws import SeededBatchFn
 
     name, p = cfg.parallel.pipeline_schedule, cfg.parallel.pp

@@ -27,12 +27,12 @@ from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker,
 from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs, weights_for_run
 from ..checkpoint.manifest import check_file, verification
 from ..checkpoint.sharding import module_classes
-from ..agreement import agree, agree_on_call, agree_on_value
+from ..resilience.agreement import agree, agree_on_call, agree_on_value
 from ..config import args_to_dict
-from ..errors import CheckpointDigestError, CheckpointError, MegatronError
-from ..utils import print_rank_0, warn_rank_0
-from . import checkpoint_integrity as integrity
-from .async_save import SAVE_FAILED_HINT, AsyncCheckpointWriter
+from ..common.errors import CheckpointDigestError, CheckpointError, MegatronError
+from ..common.utils import print_rank_0, warn_rank_0
+from ..resilience import checkpoint_integrity as integrity
+from ..resilience.async_save import SAVE_FAILED_HINT, AsyncCheckpointWriter
 from .schedule_change import resume_schedule
 
 
@@ -164,7 +164,7 @@ def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
     optimizer, DeepSpeed's ZeRO-1, bf16) has every rank write its own optimizer file next
     to it. Each step that can fail on
     one rank alone (preparing the folder, writing the files, publishing) ends in one
-    agreement (:func:`megatron.agreement.agree`), so a full disk on one node stops every rank
+    agreement (:func:`megatron.resilience.agreement.agree`), so a full disk on one node stops every rank
     with the same :class:`CheckpointError`, and the tracker still names the previous
     checkpoint.
 
@@ -434,7 +434,7 @@ def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
     :class:`CheckpointError` on every rank. Every file read is verified against the
     checkpoint's manifest first (unless ``--no-verify-checkpoint``); a damaged checkpoint is
     replaced by the newest older one that verifies when ``--load`` is ``--save``, and raises
-    :class:`~megatron.errors.CheckpointDigestError` on every rank otherwise
+    :class:`~megatron.common.errors.CheckpointDigestError` on every rank otherwise
     (:mod:`.checkpoint_integrity`). A folder in one of the model family's foreign formats
     (``foreign_checkpoints``: Megatron-LM's for GPT-2) is loaded weights-first through it
     (:func:`_load_foreign`), unverified (it has no manifest), and the log says so.

@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 from .. import mpu
 from ..data.data_samplers import build_pretraining_data_loader
 from ..data.prefetch import Prefetcher
-from ..errors import DataError
-from ..utils import print_rank_0
+from ..common.errors import DataError
+from ..common.utils import print_rank_0
 
 
 def reads_data() -> bool:

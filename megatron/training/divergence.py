@@ -12,7 +12,7 @@ The checks read the per-step losses and gradient norms kept on the device since 
 log line, at log and save time only (no extra host sync per step), and agree across all
 ranks with one small all-reduce so every rank stops together. On failure, the tracker of
 ``--save`` is pointed back at the newest checkpoint whose weights are known to be good, and
-the :class:`~megatron.errors.DivergenceError` names it.
+the :class:`~megatron.common.errors.DivergenceError` names it.
 
 fp16 runs skip overflowing steps through the loss scaler instead; for them only the weights
 are checked before a save. ``--skip-nonfinite-steps`` gives fp32/bf16 runs the same skip
@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import DivergenceError
-from ..utils import unwrap_model
+from ..common.errors import DivergenceError
+from ..common.utils import unwrap_model
 
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _OK, _BAD_NORM, _BAD_LOSS = 0, 1, 2

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 from .. import mpu
 from ..checkpoint.format import saved_optimizer_files
 from ..checkpoint.zero_state import load_engine_optimizer_file, load_named
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from .state_io import OptimizerStateIO, load_named_adam
 
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")

@@ -23,19 +23,19 @@ import torch.distributed as dist
 
 from .. import mpu
 from ..config import build_run_config, settings_check_only
-from ..global_vars import (get_startup_times, get_tensorboard_writer, get_timers,
+from ..common.global_vars import (get_startup_times, get_tensorboard_writer, get_timers,
                            get_tokenizer)
 from ..initialize import initialize_megatron
 from ..memory.check import startup_memory_check
-from ..startup_times import StartupTimes
-from ..utils import print_rank_0
+from ..observability.startup_times import StartupTimes
+from ..common.utils import print_rank_0
 from .backend_factory import build_backend
 from .checkpointing import load_checkpoint
 from .data_iterators import build_train_valid_test_data_iterators, close_iterators
 from .divergence import check_pending, check_weights
-from .fault_tolerance import RunGuard
-from .run_summary import event_file, print_closing_line
-from .training_log import log_evaluation, log_training_step, peaks_line
+from ..resilience.fault_tolerance import RunGuard
+from ..observability.run_summary import event_file, print_closing_line
+from ..observability.training_log import log_evaluation, log_training_step, peaks_line
 
 
 @dataclass
@@ -190,23 +190,23 @@ def _routing(backend):
 
 def _interval_compile_seconds(cfg):
     """Wall seconds of the log interval in which some rank ran ``torch.compile`` (0 without
-    ``--compile``): left out of its step time, tokens/s and MFU (megatron/compile_watch.py)."""
+    ``--compile``): left out of its step time, tokens/s and MFU (megatron/observability/compile_watch.py)."""
     if not cfg.kernels.compile:
         return 0.0
-    from .. import compile_watch
-    from .training_log import compile_seconds
+    from ..observability import compile_watch
+    from ..observability.training_log import compile_seconds
 
     return compile_seconds(cfg, compile_watch.take_spans())
 
 
 def _first_step_done(cfg, seconds):
     """Record the first step's time (host wall time: no device sync is added to it) and print
-    the start-up line (megatron/startup_times.py); with ``--compile`` it names the graphs the
+    the start-up line (megatron/observability/startup_times.py); with ``--compile`` it names the graphs the
     step compiled and this rank's compile time in it (later steps reuse them; evaluation
     compiles its own at its first call)."""
     label = "first step"
     if cfg.kernels.compile:
-        from .. import compile_watch
+        from ..observability import compile_watch
         from ..model.compile import compiled_graph_count
 
         compile_watch.first_step_done()

@@ -11,8 +11,8 @@ schedule and under the checkpoint's. (Megatron-LM refuses such a resume unless t
 """
 from typing import Any, Dict, List
 
-from ..learning_rates import schedule_lr
-from ..utils import print_rank_0
+from ..optimizer.learning_rates import schedule_lr
+from ..common.utils import print_rank_0
 
 #: The schedule's settings in a scheduler's state dict.
 SCHEDULE_KEYS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
@@ -49,7 +49,7 @@ def resume_schedule(scheduler: Any, state: Dict[str, Any], cfg: Any) -> None:
     the checkpoint's schedule and the flags' differ (every rank loads, rank 0 prints).
 
     Args:
-        scheduler: the run's :class:`~megatron.learning_rates.AnnealingLR`.
+        scheduler: the run's :class:`~megatron.optimizer.learning_rates.AnnealingLR`.
         state: the checkpoint state (``lr_scheduler``, ``args``, ``iteration``).
         cfg: the run configuration (``cfg.optim.use_checkpoint_lr_scheduler``).
     """

@@ -24,9 +24,9 @@ from .. import mpu
 from ..checkpoint.layout_change import NamedOptimizerState, named_optimizer_state
 from ..checkpoint.optimizer_names import HYPER_PARAMETERS, adam_state_dict, param_names
 from ..checkpoint.zero_state import _new_step
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from ..optimizer import DistributedOptimizer
-from ..utils import warn_rank_0
+from ..common.utils import warn_rank_0
 
 
 class OptimizerStateIO:

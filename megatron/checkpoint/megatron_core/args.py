@@ -10,7 +10,7 @@ layer, as GPT-2).
 import argparse
 from typing import Any, Dict, Mapping, Tuple
 
-from ...errors import ConfigError
+from ...common.errors import ConfigError
 from ..megatron_lm.args import megatron_namespace
 
 #: ``(saved arg, what is not zero / true for a model GPT2Model computes, feature)``.

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 
-from ...errors import CheckpointError
+from ...common.errors import CheckpointError
 from .safe_load import load_core, load_dcp_metadata
 
 CONFIG_FILE = "metadata.json"

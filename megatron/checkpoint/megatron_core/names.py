@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
-from ...errors import CheckpointError
+from ...common.errors import CheckpointError
 from .. import gpt2_keys
 
 #: Megatron-Core layer names (both spellings) -> our layer keys (``gpt2_keys.LAYER_KEYS``).

@@ -18,8 +18,8 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from ...errors import CheckpointError
-from ...progress import progress
+from ...common.errors import CheckpointError
+from ...observability.progress import progress
 from .. import gpt2_keys
 from ..megatron_lm.args import model_args
 from ..megatron_lm.files import checkpoint_folder, layout_files, model_chunks

@@ -15,7 +15,7 @@ Three things in a Megatron-Core checkpoint are pickles:
   DCP reads with plain ``pickle.load``: here it is read by :class:`MetadataUnpickler`, which
   builds only DCP's metadata and save-plan classes, ``torch.Size``, dtypes and paths.
 
-Anything else is refused with a :class:`~megatron.errors.CheckpointError` naming it.
+Anything else is refused with a :class:`~megatron.common.errors.CheckpointError` naming it.
 """
 import argparse
 import codecs
@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Dict, List, Union
 
 import torch
 
-from ...errors import CheckpointError
+from ...common.errors import CheckpointError
 from ..megatron_lm.safe_load import allowed_globals
 
 #: Megatron-Core's data types that its files pickle (megatron/core/safe_globals.py's list).

@@ -14,7 +14,7 @@ RMSNorm, SwiGLU, grouped-query attention, untied output layers.
 import argparse
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from ...errors import CheckpointError, ConfigError
+from ...common.errors import CheckpointError, ConfigError
 from .. import gpt2_keys
 
 #: Megatron-LM's default ``--make-vocab-size-divisible-by``.

@@ -17,7 +17,7 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from ...errors import CheckpointError
+from ...common.errors import CheckpointError
 from ..format import (MODEL_FILENAME, TRACKER_FILENAME, check_rank_layout, iteration_dir,
                       rank_files)
 from .safe_load import load_megatron_file

@@ -19,7 +19,7 @@ both projects; only the fused QKV row order differs by version (:mod:`.qkv`).
 import re
 from typing import Any, Dict, Optional, Tuple
 
-from ...errors import CheckpointError
+from ...common.errors import CheckpointError
 from .. import gpt2_keys
 
 LANGUAGE_MODEL = "language_model."

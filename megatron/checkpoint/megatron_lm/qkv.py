@@ -17,7 +17,7 @@ number of heads.
 """
 from typing import Any
 
-from ...errors import CheckpointError
+from ...common.errors import CheckpointError
 
 KNOWN_VERSIONS = (0, 1, 2, 3)
 #: What this project's writer saves.

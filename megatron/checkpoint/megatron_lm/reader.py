@@ -16,8 +16,8 @@ writer) strips or re-pads them.
 """
 from typing import Any, Dict, Optional
 
-from ...errors import CheckpointError
-from ...progress import progress
+from ...common.errors import CheckpointError
+from ...observability.progress import progress
 from .. import gpt2_keys
 from ..native_reader import FullCheckpoint, check_complete, merge_tensor_parallel, replicas_agree
 from . import names, qkv

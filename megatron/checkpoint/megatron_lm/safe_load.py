@@ -13,7 +13,7 @@ Megatron-LM saves its whole ``argparse.Namespace`` under ``args`` and, unless it
   only rebuild arrays from their bytes.
 
 Anything else a file pickles (an optimizer's loss-scaler object from Megatron-LM v1.0, an
-enum of a newer Megatron-core) is refused with a :class:`~megatron.errors.CheckpointError`
+enum of a newer Megatron-core) is refused with a :class:`~megatron.common.errors.CheckpointError`
 naming it; nothing is ever unpickled without the allow-list.
 """
 import argparse
@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-from ...errors import CheckpointError
+from ...common.errors import CheckpointError
 
 
 def _numpy_reconstruct():

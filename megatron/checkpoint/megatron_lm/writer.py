@@ -22,8 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-from ... import durable
-from ...errors import CheckpointError, ConfigError
+from ...resilience import durable
+from ...common.errors import CheckpointError, ConfigError
 from .. import gpt2_keys
 from ..format import TRACKER_FILENAME, iteration_dir, write_atomic
 from ..native_writer import check_layout, layout_args

@@ -7,7 +7,7 @@ when built, so a bad value fails before any weight is drawn.
 from dataclasses import dataclass
 from typing import Optional
 
-from ...errors import ConfigError
+from ...common.errors import ConfigError
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")

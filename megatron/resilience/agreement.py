@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Optional, Tuple, Type, Union
 
 import torch.distributed as dist
 
-from .errors import MegatronError
+from ..common.errors import MegatronError
 
 #: How many distinct failing ranks a message lists before it says "and N more".
 MAX_LISTED = 4

@@ -10,9 +10,9 @@ import glob
 import os
 import re
 
-from .errors import ConfigError, DataError
+from ..common.errors import ConfigError, DataError
 
-#: series name -> TensorBoard tag (megatron/training/training_log.py's scalar_tag).
+#: series name -> TensorBoard tag (megatron/observability/training_log.py's scalar_tag).
 TAGS = {"loss": "train/lm-loss", "validation loss": "validation/lm-loss",
         "tokens/s": "train/tokens-per-second", "MFU": "train/mfu"}
 #: The same series under the tags that runs before the one naming scheme wrote.

@@ -13,10 +13,10 @@ its logits, so every tp rank picks the same tokens.
 """
 import torch
 
-from . import mpu
-from .errors import ConfigError
-from .model.fused_softmax import causal_exclusion
-from .model.t5_model import T5DecoderCache
+from .. import mpu
+from ..common.errors import ConfigError
+from ..model.fused_softmax import causal_exclusion
+from ..model.t5_model import T5DecoderCache
 
 
 def _new_cache(model, batch, max_len, device, dtype):

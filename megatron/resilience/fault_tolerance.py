@@ -9,8 +9,8 @@ given, every hook is a no-op that adds no collective.
 from contextlib import contextmanager
 from typing import Optional
 
-from ..utils import print_rank_0
-from . import checkpointing
+from ..common.utils import print_rank_0
+from ..training import checkpointing
 from .preemption import PreemptionHandler, clear_marker
 from .startup_allowance import startup_timeout
 from .watchdog import start_watchdog

@@ -16,7 +16,7 @@ torchrun's agent restarting the job on more nodes.
 
 The check costs one all-reduce of one int64 in host memory every ``--exit-signal-check-interval``
 steps (default 1, as Megatron-LM's ``--exit-signal-handler``); it reads no device value, so it
-adds no host-device sync to the step (docs/fault_tolerance.md has the measured cost).
+adds no host-device sync to the step (docs/measurements/fault_tolerance.md has the measured cost).
 """
 import os
 import signal

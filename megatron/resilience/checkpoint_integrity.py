@@ -9,7 +9,7 @@ group the save agrees on) hands them all to rank 0, whose publication writes the
 
 Resume: each rank verifies the files it reads (:func:`~megatron.checkpoint.manifest.
 check_file`); :func:`damaged_or_none` gathers every rank's verdict
-(:func:`megatron.agreement.gather_failures`), so every rank sees the same list of damaged
+(:func:`megatron.resilience.agreement.gather_failures`), so every rank sees the same list of damaged
 files. Then, when ``--load`` is the ``--save`` folder (a resumed run, e.g. a restarted job),
 every rank falls back to the newest older checkpoint and tries it; once one verifies,
 rank 0 moves the damaged folders aside (``iter_N.damaged``: renamed, never deleted) and
@@ -21,13 +21,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from ..agreement import agree_on_call, agree_on_value, gather_failures, summary
+from .agreement import agree_on_call, agree_on_value, gather_failures, summary
 from ..checkpoint.digest import FileDigest
 from ..checkpoint.format import (iteration_dir, published_iterations, set_aside,
                                  write_tracker)
 from ..checkpoint.manifest import relative_name
-from ..errors import CheckpointDigestError, CheckpointError
-from ..utils import print_rank_0, warn_rank_0
+from ..common.errors import CheckpointDigestError, CheckpointError
+from ..common.utils import print_rank_0, warn_rank_0
 
 #: ``(iteration, [(rank, cause), ...])`` for each checkpoint that failed verification.
 Damage = Tuple[int, List[Tuple[int, str]]]

@@ -5,15 +5,15 @@ checkpoint saved at that same tp without pipeline stages is loaded file by file;
 layout is merged and resharded in memory (:mod:`megatron.checkpoint`), so a pipeline run's
 checkpoint or one of another tp generates without converting it first.
 """
-from . import mpu
-from .checkpoint import gpt2_keys
-from .checkpoint.format import (checkpoint_name, iteration_dir, load_rank_file, rank_files,
+from .. import mpu
+from ..checkpoint import gpt2_keys
+from ..checkpoint.format import (checkpoint_name, iteration_dir, load_rank_file, rank_files,
                                 resolve_iteration)
-from .checkpoint.native_reader import read_native
-from .checkpoint.native_writer import reshard, stage_state
-from .checkpoint_conversion import hf_io, t5_hf
-from .errors import CheckpointError, ConfigError
-from .families import get_family
+from ..checkpoint.native_reader import read_native
+from ..checkpoint.native_writer import reshard, stage_state
+from ..checkpoint_conversion import hf_io, t5_hf
+from ..common.errors import CheckpointError, ConfigError
+from ..families import get_family
 
 
 def _own_weights(root, iteration, true_vocab):
@@ -48,7 +48,7 @@ def load_gpt2_for_inference(root, iteration=None, true_vocab=None):
     Returns:
         ``(model, args)``: the model and the saved args (with this layout's padded size).
     """
-    from .model.gpt2_model import GPT2Model
+    from ..model.gpt2_model import GPT2Model
 
     if mpu.get_pipeline_model_parallel_world_size() != 1:
         raise ConfigError("generation runs without pipeline stages; launch tp processes only")
@@ -78,7 +78,7 @@ def load_t5_for_inference(source, iteration=None, true_vocab=None):
     Returns:
         ``(model, args)`` with the args of this layout (``padded_vocab_size``, sizes).
     """
-    from .model.t5_model import T5Model
+    from ..model.t5_model import T5Model
 
     if mpu.get_pipeline_model_parallel_world_size() != 1:
         raise ConfigError("T5 inference runs without pipeline stages; launch tp processes only")

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..utils import print_node_first
+from ..common.utils import print_node_first
 
 #: Dense peaks (TFLOP/s per device) by GPU model: (bf16/fp16 tensor cores, TF32 tensor cores,
 #: FP32 without tensor cores), from the vendors' data sheets (dense, not 2:4 sparse).
@@ -134,15 +134,15 @@ def throughput(cfg: Any, seconds_per_step: float, flops_per_step: Optional[float
 
 def compile_seconds(cfg: Any, spans: List[Tuple[float, float]]) -> float:
     """The wall seconds of a log interval in which some rank compiled (the union of every
-    rank's compile spans, :func:`megatron.compile_watch.union_seconds`): one gather of
+    rank's compile spans, :func:`megatron.observability.compile_watch.union_seconds`): one gather of
     those spans at the log interval under ``--compile``, none between.
 
     Args:
         cfg: the run configuration.
         spans: this rank's compile spans in the interval
-            (:func:`megatron.compile_watch.take_spans`).
+            (:func:`megatron.observability.compile_watch.take_spans`).
     """
-    from ..compile_watch import union_seconds
+    from .compile_watch import union_seconds
 
     if not cfg.kernels.compile or not dist.is_initialized() or dist.get_world_size() == 1:
         return union_seconds(spans)

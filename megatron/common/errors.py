@@ -113,7 +113,7 @@ def _skip_the_final_collection():
     """At exit, after every other exit handler (registered first, it runs last):
     ``gc.freeze()``, so the interpreter's final garbage collections skip what the run leaves
     (2.5 s of a one-process training run's exit on a busy CPU, 8 s per process when 8 share
-    2 cores; docs/training.md). Files and process groups are closed by then (the run closes
+    2 cores; docs/measurements/fault_tolerance.md). Files and process groups are closed by then (the run closes
     them, or their own exit handlers); the memory goes back with the process."""
     atexit.unregister(_freeze_at_exit)  # once, however often run_main is called
     atexit.register(_freeze_at_exit)
@@ -140,7 +140,7 @@ def _let_peers_report():
     """Wait (at most :data:`REPORT_WAIT_S`) until every rank has printed its error line.
 
     torchrun ends every rank as soon as one exits: without this, the ranks that reached the
-    same error (a bad flag, an agreed failure, :mod:`megatron.agreement`) a few
+    same error (a bad flag, an agreed failure, :mod:`megatron.resilience.agreement`) a few
     milliseconds later are stopped before they print it. Each rank counts itself in the
     job's rendezvous store and exits once all have; a rank that failed alone exits after
     the bound. Nothing is waited for without a store (one process, or a launcher without

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from ..checkpoint.format import iteration_dir, rank_files, read_tracker
-from ..errors import CheckpointError
-from ..utils import print_rank_0
+from ..common.errors import CheckpointError
+from ..common.utils import print_rank_0
 
 #: Least start-up allowance, seconds (model build and data index of a small run).
 STARTUP_FLOOR_S = 300.0

@@ -5,7 +5,7 @@ the copies queued on the current stream, so later updates of the weights cannot 
 them and the training thread never waits for them) and goes on training. A writer thread
 waits for the copies, writes the files through the same atomic, flushed, hashing
 ``write_checkpoint_file``, then agrees with the other ranks' writers on a gloo group
-(:func:`megatron.agreement.agree`: did every rank write all its files, and if not, which and
+(:func:`megatron.resilience.agreement.agree`: did every rank write all its files, and if not, which and
 why?) and hands every file's digest to rank 0 (the synchronous save's
 :func:`~.checkpoint_integrity.gather_digests`). Only then does rank 0 publish the folder with
 the same manifest a synchronous save writes and rewrite the tracker (``publish_iteration``),
@@ -29,9 +29,9 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..agreement import agree_on_call
+from .agreement import agree_on_call
 from ..checkpoint.format import iteration_dir
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 from .checkpoint_integrity import gather_digests
 from .host_group import new_host_group
 

@@ -8,7 +8,7 @@ one loads in milliseconds. A file lock keeps concurrent builders (several ranks,
 test processes) from writing the same folder; a killed builder can neither keep it nor
 leave torch's baton file behind to block the next build, the compiler it left running is
 waited for rather than built alongside, and a wait for a live builder is
-bounded, then the caller falls back (see :mod:`megatron.locks`). Under torch.distributed,
+bounded, then the caller falls back (see :mod:`megatron.resilience.locks`). Under torch.distributed,
 rank 0 builds first and tells the others whether it worked; they then load from the cache
 (or fall back too).
 """
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from .locks import owned_lock, remove_stale_baton
+from ..resilience.locks import owned_lock, remove_stale_baton
 
 logger = logging.getLogger(__name__)
 
 #: Where a wheel / ``pip install .`` puts the sources (setup.py's build_py copies csrc/ there).
-PACKAGED_CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+PACKAGED_CSRC_DIR = Path(__file__).resolve().parents[1] / "csrc"
 #: The repository's top-level csrc/ (a checkout, or ``pip install -e .``).
-REPO_CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+REPO_CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 
 
 def find_csrc_dir():

@@ -17,7 +17,7 @@ import os
 from typing import Any, Optional
 
 from ..checkpoint.format import read_tracker
-from ..utils import print_node_first
+from ..common.utils import print_node_first
 
 #: Set by examples/launch_common.sh: the file this node's output is copied to.
 LOG_FILE_ENV = "MEGATRON_TDS_LOG_FILE"

@@ -7,7 +7,7 @@ writer alone, a :class:`FanOutWriter` over both, or None. So W&B gets exactly th
 """
 import os
 
-from .errors import ConfigError
+from ..common.errors import ConfigError
 
 
 class WandbWriter:

@@ -1,0 +1,1 @@
+"""Text generation from a trained model (GPT-2 sampling, T5 decoding)."""
