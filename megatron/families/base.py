@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
+from ..config.run_config import V_SCHEDULE, RunConfig
+
 
 def _no_problems(*_):
     return None
@@ -243,17 +245,17 @@ def transformer_kwargs(cfg, dropout: bool = True) -> dict:
         fp8=cfg.precision.fp8 if dropout else None)  # inference: the compute dtype
 
 
-def uses_token_layout(cfg: Any) -> bool:
+def uses_token_layout(cfg: RunConfig) -> bool:
     """Whether a run's decoder passes the token layout (megatron/mpu/context_parallel.py)
     in its mask slot: under context parallelism and with document masking; otherwise the
     ``[1, 1, s, s]`` bool causal mask."""
     return cfg.parallel.cp > 1 or cfg.data.reset_attention_mask or cfg.data.reset_position_ids
 
 
-def pipeline_placement(cfg: Any) -> str:
+def pipeline_placement(cfg: RunConfig) -> str:
     """The chunk placement of a run's pipeline module (``PipelineModule(placement=...)``):
     "v" for ``--pipeline-schedule zbv`` (two chunks per rank in a V), else "loop"."""
-    return "v" if getattr(cfg.parallel, "pipeline_schedule", "1f1b") == "zbv" else "loop"
+    return "v" if cfg.parallel.pipeline_schedule == V_SCHEDULE else "loop"
 
 
 def pipeline_topology() -> Any:

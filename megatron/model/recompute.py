@@ -48,7 +48,7 @@ def recompute_core(config: Any, mask_needs_grad: bool = False) -> bool:
     """
     from .attention import resolve_attention_backend
 
-    if getattr(config, "recompute_granularity", None) != "selective":
+    if config.recompute_granularity != "selective":
         return False
     return core_keeps_scores(resolve_attention_backend(config.attention_backend),
                              mpu.get_device().type, config.attention_dropout, mask_needs_grad)
@@ -72,8 +72,7 @@ def core_attention(run: Callable, recompute: bool, training: bool, *args):
 def block_count(config: Any) -> int:
     """Layers at the start of each stage (or chunk) that full ``block`` recompute
     checkpoints: ``recompute_num_layers`` under block, else 0."""
-    if getattr(config, "recompute_granularity", None) == "full" and \
-            getattr(config, "recompute_method", None) == "block":
+    if config.recompute_granularity == "full" and config.recompute_method == "block":
         return config.recompute_num_layers
     return 0
 

@@ -16,6 +16,7 @@ so they take the same steps. The loop (megatron/training/loop.py) and the checkp
 """
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from ..config.run_config import RunConfig
 from ..optimizer.learning_rates import AnnealingLR
 from ..optimizer import get_param_groups
 from ..optimizer.adamw import build_adamw
@@ -92,7 +93,7 @@ class TrainingBackend:
         return unwrap_model(self.model)
 
 
-def build_optimizer_and_scheduler(module: Any, cfg: Any) -> Tuple[Any, AnnealingLR]:
+def build_optimizer_and_scheduler(module: Any, cfg: RunConfig) -> Tuple[Any, AnnealingLR]:
     """AdamW over ``module``'s parameters (no decay on biases and norms) and the LR schedule,
     for DeepSpeed's engine, which wraps the plain torch optimizer itself.
 

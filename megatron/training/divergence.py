@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..common.errors import DivergenceError
 from ..common.utils import unwrap_model
+from ..config.run_config import RunConfig
 
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _OK, _BAD_NORM, _BAD_LOSS = 0, 1, 2
@@ -52,7 +53,7 @@ def _all_ranks_max(tensor):
     return tensor
 
 
-def check_pending(cfg: Any, iteration: int, pending: List[Dict[str, Any]]) -> None:
+def check_pending(cfg: RunConfig, iteration: int, pending: List[Dict[str, Any]]) -> None:
     """Raise :class:`DivergenceError` if a step since the last check was not finite.
 
     Collective when torch.distributed is initialised (every rank calls it at the same point).
@@ -76,7 +77,7 @@ def check_pending(cfg: Any, iteration: int, pending: List[Dict[str, Any]]) -> No
     _fail(cfg, f"gradient norm is not finite at iteration {step}", step - 1)
 
 
-def check_weights(cfg: Any, iteration: int, model: Any) -> None:
+def check_weights(cfg: RunConfig, iteration: int, model: Any) -> None:
     """Before saving ``iteration``: every rank's weights are finite, or raise (collective).
 
     Args:

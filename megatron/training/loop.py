@@ -25,6 +25,7 @@ from .. import mpu
 from ..config import build_run_config, settings_check_only
 from ..common.global_vars import (get_startup_times, get_tensorboard_writer, get_timers,
                            get_tokenizer)
+from ..config.run_config import RunConfig
 from ..initialize import initialize_megatron
 from ..memory.check import startup_memory_check
 from ..observability.startup_times import StartupTimes
@@ -94,7 +95,7 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
 
 
 def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], backend: Any,
-             cfg: Any, phase: str = "valid", iteration: int = 0) -> float:
+             cfg: RunConfig, phase: str = "valid", iteration: int = 0) -> float:
     """Average validation loss over ``--eval-iters`` global batches (``phase`` and
     ``iteration`` seed the batch function's draws: :mod:`.batch_draws`)."""
     backend.eval()
@@ -226,7 +227,7 @@ def _every(iteration, interval):
 
 
 def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[Iterator],
-          valid_iterator: Optional[Iterator], cfg: Any, state: "TrainState",
+          valid_iterator: Optional[Iterator], cfg: RunConfig, state: "TrainState",
           guard: Optional[Any] = None) -> "TrainState":
     """Run steps until ``--train-iters``, logging, evaluating and saving on the way (and
     stopping early when ``guard``, a :class:`~.fault_tolerance.RunGuard`, says so)."""
