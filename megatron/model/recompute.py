@@ -12,11 +12,14 @@
   ``recompute_method == 'block'``). The serial models do the same over their layer list
   (:func:`block_count`).
 """
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
 from .. import mpu
+
+if TYPE_CHECKING:  # transformer.py imports this module
+    from .transformer import ModelRunOptions
 
 
 def core_keeps_scores(attention_backend: str, device_type: str, attention_dropout: float,
@@ -37,7 +40,7 @@ def core_keeps_scores(attention_backend: str, device_type: str, attention_dropou
     return device_type == "cpu" and (attention_dropout > 0 or mask_needs_grad)
 
 
-def recompute_core(config: Any, mask_needs_grad: bool = False) -> bool:
+def recompute_core(config: "ModelRunOptions", mask_needs_grad: bool = False) -> bool:
     """Whether selective recompute applies to this model's attention core (selective asked,
     and the core keeps ``s x s`` tensors on this device).
 
@@ -69,7 +72,7 @@ def core_attention(run: Callable, recompute: bool, training: bool, *args):
     return run(*args)
 
 
-def block_count(config: Any) -> int:
+def block_count(config: "ModelRunOptions") -> int:
     """Layers at the start of each stage (or chunk) that full ``block`` recompute
     checkpoints: ``recompute_num_layers`` under block, else 0."""
     if config.recompute_granularity == "full" and config.recompute_method == "block":
