@@ -40,7 +40,7 @@ def make_batch_fn(cfg: RunConfig, tokenizer: Any) -> Callable[[Any], Tuple[tuple
     return batch
 
 
-def _layout_batch(cfg, tokens, labels, eod, eod_mask_loss):
+def _layout_batch(cfg: RunConfig, tokens, labels, eod, eod_mask_loss):
     """The batch with the token layout, cut to this rank's chunks: ``tokens, position_ids,
     labels, loss_mask [b, s / cp]``, layout ``[1 or 2, b, s / cp]``."""
     b, s = tokens.shape

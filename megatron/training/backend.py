@@ -39,7 +39,7 @@ class TrainingBackend:
     """The run's :class:`~.batch_draws.SeededBatchFn` (None: a provider run's own batch):
     the loop says where the run is, the backend which micro-batch a call is for."""
 
-    def __init__(self, model, optimizer, lr_scheduler, cfg, state_io_class):
+    def __init__(self, model, optimizer, lr_scheduler, cfg: RunConfig, state_io_class):
         self.model, self.optimizer, self.lr_scheduler, self.cfg = \
             model, optimizer, lr_scheduler, cfg
         self.state_io = state_io_class(self)

@@ -32,7 +32,7 @@ def _read_json(path):
         raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {exc}") from None
 
 
-def _precision(config, cfg, path):
+def _precision(config, cfg: RunConfig, path):
     precision = cfg.precision
     for key, flag in (("fp16", precision.fp16), ("bf16", precision.bf16)):
         enabled = bool(config.get(key, {}).get("enabled", False))
@@ -140,7 +140,7 @@ class EngineBackend(TrainingBackend):
 
     name = "deepspeed"
 
-    def __init__(self, model, optimizer, lr_scheduler, cfg):
+    def __init__(self, model, optimizer, lr_scheduler, cfg: RunConfig):
         super().__init__(model, optimizer, lr_scheduler, cfg, EngineStateIO)
 
     @classmethod

@@ -76,7 +76,7 @@ def check_pipeline_module(model: Any, cfg: RunConfig) -> None:
                           f"PipelineModule")
 
 
-def _compile(model, cfg, pipeline):
+def _compile(model, cfg: RunConfig, pipeline):
     """``--compile``: each pipeline chunk as one region, its loss included (pp = 1: the whole
     model and the family's loss); a family whose ``compile_classes`` is ``()`` opts out."""
     from ..model.compile import compile_model, compile_pipeline, compiler

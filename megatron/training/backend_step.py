@@ -47,7 +47,7 @@ def ddp_config(cfg: RunConfig) -> DDPConfig:
 class StepBackend(TrainingBackend):
     """The step of the module docstring, at pp 1 (``name`` "ddp") or pp > 1 ("pipeline")."""
 
-    def __init__(self, model: DataParallel, optimizer, lr_scheduler, cfg, schedule=None):
+    def __init__(self, model: DataParallel, optimizer, lr_scheduler, cfg: RunConfig, schedule=None):
         super().__init__(model, optimizer, lr_scheduler, cfg, state_io_for(optimizer))
         self.schedule = schedule
         self.name = "pipeline" if schedule is not None else "ddp"
@@ -171,7 +171,7 @@ class StepBackend(TrainingBackend):
         return [{**row, **dict(zip(names, values[i]))} for i, row in enumerate(rows)]
 
 
-def _pipeline_schedule(module, cfg, batch_fn, model):
+def _pipeline_schedule(module, cfg: RunConfig, batch_fn, model):
     """tds's pipeline schedule for this rank of the run, fed by ``batch_fn`` (each call in
     its micro-batch's seeded draws); the log names the schedule."""
     from tds.pipe import StageLink, contract_of

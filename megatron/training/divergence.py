@@ -103,7 +103,7 @@ def newest_checkpoint_up_to(root: Optional[str], limit: int) -> Optional[int]:
     return max(good) if good else None
 
 
-def _fixes(cfg):
+def _fixes(cfg: RunConfig):
     """What the user can change, offering --skip-nonfinite-steps only where the run's backend
     accepts it (the DDP path: megatron/config/validation.py refuses it for DeepSpeed and
     pipeline runs, which skip fp16 overflows only)."""
@@ -115,7 +115,7 @@ def _fixes(cfg):
     return fixes + ", or pass --skip-nonfinite-steps to skip such steps"
 
 
-def _fail(cfg, what, good_limit):
+def _fail(cfg: RunConfig, what, good_limit):
     """Point the tracker at the newest good checkpoint (rank 0) and raise on every rank."""
     from .checkpointing import TRACKER_FILENAME, read_tracker, write_tracker
 
