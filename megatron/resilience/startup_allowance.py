@@ -15,7 +15,7 @@ folder for all, and a rank whose watchdog fires later only reports later).
 """
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 from ..checkpoint.format import iteration_dir, rank_files, read_tracker
 from ..common.errors import CheckpointError
