@@ -14,6 +14,7 @@ from . import mpu
 from .resilience.agreement import gather_failures, summary
 from .config import build_run_config
 from .config.parser import RankFileProblems
+from .config.run_config import RunConfig
 from .common.errors import ConfigError
 from .common.global_vars import reset_globals, set_globals
 from .observability.metrics_writers import build_metrics_writer
@@ -31,7 +32,7 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def init_distributed(cfg):
+def init_distributed(cfg: RunConfig):
     """Start torch.distributed (env:// rendezvous, as torchrun and deepspeed set it up).
 
     The only place the default process group is created; a DeepSpeed backend attaches its
@@ -89,7 +90,7 @@ def set_random_seed(seed):
     mpu.model_parallel_cuda_manual_seed(seed)
 
 
-def _load_kernels(cfg):
+def _load_kernels(cfg: RunConfig):
     try:
         from . import fused_kernels
     except ImportError:
@@ -105,7 +106,7 @@ def _load_kernels(cfg):
         print_rank_0(f"> fused kernels: {status}")
 
 
-def _tensorboard_writer(cfg):
+def _tensorboard_writer(cfg: RunConfig):
     if not cfg.logging.tensorboard_dir or cfg.parallel.rank != cfg.parallel.world - 1:
         return None
     try:

@@ -105,7 +105,7 @@ def _config_dict(config, args):
     import json
 
     if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+        config = getattr(args, "deepspeed_config", None)  # user args: DeepSpeed's namespace
     if isinstance(config, (str, os.PathLike)):
         with open(config, encoding="utf-8") as handle:
             return json.load(handle)

@@ -55,7 +55,8 @@ def _compile_counts_by_classes():
     for name, classes in (("empty", ()), ("class", (ParallelTransformerLayer,))):
         model = GPT2Model(config, 64, 8)
         family = types.SimpleNamespace(name="mine", compile_classes=classes, loss_fn=None)
-        cfg = types.SimpleNamespace(model_family=family, parallel=types.SimpleNamespace(),
+        cfg = types.SimpleNamespace(model_family=family,
+                                    parallel=types.SimpleNamespace(pipeline_schedule="1f1b"),
                                     kernels=types.SimpleNamespace(cuda_graphs=False))
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

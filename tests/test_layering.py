@@ -2,7 +2,9 @@
 
 Every ``import`` in megatron/ and tds/ (module level or inside a function) is read with
 ``ast``; an import may only point to its own layer or a lower one, and the module graph has
-no cycle (a package's ``__init__`` counts as a module). docs/architecture.md draws the
+no cycle (a package's ``__init__`` counts as a module). Imports inside an
+``if TYPE_CHECKING:`` block are skipped: they are read by type checkers only, never run, so
+they are no run-time dependency (a lower layer may name a higher one's type that way). docs/architecture.md draws the
 layers; a new module must be placed in one of them here.
 """
 import ast
@@ -71,14 +73,26 @@ def _targets(module, path, node, modules):
     return out
 
 
+def _type_checking_only(tree):
+    """The import nodes under an ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) body."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+                isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                or isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
 def import_graph():
     modules = _modules()
     graph = {}
     for module, path in modules.items():
         tree = ast.parse(open(path, encoding="utf-8").read(), path)
         graph[module] = set()
+        skipped = _type_checking_only(tree)
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
                 graph[module] |= _targets(module, path, node, modules)
     return graph
 
@@ -158,6 +172,11 @@ def test_the_checker_sees_a_planted_upward_import_and_circle(tmp_path, monkeypat
     monkeypatch.setattr(__import__(__name__), "REPO", str(tmp_path))
     graph = import_graph()
     assert "megatron.training.loop" in graph["megatron.mpu"]
+    (tmp_path / "megatron/mpu/typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..training import loop\n"
+        "else:\n    from .. import training\n")
+    graph = import_graph()  # the type-only import is no edge; the else branch's is
+    assert graph["megatron.mpu.typed"] == {"megatron.training"}
     assert layer_of("megatron.training.loop") > layer_of("megatron.mpu")
     assert "megatron.mpu" in graph["megatron.training.loop"]
 

@@ -9,6 +9,8 @@ with ``--pipeline-schedule zbv`` (v = 2, the "v" placement) rank r holds chunks 
 """
 from typing import List, Sequence, Set, Tuple, Union
 
+from ..config.run_config import V_SCHEDULE
+
 Bounds = Union[Tuple[int, int], List[Tuple[int, int]]]
 """One rank's ``(start, end)`` spec range, or with virtual stages a list of them."""
 
@@ -24,7 +26,7 @@ def vpp_of(args) -> int:
 def placement_of(args) -> str:
     """The chunk placement of saved ``args``: "v" for a ZB-V run, else "loop" (also when
     the schedule is not recorded: runs before ``--pipeline-schedule``)."""
-    return "v" if args.get(SCHEDULE_KEY) == "zbv" else "loop"
+    return "v" if args.get(SCHEDULE_KEY) == V_SCHEDULE else "loop"
 
 
 def rank_bounds(weights: Sequence[int], pp_size: int, vpp_size: int = 1,

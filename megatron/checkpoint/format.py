@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..resilience import durable
+from ..config.run_config import RunConfig
 from ..config.run_config import uses_pipeline_engine  # noqa: F401 (part of the format)
 from ..common.errors import CheckpointError, not_text
 from ..resilience.locks import remove_stale_tmps, tmp_name
@@ -341,21 +342,21 @@ def saved_ep_optimizer_files(root: str, iteration: int, tp_rank: int, pp_rank: i
     return by_ep
 
 
-def check_compatible(saved: dict, args, path: str, ignore=()) -> None:
+def check_compatible(saved: dict, cfg: RunConfig, path: str, ignore=()) -> None:
     """Raise unless the checkpoint's saved model settings match the run's.
 
     Args:
         saved: the checkpoint's args dict.
-        args: the run configuration (anything with ``get(name)``).
+        cfg: the run configuration.
         path: the checkpoint, for the message.
         ignore: settings allowed to differ (:data:`LAYOUT_KEYS` for a resume at another
             layout).
     """
     # and the settings the run's model family declares (ModelFamily.checked_settings)
-    keys = tuple(MODEL_KEYS) + tuple(getattr(getattr(args, "model_family", None),
-                                             "checked_settings", ()))
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, flags {args.get(k)!r}"
-             for k in keys if k in saved and k not in ignore and saved.get(k) != args.get(k)]
+    family = cfg.model_family
+    keys = tuple(MODEL_KEYS) + tuple(family.checked_settings if family is not None else ())
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, flags {cfg.get(k)!r}"
+             for k in keys if k in saved and k not in ignore and saved.get(k) != cfg.get(k)]
     if not diffs:
         return
     raise CheckpointError(f"checkpoint {path} was made for a different model:\n    "

@@ -33,6 +33,7 @@ import torch
 
 from .. import mpu
 from ..common.errors import CheckpointError
+from ..config.run_config import RunConfig
 from .expert_state import collapse_named, distributed_named, read_ep_states
 from .format import (EP_KEY, LAYOUT_KEYS, check_compatible, check_rank_layout, ep_rank_files,
                      iteration_dir, load_rank_file, saved_ep, saved_optimizer_files,
@@ -104,7 +105,7 @@ def _rank_states(root, iteration):
     return states, by_ep, saved, folder
 
 
-def saved_layout_differs(root: str, iteration: int, cfg: Any) -> bool:
+def saved_layout_differs(root: str, iteration: int, cfg: RunConfig) -> bool:
     """Whether the checkpoint's (tp, pp, v, placement) differs from the run's (reads one
     file's args; v: chunks per pipeline rank, 1 for checkpoints that do not record it; the
     placement: ZB-V's V or the loop of every other schedule)."""
@@ -283,7 +284,7 @@ def _check_vocab(saved, cfg, folder):
                               f"entries, this run's tokenizer {run_vocab}")
 
 
-def weights_for_run(full: Any, cfg: Any, where: str) -> Dict[str, torch.Tensor]:
+def weights_for_run(full: Any, cfg: RunConfig, where: str) -> Dict[str, torch.Tensor]:
     """This rank's model state dict of a whole model (a :class:`~.native_reader.FullCheckpoint`
     read from any format) for the run's layout and padded vocabulary.
 
@@ -294,7 +295,7 @@ def weights_for_run(full: Any, cfg: Any, where: str) -> Dict[str, torch.Tensor]:
     check_compatible(full.args, cfg, where, ignore=LAYOUT_KEYS)
     _check_vocab(full.args, cfg, where)
     true_vocab = resolve_true_vocab_size(full.args, cfg.model.true_vocab_size)
-    keys = key_map_for(full.args, getattr(cfg, "model_family", None))
+    keys = key_map_for(full.args, cfg.model_family)
     return _this_rank(full.state, _target_args(full.args, cfg, keys), keys, true_vocab)
 
 
@@ -311,7 +312,7 @@ def _uses_record(states, cfg, own, folder, own_layout=None):
     saved = set().union(*(s["sharding"] for s in states.values()))
     if set(own) <= saved:
         return True, None
-    family = getattr(cfg, "model_family", None)
+    family = cfg.model_family
     if family is None or family.keys is not None:
         return False, None
     if states[(0, 0)].get("family") == cfg.family:  # this family, saved at another pp
@@ -419,7 +420,7 @@ def _same_family(states, cfg, folder):
     return family
 
 
-def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
+def read_at_new_layout(root: str, iteration: int, cfg: RunConfig, load_optim: bool,
                        own: Optional[Dict[str, list]] = None,
                        own_layout: Optional[Dict[str, dict]] = None) -> "RankState":
     """This rank's part of ``root`` at ``iteration`` for the run's layout (no collectives).
@@ -451,7 +452,7 @@ def read_at_new_layout(root: str, iteration: int, cfg: Any, load_optim: bool,
                                                     *(mapped or (renamed,)))
         weights = merge(lambda t, p: states[(t, p)].get("model", {}), folder)
     else:
-        keys = key_map_for(saved, getattr(cfg, "model_family", None),
+        keys = key_map_for(saved, cfg.model_family,
                            list(states[(0, 0)].get("model") or ()), family)
         target = _target_args(saved, cfg, keys)
 

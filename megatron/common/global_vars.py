@@ -5,12 +5,15 @@ one object set by ``initialize_megatron`` (instead of a module global per item) 
 state explicit and easy to reset between runs in one process (tests).
 """
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # megatron.config sits above this module
+    from ..config.run_config import RunConfig
 
 
 @dataclass
 class RunGlobals:
-    args: Any = None
+    args: Optional["RunConfig"] = None
     """The frozen :class:`~megatron.config.RunConfig`."""
     tokenizer: Any = None
     """Tokenizer built with the run configuration."""
@@ -45,7 +48,7 @@ def _get(name):
     return value
 
 
-def get_args():
+def get_args() -> "RunConfig":
     return _get("args")
 
 

@@ -1,8 +1,12 @@
 """Small helpers used across the training code: rank-aware printing, unwrapping models
 (agreeing on errors is :mod:`megatron.resilience.agreement`)."""
 import sys
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # megatron.config sits above this module
+    from ..config.run_config import RunConfig
 
 
 def print_rank_0(message):
@@ -17,7 +21,7 @@ def print_rank_last(message):
         print(message, flush=True)
 
 
-def print_node_first(cfg, message):
+def print_node_first(cfg: "RunConfig", message):
     """Print on each node's first process (local rank 0: global rank 0 on node 0), where a
     person watches the node's terminal (or always, before torch.distributed starts).
 

@@ -8,13 +8,15 @@ Nothing outside this package changes a configuration: a :class:`RunConfig` is fr
 """
 from .parser import (CHECK_ONLY_ENV, args_to_dict, build_parser, build_run_config, parse_args,
                      read_flags, saved_run_config, settings_check_only)
-from .run_config import (SECTIONS, BatchConfig, CheckpointConfig, DataConfig, FrozenConfigError,
+from .run_config import (PIPELINE_SCHEDULES, SECTIONS, V_SCHEDULE, ZERO_BUBBLE_SCHEDULES,
+                         BatchConfig, CheckpointConfig, DataConfig, FrozenConfigError,
                          KernelConfig, LoggingConfig, ModelDims, OptimizerConfig, ParallelDims,
                          PrecisionConfig, RunConfig, Section, uses_pipeline_engine)
 from .validation import parse_data_path
 from .yaml_file import config_file_flags
 
-__all__ = ["CHECK_ONLY_ENV", "SECTIONS", "BatchConfig", "CheckpointConfig", "DataConfig",
+__all__ = ["CHECK_ONLY_ENV", "PIPELINE_SCHEDULES", "SECTIONS", "V_SCHEDULE",
+           "ZERO_BUBBLE_SCHEDULES", "BatchConfig", "CheckpointConfig", "DataConfig",
            "FrozenConfigError", "KernelConfig", "LoggingConfig", "ModelDims", "OptimizerConfig", "ParallelDims",
            "PrecisionConfig", "RunConfig", "Section", "args_to_dict", "build_parser",
            "config_file_flags",

@@ -4,6 +4,7 @@ Each ``add_*`` function adds one group. First spelling = CPM-Pretrain's, later o
 Megatron-LM v2 aliases. ``None`` defaults are filled in by validation (derived values).
 """
 from .recompute import add_recompute_flags
+from .run_config import PIPELINE_SCHEDULES
 
 
 def _bool_pair(group, name, default, help):
@@ -59,7 +60,7 @@ def add_parallel_args(parser):
                         "chunks r, r+p, ...; needs pp >= 2; docs/pipeline_schedules.md)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per model chunk; derives --virtual-pipeline-model-parallel-size")
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "interleaved", "zb-h1", "zbv"],
+    g.add_argument("--pipeline-schedule", choices=list(PIPELINE_SCHEDULES),
                    default=None,
                    help="pipeline schedule (pp >= 2): 1f1b (default), interleaved (implied by "
                         "--virtual-pipeline-model-parallel-size > 1), zb-h1 or zbv (zero "

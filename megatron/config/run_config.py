@@ -21,6 +21,16 @@ def uses_pipeline_engine(pp: int) -> bool:
     return pp > 1
 
 
+#: ``--pipeline-schedule``'s names, as tds.pipe.schedules defines them (``SCHEDULES``,
+#: ``ZERO_BUBBLE``; megatron reads them here because importing tds at start-up would load
+#: DeepSpeed: tests/test_config_access.py keeps the two equal).
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
+#: The zero-bubble schedules: split backward, weight-gradient GEMMs deferred to a store.
+ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zbv")
+#: The schedule that places its two chunks per rank in a V (every other one: a loop).
+V_SCHEDULE = "zbv"
+
+
 class FrozenConfigError(AttributeError):
     """Raised when code tries to change a built run configuration."""
 

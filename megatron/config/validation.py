@@ -121,9 +121,6 @@ def _virtual_pipeline(args, problems):
                         f"holds the same number of layers")
 
 
-ZB_SCHEDULES = ("zb-h1", "zbv")
-
-
 def _pipeline_schedule(args, problems):
     """``--pipeline-schedule``: 1f1b by default, interleaved when v > 1; zbv takes two chunks
     per rank (placed in a V), so the layers split into 2 x pp equal chunks."""

@@ -3,20 +3,17 @@
 The generic parts (flag parsing and validation, the training loop, checkpoints, the
 conversion tools) ask a :class:`ModelFamily` for everything that differs between models, so
 a model, its loss, its batch, a flag, a dataset or a FLOP count is defined once, here, per
-model:
+model. Each hook's arguments, return value and meaning are documented once, on its field of
+:class:`ModelFamily` (megatron/families/base.py); in short:
 
-- ``build_model(cfg, pipeline)``: the model; with ``pipeline`` the same layers as pipeline
-  stages (a tds ``PipelineModule``), decided by the training backend factory alone;
-- ``make_batch_fn(cfg, tokenizer)``: ``raw batch -> (inputs, labels)``, for the serial
-  forward step and for the pipeline engine alike; ``loss_fn(outputs, labels)``: the loss of
-  the model's outputs (the serial model's, or the pipeline's last stage's);
-- ``add_flags(parser)``, ``flag_defaults`` and ``derive(ns)`` / ``validate(ns, problems)`` /
-  ``validate_with_tokenizer(ns, tokenizer, problems)``: the family's flags and their part of
-  the one validation pass (:func:`megatron.config.build_run_config`);
-- ``model_config(flags)``: the model's config dataclass from a run configuration or a
-  checkpoint's saved settings (the only place a model config is built from flags);
-- ``build_datasets(cfg, tokenizer, num_samples)``, ``flops_per_step(cfg)`` (None: the log's
-  TFLOP/s and MFU say "n/a");
+- ``build_model``: the model, serial or as pipeline stages from the same layers;
+- ``make_batch_fn`` and ``loss_fn``: the batch and the loss, for the serial forward step and
+  the pipeline engine alike;
+- ``add_flags``, ``flag_defaults``, ``derive`` / ``validate`` / ``validate_with_tokenizer``:
+  the family's flags and their part of the one validation pass
+  (:func:`megatron.config.build_run_config`);
+- ``model_config``: the model's config dataclass (the only place one is built from flags);
+- ``build_datasets``, ``flops_per_step``;
 - ``checked_settings`` (flags a resume must match), ``compile_classes`` (what ``--compile``
   compiles), ``supports`` (optional generic features: by default what the family provides;
   a declared set narrows it, and a flag asking for another is refused at start-up) and

@@ -1,8 +1,39 @@
 """What every model family is: :class:`ModelFamily`, and the settings all transformers share
 (the package docstring, :mod:`megatron.families`, explains the interface)."""
+import argparse
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Protocol,
+                    Sequence, Tuple, Union)
+
+import torch
+
+from ..config.run_config import V_SCHEDULE, RunConfig
+
+if TYPE_CHECKING:  # megatron.memory sits above the families; the table is the HF tools'
+    from ..checkpoint_conversion.hf_table import HFNameTable
+    from ..memory.describe import LayerDescription
+
+#: A model's inputs and labels: ``((inputs...), (labels...))``, as the pipeline moves them.
+Batch = Tuple[tuple, tuple]
+#: ``batch_fn(raw batch, or None on the ranks that do not read) -> Batch``.
+BatchFn = Callable[[Optional[Any]], Batch]
+#: A loss, or a loss with the named values logged beside it.
+Loss = Union[torch.Tensor, Tuple[torch.Tensor, Dict[str, Any]]]
+#: train / valid / test datasets (None for an empty split).
+Datasets = Tuple[Optional[Any], Optional[Any], Optional[Any]]
+
+
+class ModelConfigHook(Protocol):
+    """``model_config(cfg, dropout=True) -> the model's config dataclass``."""
+
+    def __call__(self, cfg: RunConfig, dropout: bool = True) -> Any: ...
+
+
+class BuildModelHook(Protocol):
+    """``build_model(cfg, pipeline) -> nn.Module``."""
+
+    def __call__(self, cfg: RunConfig, pipeline: bool) -> torch.nn.Module: ...
 
 
 def _no_problems(*_):
@@ -55,7 +86,7 @@ FROM_MODEL_CONFIG = {"sequence_parallel": "sequence_parallel",
                      "moe": "moe", "fp8": "fp8"}
 
 
-def unsupported_flags(ns, family) -> list:
+def unsupported_flags(ns: argparse.Namespace, family: "ModelFamily") -> List[str]:
     """One message per flag of ``ns`` that asks for a feature outside ``family``'s declared
     ``supports`` (none when it declares nothing: then :func:`provided_problems` decides).
 
@@ -73,7 +104,7 @@ def unsupported_flags(ns, family) -> list:
             if asked(ns) and feature not in family.supports]
 
 
-def provided_problems(cfg, family) -> list:
+def provided_problems(cfg: RunConfig, family: "ModelFamily") -> List[str]:
     """One message per flag of the run ``cfg`` asking for a feature that ``family`` declares
     (or, declaring nothing, may have) but whose model config does not carry
     (:data:`FROM_MODEL_CONFIG`): the layers would not see it and train without it.
@@ -97,21 +128,33 @@ def provided_problems(cfg, family) -> list:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """The per-model description (see the module docstring)."""
+    """The per-model description: every hook, what it receives and returns, is documented
+    here, on its field (the module docstring of :mod:`megatron.families` gives the overview).
+    ``cfg`` is the frozen :class:`~megatron.config.RunConfig`; ``ns`` the parsed flags
+    (an ``argparse.Namespace``) before the configuration is frozen."""
 
     name: str
-    add_flags: Callable
-    model_config: Callable
-    build_model: Callable
-    """``build_model(cfg, pipeline) -> nn.Module``."""
-    build_datasets: Callable
-    flops_per_step: Optional[Callable]
+    """The family's name (``cfg.family``; the registry's key)."""
+    add_flags: Callable[[argparse.ArgumentParser], Optional[argparse.ArgumentParser]]
+    """``add_flags(parser)``: add the family's own flags to the run's parser (the return
+    value, if any, is ignored)."""
+    model_config: ModelConfigHook
+    """``model_config(cfg, dropout=True) -> model config``: the model's config dataclass from
+    a run configuration or a checkpoint's saved settings (``dropout=False``: inference,
+    dropout probabilities 0): the only place a model config is built from flags."""
+    build_model: BuildModelHook
+    """``build_model(cfg, pipeline) -> nn.Module``: the model; with ``pipeline`` the same
+    layers as pipeline stages (a tds ``PipelineModule``), decided by the backend factory."""
+    build_datasets: Callable[[RunConfig, Any, Sequence[int]], Datasets]
+    """``build_datasets(cfg, tokenizer, num_samples) -> (train, valid, test)``: the datasets
+    for ``num_samples`` samples of each split (None for an empty split)."""
+    flops_per_step: Optional[Callable[[RunConfig], float]]
     """``flops_per_step(cfg) -> float``: model FLOPs of one step (the log's TFLOP/s and MFU);
     None: the log says "n/a"."""
-    make_batch_fn: Callable
+    make_batch_fn: Callable[[RunConfig, Any], BatchFn]
     """``make_batch_fn(cfg, tokenizer) -> f(raw batch or None) -> (inputs, labels)``: tensor-
     parallel rank 0 reads, the batch is shared with its group, masks are built on the device."""
-    loss_fn: Callable
+    loss_fn: Callable[[Any, tuple], Loss]
     """``loss_fn(outputs, labels) -> scalar loss`` of the model's (or last stage's) outputs,
     or ``(loss, {name: value})``: the values are logged beside ``lm loss`` (averaged over
     micro-batches and data-parallel ranks), at pp 1 and pp > 1 alike."""
@@ -123,7 +166,7 @@ class ModelFamily:
     built from mpu layers whose names do not depend on the layout needs nothing more)."""
     hf: Optional[ModuleType] = None
     """The Hugging Face adapter (``read_hf`` / ``write_hf``, megatron.checkpoint_conversion)."""
-    hf_names: Optional[Any] = None
+    hf_names: Optional["HFNameTable"] = None
     """The Hugging Face name table (:class:`megatron.checkpoint_conversion.hf_table.
     HFNameTable`: our name <-> the ``transformers`` model's, and the configs): with it
     ``tools/convert_checkpoint.py --family ...`` converts the family to and from HF at any
@@ -139,12 +182,15 @@ class ModelFamily:
     """Name in the configuration error's heading ("invalid T5 configuration")."""
     layer_stacks: int = 1
     """Stacks of --num-layers layers (2 for an encoder-decoder), for the pipeline check."""
-    derive: Callable = _no_problems
-    """``derive(ns)``: fill the family's derived flags before the generic checks."""
-    validate: Callable = _no_problems
-    """``validate(ns, problems)``: append a message for each bad family setting."""
-    validate_with_tokenizer: Callable = _no_problems
-    """``validate_with_tokenizer(ns, tokenizer, problems)``: checks that need the vocabulary."""
+    derive: Callable[[argparse.Namespace], None] = _no_problems
+    """``derive(ns) -> None``: fill the family's derived flags in ``ns`` before the generic
+    checks."""
+    validate: Callable[[argparse.Namespace, List[str]], None] = _no_problems
+    """``validate(ns, problems) -> None``: append a message to ``problems`` for each bad
+    family setting (all of them are reported at once)."""
+    validate_with_tokenizer: Callable[[argparse.Namespace, Any, List[str]], None] = _no_problems
+    """``validate_with_tokenizer(ns, tokenizer, problems) -> None``: the checks that need the
+    vocabulary, appending to ``problems``."""
     settings: Optional[type] = None
     """The family's own flags as a typed section (``cfg.<name>``, a config ``Section``)."""
     checked_settings: Tuple[str, ...] = ()
@@ -165,27 +211,26 @@ class ModelFamily:
     sequence parallelism and recompute when ``model_config(cfg)`` carries them, context
     parallelism and document masking when it carries ``token_layout``. A declared
     set narrows that: a flag asking for a feature outside it is refused at start-up."""
-    memory_model: Any = None
+    memory_model: Union[None, str, "LayerDescription",
+                        Callable[[RunConfig], "LayerDescription"]] = None
     """The startup memory check's and tools/plan_layout.py's description of the model:
     ``"gpt2"`` / ``"decoder"`` / ``"encoder"`` (GPT-2's layers with the run's sizes),
     ``"t5"`` (T5's, from T5's settings), a ``megatron.memory.LayerDescription`` of the family's
     layers (or a function of the run configuration returning one), or None (no memory
     model: said so); megatron/memory/describe.py."""
 
-    def unsupported_flags(self, ns) -> list:
+    def unsupported_flags(self, ns: argparse.Namespace) -> List[str]:
         """Messages for the flags of ``ns`` asking for features outside ``supports``."""
         return unsupported_flags(ns, self)
 
-    def provided_problems(self, cfg) -> list:
+    def provided_problems(self, cfg: RunConfig) -> List[str]:
         """Messages for the flags of the run ``cfg`` asking for features its model config
         does not carry (:func:`provided_problems`)."""
         return provided_problems(cfg, self)
 
-    def config_from_saved(self, saved: dict):
+    def config_from_saved(self, saved: Dict[str, Any]) -> Any:
         """The dropout-free fp32 model config of a checkpoint's saved ``args`` dict
         (settings it lacks take today's flag defaults)."""
-        import torch
-
         from ..config import saved_run_config
 
         flags = saved_run_config(saved, self).replace(compute_dtype=torch.float32,
@@ -195,7 +240,7 @@ class ModelFamily:
                                                       fp8_format=None, fp8_recipe=None)
         return self.model_config(flags, dropout=False)
 
-    def forward_step(self, batch_fn: Callable) -> Callable:
+    def forward_step(self, batch_fn: BatchFn) -> Callable[[Any, torch.nn.Module], Loss]:
         """Megatron's ``forward_step(data_iterator, model) -> (loss, {"lm loss": ...})`` for
         the serial model, from the family's batch function and loss (with the stats the loss
         returns, as the pipeline's schedule takes them)."""
@@ -214,7 +259,7 @@ class ModelFamily:
         return forward_step
 
 
-def transformer_kwargs(cfg, dropout: bool = True) -> dict:
+def transformer_kwargs(cfg: RunConfig, dropout: bool = True) -> dict:
     """The settings every family's transformer config takes from the run configuration.
 
     Args:
@@ -243,17 +288,17 @@ def transformer_kwargs(cfg, dropout: bool = True) -> dict:
         fp8=cfg.precision.fp8 if dropout else None)  # inference: the compute dtype
 
 
-def uses_token_layout(cfg: Any) -> bool:
+def uses_token_layout(cfg: RunConfig) -> bool:
     """Whether a run's decoder passes the token layout (megatron/mpu/context_parallel.py)
     in its mask slot: under context parallelism and with document masking; otherwise the
     ``[1, 1, s, s]`` bool causal mask."""
     return cfg.parallel.cp > 1 or cfg.data.reset_attention_mask or cfg.data.reset_position_ids
 
 
-def pipeline_placement(cfg: Any) -> str:
+def pipeline_placement(cfg: RunConfig) -> str:
     """The chunk placement of a run's pipeline module (``PipelineModule(placement=...)``):
     "v" for ``--pipeline-schedule zbv`` (two chunks per rank in a V), else "loop"."""
-    return "v" if getattr(cfg.parallel, "pipeline_schedule", "1f1b") == "zbv" else "loop"
+    return "v" if cfg.parallel.pipeline_schedule == V_SCHEDULE else "loop"
 
 
 def pipeline_topology() -> Any:

@@ -6,11 +6,12 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import torch
 
 from .. import mpu
+from ..config.run_config import RunConfig
 from ..model.utils import get_ltor_masks_and_position_ids
 from .base import uses_token_layout
 
 
-def make_batch_fn(cfg: Any, tokenizer: Any) -> Callable[[Any], Tuple[tuple, tuple]]:
+def make_batch_fn(cfg: RunConfig, tokenizer: Any) -> Callable[[Any], Tuple[tuple, tuple]]:
     """``raw -> ((tokens, position_ids, attention_mask), (labels, loss_mask))``.
 
     Tensor-parallel rank 0 reads (the others pass None) and shares the ``[b, s + 1]`` text
@@ -39,7 +40,7 @@ def make_batch_fn(cfg: Any, tokenizer: Any) -> Callable[[Any], Tuple[tuple, tupl
     return batch
 
 
-def _layout_batch(cfg, tokens, labels, eod, eod_mask_loss):
+def _layout_batch(cfg: RunConfig, tokens, labels, eod, eod_mask_loss):
     """The batch with the token layout, cut to this rank's chunks: ``tokens, position_ids,
     labels, loss_mask [b, s / cp]``, layout ``[1 or 2, b, s / cp]``."""
     b, s = tokens.shape
@@ -58,7 +59,7 @@ def _layout_batch(cfg, tokens, labels, eod, eod_mask_loss):
     return (tokens, position_ids, mpu.split_for_context_parallel(layout, 2)), (labels, loss_mask)
 
 
-def build_datasets(cfg: Any, tokenizer: Any, num_samples: Sequence[int]
+def build_datasets(cfg: RunConfig, tokenizer: Any, num_samples: Sequence[int]
                    ) -> Tuple[Optional[Any], Optional[Any], Optional[Any]]:
     """Train/valid/test GPT-2 datasets (None for an empty split)."""
     from ..data.gpt2_dataset import build_train_valid_test_datasets

@@ -6,13 +6,14 @@ import torch
 
 from ..checkpoint import gpt2_keys, megatron_core, megatron_lm
 from ..checkpoint_conversion import hf_gpt2
+from ..config.run_config import RunConfig
 from ..model.language_model import masked_lm_loss
 from ..model.transformer import ParallelTransformerLayer
 from .base import FEATURES, ModelFamily, pipeline_placement, pipeline_topology, transformer_kwargs
 from .decoder_lm import build_datasets, make_batch_fn  # noqa: F401 (GPT-2's, public here)
 
 
-def model_config(cfg: Any, dropout: bool = True) -> Any:
+def model_config(cfg: RunConfig, dropout: bool = True) -> Any:
     """The :class:`~megatron.model.transformer.TransformerConfig` of a run or a checkpoint
     (arguments: :func:`megatron.families.transformer_kwargs`)."""
     from ..model.transformer import TransformerConfig
@@ -28,7 +29,7 @@ def model_config(cfg: Any, dropout: bool = True) -> Any:
                              moe=moe, moe_layers=moe_layers)
 
 
-def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch.nn.Module:
+def build_model(cfg: RunConfig, pipeline: bool, parallel_output: bool = True) -> torch.nn.Module:
     """GPT2Model, or GPT2ModelPipe (a tds PipelineModule) when ``pipeline``."""
     config = model_config(cfg)
     if pipeline:
@@ -44,7 +45,7 @@ def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch
                      parallel_output)
 
 
-def flops_per_step(cfg: Any) -> float:
+def flops_per_step(cfg: RunConfig) -> float:
     """Matmul FLOPs of one training step (forward + backward = 3 x forward, no recompute),
     from the real sizes: attention width ``heads x kv_channels`` and ``ffn_hidden_size``
     (Megatron's ``72 B s l h^2 (1 + s / 6h + V / 12lh)`` when they are h and 4h).
@@ -67,7 +68,7 @@ def flops_per_step(cfg: Any) -> float:
     return 3.0 * 2.0 * b * s * (layers + h * vocab)
 
 
-def mlp_multiply_adds(cfg: Any, h: int, ffn: int, moe: bool, gated: bool = False) -> int:
+def mlp_multiply_adds(cfg: RunConfig, h: int, ffn: int, moe: bool, gated: bool = False) -> int:
     """Multiply-adds per token of one feed-forward: dense ``2 h f`` (3 h f gated), or an MoE
     block's active ones (router, top-k experts, shared experts).
 

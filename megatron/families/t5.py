@@ -26,6 +26,7 @@ import torch
 from .. import mpu
 from ..checkpoint import t5_keys
 from ..checkpoint_conversion import t5_hf
+from ..config.run_config import RunConfig
 from ..config.run_config import Section
 from ..common.errors import ConfigError, DataError
 from ..model.language_model import masked_lm_loss
@@ -167,7 +168,7 @@ def validate_with_tokenizer(ns: argparse.Namespace, tokenizer: Any,
         _data_problems(ns, plan, problems)
 
 
-def model_config(cfg: Any, dropout: bool = True) -> Any:
+def model_config(cfg: RunConfig, dropout: bool = True) -> Any:
     """The :class:`~megatron.model.t5_layers.T5TransformerConfig` of a run or a checkpoint
     (arguments: :func:`megatron.families.transformer_kwargs`)."""
     from ..model.t5_layers import T5TransformerConfig
@@ -187,7 +188,7 @@ def model_config(cfg: Any, dropout: bool = True) -> Any:
         tie_embeddings=not t5.untie_embeddings, moe=moe, moe_layers=moe_layers)
 
 
-def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch.nn.Module:
+def build_model(cfg: RunConfig, pipeline: bool, parallel_output: bool = True) -> torch.nn.Module:
     """T5Model, or T5ModelPipe (a tds PipelineModule) when ``pipeline``."""
     config = model_config(cfg)
     if pipeline:
@@ -200,7 +201,7 @@ def build_model(cfg: Any, pipeline: bool, parallel_output: bool = True) -> torch
     return T5Model(config, parallel_output)
 
 
-def make_batch_fn(cfg: Any, tokenizer: Any) -> Callable[[Any], Tuple[tuple, tuple]]:
+def make_batch_fn(cfg: RunConfig, tokenizer: Any) -> Callable[[Any], Tuple[tuple, tuple]]:
     """``raw -> ((enc_ids, dec_ids, enc_mask, dec_mask, cross_mask), (labels, loss_mask))``.
 
     Tensor-parallel rank 0 reads (the others pass None) and shares the ``[b, s]`` integer
@@ -219,7 +220,7 @@ def make_batch_fn(cfg: Any, tokenizer: Any) -> Callable[[Any], Tuple[tuple, tupl
     return batch
 
 
-def build_datasets(cfg: Any, tokenizer: Any, num_samples: Sequence[int]
+def build_datasets(cfg: RunConfig, tokenizer: Any, num_samples: Sequence[int]
                    ) -> Tuple[Optional[Any], Optional[Any], Optional[Any]]:
     """Train/valid/test span-corruption datasets (None for an empty split)."""
     from ..data.t5_dataset import build_train_valid_test_datasets
@@ -231,7 +232,7 @@ def build_datasets(cfg: Any, tokenizer: Any, num_samples: Sequence[int]
         noise_density=cfg.t5.noise_density, mean_span_length=cfg.t5.mean_span_length)
 
 
-def flops_per_step(cfg: Any) -> float:
+def flops_per_step(cfg: RunConfig) -> float:
     """Matmul FLOPs of one training step (see :func:`megatron.model.t5_model.t5_flops_per_step`)."""
     from ..model.t5_model import t5_flops_per_step
 

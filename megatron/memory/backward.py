@@ -17,6 +17,7 @@ before the embedding) is subtracted.
 """
 from typing import NamedTuple
 
+from ..config.run_config import ZERO_BUBBLE_SCHEDULES
 from . import ring
 from .activations import (Activations, Shape, attention_core, cpu_math_path, dropout_bytes,
                           gpt2_embedding, gpt2_layer, norm_bytes, output_and_loss, qkv_kept,
@@ -134,7 +135,7 @@ def zero_bubble(spec: MemorySpec) -> bool:
     Args:
         spec: the run.
     """
-    return spec.pp > 1 and spec.pipeline_schedule in ("zb-h1", "zbv")
+    return spec.pp > 1 and spec.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
 
 
 def head_backward(spec: MemorySpec, b: int, s: int) -> int:

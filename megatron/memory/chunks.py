@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Tuple
 
+from ..config.run_config import V_SCHEDULE, ZERO_BUBBLE_SCHEDULES
 from .activations import gpt2_mask_bytes, gpt2_stage
 from .backward import gpt2_backward, t5_backward
 from .deferred import deferred_bytes, gemm_weight_params, largest_weight_grad
@@ -48,7 +49,7 @@ def _layout(family: str, layers: int, pp: int, vpp: int, schedule: str) -> Layou
     parts = chunk_layers(sizes) if vpp > 1 else stage_layers(sizes)
     chunks_of = rank_chunks(pp, vpp, schedule)
     stages = [rank_layers(parts, r, mine) for r, mine in enumerate(chunks_of)] \
-        if schedule == "zbv" else stage_layers(sizes)  # a loop: the stages' own partition
+        if schedule == V_SCHEDULE else stage_layers(sizes)  # a loop: the stages' own partition
     return Layout(tuple(parts), tuple(stages), tuple(chunks_of),
                   tuple(replace(part, stage=0) for part in parts))
 
@@ -126,7 +127,7 @@ def rank_states(spec: MemorySpec) -> Tuple[Tuple[ModelStates, int], ...]:
     depends on the micro-batch, the recompute, sequence parallelism, the schedule's order
     or how the gradients' group splits into data and context ranks (computed once per the
     rest)."""
-    schedule = "zbv" if spec.pp > 1 and spec.pipeline_schedule == "zbv" else ""
+    schedule = V_SCHEDULE if spec.pp > 1 and spec.pipeline_schedule == V_SCHEDULE else ""
     # context parallelism changes the states only as a larger data-parallel group
     return _rank_states(replace(spec, micro_batch=1, num_micro_batches=1, recompute="none",
                                 recompute_method="uniform", recompute_num_layers=1,
@@ -145,7 +146,7 @@ def _rank_states(spec: MemorySpec) -> Tuple[Tuple[ModelStates, int], ...]:
 
 def schedule_is_zero_bubble(spec: MemorySpec) -> bool:
     """A zero-bubble schedule (input and weight passes apart)."""
-    return spec.pp > 1 and spec.pipeline_schedule in ("zb-h1", "zbv")
+    return spec.pp > 1 and spec.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
 
 
 def _hidden_out(spec: MemorySpec) -> int:

@@ -8,6 +8,7 @@ weight pass), the attention output and the GeLU output (fc2's input), and the gr
 the QKV, attention-projection, fc1 and fc2 outputs; on the last chunk the output layer's
 input and the logits' gradient. Everything in the compute dtype.
 """
+from ..config.run_config import ZERO_BUBBLE_SCHEDULES
 from .activations import sp_divisor
 from .spec import MemorySpec
 from .stages import StageLayers
@@ -56,7 +57,7 @@ def deferred_bytes(spec: MemorySpec, layers: StageLayers) -> int:
         spec: the run.
         layers: the chunk (:func:`~megatron.memory.stages.chunk_layers` or a stage).
     """
-    if spec.pipeline_schedule not in ("zb-h1", "zbv"):
+    if spec.pipeline_schedule not in ZERO_BUBBLE_SCHEDULES:
         return 0
     b = spec.micro_batch
     enc, dec = spec.seq_local * b, (spec.dec_seq if spec.family == "t5" else 0) * b

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from ..common.errors import ConfigError
+from ..config.run_config import RunConfig
 
 #: The generic descriptions by name, and the memory model's family kind for each.
 KINDS = {"gpt2": "gpt2", "decoder": "gpt2", "encoder": "gpt2", "t5": "t5"}
@@ -73,7 +74,7 @@ class LayerDescription:
         return out
 
 
-def describe(memory_model: Any, cfg: Any) -> Optional[tuple]:
+def describe(memory_model: Any, cfg: RunConfig) -> Optional[tuple]:
     """``(kind, MemorySpec field overrides)`` of a family's ``memory_model`` for a run, or
     None when it has none.
 

@@ -354,7 +354,7 @@ def _described(cfg):
     """:func:`~megatron.memory.describe.describe` of the run's family (None: none)."""
     from .describe import describe
 
-    family = getattr(cfg, "model_family", None)
+    family = cfg.model_family
     if family is not None:
         return describe(family.memory_model, cfg)
     return (cfg.family, {}) if cfg.family in ("gpt2", "t5") else None

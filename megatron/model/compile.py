@@ -33,16 +33,18 @@ from torch import nn
 from .. import fused_kernels, mpu
 from ..observability import compile_watch
 from ..mpu import random as mpu_random
+from .t5_layers import T5DecoderLayer, T5EncoderLayer
+from .transformer import ParallelTransformerLayer
 
-#: Class names of the blocks :func:`compile_layers` compiles (pipeline subclasses included).
-LAYER_CLASSES = ("ParallelTransformerLayer", "T5EncoderLayer", "T5DecoderLayer")
+#: The blocks :func:`compile_layers` compiles (pipeline subclasses included).
+LAYER_CLASSES = (ParallelTransformerLayer, T5EncoderLayer, T5DecoderLayer)
 #: The keyword a compiled serial model's forward takes the labels by.
 LOSS_LABELS = "loss_labels"
 
 
 def is_transformer_layer(module):
     """Whether ``module`` is (a subclass of) one of :data:`LAYER_CLASSES`."""
-    return any(cls.__name__ in LAYER_CLASSES for cls in type(module).__mro__)
+    return isinstance(module, LAYER_CLASSES)
 
 
 def prepare_for_compile():
@@ -202,7 +204,7 @@ def compile_layers(model, classes=None, **compile_kwargs):
     Args:
         model: a GPT2Model / T5Model or their pipeline modules, or any model.
         classes: the layer classes to compile; None: the built-in blocks
-            (:data:`LAYER_CLASSES`, matched by name through the MRO); an empty tuple: none.
+            (:data:`LAYER_CLASSES` and their subclasses); an empty tuple: none.
         compile_kwargs: passed to ``torch.compile`` (e.g. ``mode``, ``backend``).
     """
     prepare_for_compile()

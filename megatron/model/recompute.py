@@ -12,11 +12,14 @@
   ``recompute_method == 'block'``). The serial models do the same over their layer list
   (:func:`block_count`).
 """
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
 from .. import mpu
+
+if TYPE_CHECKING:  # transformer.py imports this module
+    from .transformer import ModelRunOptions
 
 
 def core_keeps_scores(attention_backend: str, device_type: str, attention_dropout: float,
@@ -37,7 +40,7 @@ def core_keeps_scores(attention_backend: str, device_type: str, attention_dropou
     return device_type == "cpu" and (attention_dropout > 0 or mask_needs_grad)
 
 
-def recompute_core(config: Any, mask_needs_grad: bool = False) -> bool:
+def recompute_core(config: "ModelRunOptions", mask_needs_grad: bool = False) -> bool:
     """Whether selective recompute applies to this model's attention core (selective asked,
     and the core keeps ``s x s`` tensors on this device).
 
@@ -48,7 +51,7 @@ def recompute_core(config: Any, mask_needs_grad: bool = False) -> bool:
     """
     from .attention import resolve_attention_backend
 
-    if getattr(config, "recompute_granularity", None) != "selective":
+    if config.recompute_granularity != "selective":
         return False
     return core_keeps_scores(resolve_attention_backend(config.attention_backend),
                              mpu.get_device().type, config.attention_dropout, mask_needs_grad)
@@ -69,11 +72,10 @@ def core_attention(run: Callable, recompute: bool, training: bool, *args):
     return run(*args)
 
 
-def block_count(config: Any) -> int:
+def block_count(config: "ModelRunOptions") -> int:
     """Layers at the start of each stage (or chunk) that full ``block`` recompute
     checkpoints: ``recompute_num_layers`` under block, else 0."""
-    if getattr(config, "recompute_granularity", None) == "full" and \
-            getattr(config, "recompute_method", None) == "block":
+    if config.recompute_granularity == "full" and config.recompute_method == "block":
         return config.recompute_num_layers
     return 0
 

@@ -77,8 +77,9 @@ class ParallelState:
     cp_group: Any = None
     dp_cp_group: Any = None
     virtual_pp_size: Optional[int] = None
-    """Model chunks per pipeline rank of an interleaved schedule (Megatron v2.6), or None.
-    Stored for model code that asks; tds's engine runs one chunk per rank (no interleaving)."""
+    """Model chunks per pipeline rank (Megatron v2.6's virtual pipeline size), or None.
+    Stored for model code that asks; the pipeline module builds its chunks from
+    ``num_virtual_stages`` and tds's schedules (interleaved 1F1B, ZB-V) run them."""
     pp_split_rank: Optional[int] = None
     """First decoder stage of an encoder-decoder pipeline (Megatron-core), or None."""
     ep_size: int = 1

@@ -6,8 +6,12 @@ writer alone, a :class:`FanOutWriter` over both, or None. So W&B gets exactly th
 (names and steps) that TensorBoard gets, and the loop does not know which backends run.
 """
 import os
+from typing import TYPE_CHECKING
 
 from ..common.errors import ConfigError
+
+if TYPE_CHECKING:  # megatron.config sits above this module
+    from ..config.run_config import RunConfig
 
 
 class WandbWriter:
@@ -17,7 +21,7 @@ class WandbWriter:
         cfg: the run configuration; uses ``wandb_project``, ``wandb_exp_name``, ``wandb_save_dir``.
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: "RunConfig"):
         import wandb
 
         log = cfg.logging
@@ -59,7 +63,7 @@ class FanOutWriter:
             writer.close()
 
 
-def build_metrics_writer(cfg, tensorboard_writer):
+def build_metrics_writer(cfg: "RunConfig", tensorboard_writer):
     """The writer the training loop logs to on this rank, or None.
 
     Args:

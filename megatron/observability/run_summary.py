@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from ..checkpoint.format import read_tracker
 from ..common.utils import print_node_first
+from ..config.run_config import RunConfig
 
 #: Set by examples/launch_common.sh: the file this node's output is copied to.
 LOG_FILE_ENV = "MEGATRON_TDS_LOG_FILE"
@@ -34,7 +35,7 @@ def event_file(writer: Optional[Any]) -> Optional[str]:
     return None
 
 
-def _events_part(cfg: Any, events: Optional[str]) -> Optional[str]:
+def _events_part(cfg: RunConfig, events: Optional[str]) -> Optional[str]:
     """The TensorBoard part of the line (None without --tensorboard-dir)."""
     if events and os.path.isfile(events):
         return f"TensorBoard events {events}"
@@ -48,7 +49,7 @@ def _events_part(cfg: Any, events: Optional[str]) -> Optional[str]:
     return f"no TensorBoard events in {cfg.logging.tensorboard_dir}"
 
 
-def closing_line(cfg: Any, iteration: int, events: Optional[str]) -> str:
+def closing_line(cfg: RunConfig, iteration: int, events: Optional[str]) -> str:
     """The line (see the module docstring).
 
     Args:
@@ -77,7 +78,7 @@ def closing_line(cfg: Any, iteration: int, events: Optional[str]) -> str:
     return f"> run ended at iteration {iteration}: " + " | ".join(parts)
 
 
-def print_closing_line(cfg: Any, iteration: int, events: Optional[str]) -> None:
+def print_closing_line(cfg: RunConfig, iteration: int, events: Optional[str]) -> None:
     """Print :func:`closing_line` on each node's first process (collective: once every rank
     is done, so rank 0's last lines and its tracker write come first; the last rank's event
     file name reaches the others with it).

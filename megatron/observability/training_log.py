@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..common.utils import print_node_first
+from ..config.run_config import RunConfig
 
 #: Dense peaks (TFLOP/s per device) by GPU model: (bf16/fp16 tensor cores, TF32 tensor cores,
 #: FP32 without tensor cores), from the vendors' data sheets (dense, not 2:4 sparse).
@@ -38,7 +39,7 @@ def scalar_tag(split: str, name: str) -> str:
     return f"{split}/{name.strip().lower().replace(' ', '-')}"
 
 
-def model_flops_per_step(cfg: Any) -> float:
+def model_flops_per_step(cfg: RunConfig) -> float:
     """GPT's count for one step (:func:`megatron.families.gpt2.flops_per_step`)."""
     from ..families.gpt2 import flops_per_step
 
@@ -82,7 +83,7 @@ def device_peak_tflops(name: str, total_memory: int, dtype: torch.dtype,
     return tf32_peak if tf32 and tf32_peak else fp32
 
 
-def peak_tflops(cfg: Any) -> Optional[float]:
+def peak_tflops(cfg: RunConfig) -> Optional[float]:
     """Per-device peak: ``--peak-tflops``, else this GPU's for the run's precision (its name
     and memory as ``torch.cuda.get_device_properties`` reports); None on CPU or unknown GPUs."""
     if cfg.logging.peak_tflops:
@@ -95,7 +96,7 @@ def peak_tflops(cfg: Any) -> Optional[float]:
     return device_peak_tflops(props.name, props.total_memory, cfg.precision.dtype, tf32)
 
 
-def fp8_peak_tflops(cfg: Any) -> Optional[float]:
+def fp8_peak_tflops(cfg: RunConfig) -> Optional[float]:
     """The device's dense FP8 peak for an FP8 run (``--fp8-format``); None without FP8, on a
     CPU or on a GPU not in :data:`FP8_PEAKS`."""
     if cfg.precision.fp8 is None or not torch.cuda.is_available():
@@ -104,7 +105,7 @@ def fp8_peak_tflops(cfg: Any) -> Optional[float]:
     return FP8_PEAKS.get(gpu_model(props.name, props.total_memory))
 
 
-def peaks_line(cfg: Any) -> Optional[str]:
+def peaks_line(cfg: RunConfig) -> Optional[str]:
     """The start-up line of an FP8 run saying which peaks its MFU figures divide by."""
     if cfg.precision.fp8 is None:
         return None
@@ -116,7 +117,7 @@ def peaks_line(cfg: Any) -> Optional[str]:
             f"the FP8 dense peak ({show(fp8)})")
 
 
-def throughput(cfg: Any, seconds_per_step: float, flops_per_step: Optional[float] = None
+def throughput(cfg: RunConfig, seconds_per_step: float, flops_per_step: Optional[float] = None
                ) -> Tuple[float, float, Optional[float]]:
     """Tokens/s, TFLOP/s per device and MFU (None where it has no meaning).
 
@@ -132,7 +133,7 @@ def throughput(cfg: Any, seconds_per_step: float, flops_per_step: Optional[float
     return tokens, tflops, (tflops / peak if peak else None)
 
 
-def compile_seconds(cfg: Any, spans: List[Tuple[float, float]]) -> float:
+def compile_seconds(cfg: RunConfig, spans: List[Tuple[float, float]]) -> float:
     """The wall seconds of a log interval in which some rank compiled (the union of every
     rank's compile spans, :func:`megatron.observability.compile_watch.union_seconds`): one gather of
     those spans at the log interval under ``--compile``, none between.
@@ -151,7 +152,7 @@ def compile_seconds(cfg: Any, spans: List[Tuple[float, float]]) -> float:
     return union_seconds([span for rank in every for span in rank])
 
 
-def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s: float,
+def log_training_step(cfg: RunConfig, state: Any, stats: Dict[str, float], interval_s: float,
                       writer: Optional[Any], compile_s: float = 0.0) -> None:
     """Print the progress line for the last ``cfg.logging.log_interval`` steps and write scalars.
 
@@ -205,7 +206,7 @@ def log_training_step(cfg: Any, state: Any, stats: Dict[str, float], interval_s:
         writer.add_scalar("train/skipped-iterations", state.skipped_in_interval, it)
 
 
-def log_evaluation(cfg: Any, iteration: int, prefix: str, loss: float,
+def log_evaluation(cfg: RunConfig, iteration: int, prefix: str, loss: float,
                    writer: Optional[Any]) -> None:
     """``validation loss at iteration N | lm loss: x | lm loss PPL: y`` (every rank has the
     loss: a pipeline's evaluation shares it from the stage that computes it)."""

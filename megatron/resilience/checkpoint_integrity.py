@@ -28,6 +28,7 @@ from ..checkpoint.format import (iteration_dir, published_iterations, set_aside,
 from ..checkpoint.manifest import relative_name
 from ..common.errors import CheckpointDigestError, CheckpointError
 from ..common.utils import print_rank_0, warn_rank_0
+from ..config.run_config import RunConfig
 
 #: ``(iteration, [(rank, cause), ...])`` for each checkpoint that failed verification.
 Damage = Tuple[int, List[Tuple[int, str]]]
@@ -64,7 +65,7 @@ def _same_folder(a: Optional[str], b: Optional[str]) -> bool:
     return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
 
 
-def damaged_or_none(cfg: Any, iteration: int, error: Optional[CheckpointDigestError],
+def damaged_or_none(cfg: RunConfig, iteration: int, error: Optional[CheckpointDigestError],
                     damaged: List[Damage]) -> Optional[int]:
     """Collective: every rank's verification of ``iteration``, agreed. Returns None when
     every rank verified what it read; else (every rank alike) the older iteration to try,
@@ -105,7 +106,7 @@ def damaged_or_none(cfg: Any, iteration: int, error: Optional[CheckpointDigestEr
     return older
 
 
-def set_aside_damaged(cfg: Any, damaged: List[Damage], iteration: int) -> None:
+def set_aside_damaged(cfg: RunConfig, damaged: List[Damage], iteration: int) -> None:
     """Collective, after ``iteration`` loaded and verified: rank 0 renames the damaged
     folders aside and points the tracker at ``iteration``; every rank agrees on it."""
     if not damaged:
@@ -126,7 +127,7 @@ def set_aside_damaged(cfg: Any, damaged: List[Damage], iteration: int) -> None:
                 f"moved aside (kept, not deleted): {', '.join(moved)}")
 
 
-def report(cfg: Any, iteration: int, scope: Any) -> None:
+def report(cfg: RunConfig, iteration: int, scope: Any) -> None:
     """Rank 0's line on what the load verified (``scope``: its
     :class:`~megatron.checkpoint.manifest.Verification`)."""
     folder = iteration_dir(cfg.checkpoint.load, iteration)

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 from ..common.utils import print_rank_0
+from ..config.run_config import RunConfig
 from ..training import checkpointing
 from .preemption import PreemptionHandler, clear_marker
 from .startup_allowance import startup_timeout
@@ -23,7 +24,7 @@ class RunGuard:
         cfg: the run configuration (``cfg.faults``, ``cfg.checkpoint``).
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: RunConfig):
         faults = cfg.faults
         self.save_dir = cfg.checkpoint.save
         # start-up runs until the first step ends; its allowance follows the checkpoint
@@ -36,7 +37,7 @@ class RunGuard:
         self.stopped_at: Optional[int] = None
 
     @classmethod
-    def inactive(cls, cfg) -> "RunGuard":
+    def inactive(cls, cfg: RunConfig) -> "RunGuard":
         """A guard that does nothing (for :func:`~.loop.train` called without one)."""
         guard = cls.__new__(cls)
         guard.save_dir, guard.watchdog, guard.preemption = cfg.checkpoint.save, None, None
@@ -60,7 +61,7 @@ class RunGuard:
         self.stopped_at = iteration
         return True
 
-    def save(self, iteration: int, backend, cfg, train_state) -> None:
+    def save(self, iteration: int, backend, cfg: RunConfig, train_state) -> None:
         """Save a checkpoint (in the background with ``--async-save``), under the save clock."""
         self._enter("save", iteration)
         checkpointing.save_checkpoint(iteration, backend, cfg, train_state, writer=self.writer)

@@ -15,11 +15,12 @@ folder for all, and a rank whose watchdog fires later only reports later).
 """
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 from ..checkpoint.format import iteration_dir, rank_files, read_tracker
 from ..common.errors import CheckpointError
 from ..common.utils import print_rank_0
+from ..config.run_config import RunConfig
 
 #: Least start-up allowance, seconds (model build and data index of a small run).
 STARTUP_FLOOR_S = 300.0
@@ -106,7 +107,7 @@ def checkpoint_read_bytes(load: Optional[str], tp: int, pp: int) -> Tuple[int, O
     return total - sum(sizes) + max(sizes), folder
 
 
-def startup_allowance(cfg: Any) -> StartupAllowance:
+def startup_allowance(cfg: RunConfig) -> StartupAllowance:
     """The computed allowance of a run with ``--step-timeout`` (ignores ``--startup-timeout``).
 
     Args:
@@ -119,7 +120,7 @@ def startup_allowance(cfg: Any) -> StartupAllowance:
     return StartupAllowance(base, nbytes, folder, COMPILE_S if cfg.kernels.compile else 0.0)
 
 
-def startup_timeout(cfg: Any) -> Optional[float]:
+def startup_timeout(cfg: RunConfig) -> Optional[float]:
     """Seconds the ``startup`` phase may last: ``--startup-timeout`` when given, else
     :func:`startup_allowance` (logged on rank 0); None without ``--step-timeout``."""
     faults = cfg.faults

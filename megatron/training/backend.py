@@ -16,6 +16,7 @@ so they take the same steps. The loop (megatron/training/loop.py) and the checkp
 """
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from ..config.run_config import RunConfig
 from ..optimizer.learning_rates import AnnealingLR
 from ..optimizer import get_param_groups
 from ..optimizer.adamw import build_adamw
@@ -38,7 +39,7 @@ class TrainingBackend:
     """The run's :class:`~.batch_draws.SeededBatchFn` (None: a provider run's own batch):
     the loop says where the run is, the backend which micro-batch a call is for."""
 
-    def __init__(self, model, optimizer, lr_scheduler, cfg, state_io_class):
+    def __init__(self, model, optimizer, lr_scheduler, cfg: RunConfig, state_io_class):
         self.model, self.optimizer, self.lr_scheduler, self.cfg = \
             model, optimizer, lr_scheduler, cfg
         self.state_io = state_io_class(self)
@@ -92,7 +93,7 @@ class TrainingBackend:
         return unwrap_model(self.model)
 
 
-def build_optimizer_and_scheduler(module: Any, cfg: Any) -> Tuple[Any, AnnealingLR]:
+def build_optimizer_and_scheduler(module: Any, cfg: RunConfig) -> Tuple[Any, AnnealingLR]:
     """AdamW over ``module``'s parameters (no decay on biases and norms) and the LR schedule,
     for DeepSpeed's engine, which wraps the plain torch optimizer itself.
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .. import mpu
 from ..common.errors import ConfigError, not_text
+from ..config.run_config import RunConfig
 from .backend import TrainingBackend, build_optimizer_and_scheduler
 from .engine_state_io import EngineStateIO
 
@@ -31,7 +32,7 @@ def _read_json(path):
         raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {exc}") from None
 
 
-def _precision(config, cfg, path):
+def _precision(config, cfg: RunConfig, path):
     precision = cfg.precision
     for key, flag in (("fp16", precision.fp16), ("bf16", precision.bf16)):
         enabled = bool(config.get(key, {}).get("enabled", False))
@@ -64,7 +65,7 @@ def _quiet_timers(config):
         config.setdefault("timers", {})["throughput"] = {"enabled": False}
 
 
-def build_deepspeed_config(cfg: Any) -> Dict[str, Any]:
+def build_deepspeed_config(cfg: RunConfig) -> Dict[str, Any]:
     """DeepSpeed's config dict: ``--deepspeed_config`` (if any) checked against the flags.
 
     The batch sizes and clipping come from the flags (BATCHSIZE x GAS x dp, --clip-grad); a
@@ -100,7 +101,7 @@ def build_deepspeed_config(cfg: Any) -> Dict[str, Any]:
     return config
 
 
-def attach_deepspeed_comm(cfg: Any) -> None:
+def attach_deepspeed_comm(cfg: RunConfig) -> None:
     """Attach DeepSpeed's communication layer to the default group (megatron.initialize
     started torch.distributed; this creates no other group).
 
@@ -139,11 +140,11 @@ class EngineBackend(TrainingBackend):
 
     name = "deepspeed"
 
-    def __init__(self, model, optimizer, lr_scheduler, cfg):
+    def __init__(self, model, optimizer, lr_scheduler, cfg: RunConfig):
         super().__init__(model, optimizer, lr_scheduler, cfg, EngineStateIO)
 
     @classmethod
-    def build(cls, module: Any, cfg: Any,
+    def build(cls, module: Any, cfg: RunConfig,
               batch_fn: Optional[Callable] = None) -> "EngineBackend":
         """``deepspeed.initialize`` the module with our optimizer and LR schedule."""
         import tds as deepspeed

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import mpu
 from ..checkpoint.format import uses_pipeline_engine
+from ..config.run_config import RunConfig
+from ..config.run_config import ZERO_BUBBLE_SCHEDULES
 
 if TYPE_CHECKING:
     from .backend import TrainingBackend
@@ -38,7 +40,7 @@ def _report_parameters(model):
               flush=True)
 
 
-def check_pipeline_module(model: Any, cfg: Any) -> None:
+def check_pipeline_module(model: Any, cfg: RunConfig) -> None:
     """Raise unless ``model``, built for a pipeline run, is a tds ``PipelineModule`` with the
     run's chunks per rank and placement: the pipeline features a family provides are what
     its ``build_model(cfg, pipeline=True)`` builds (every rank builds the same class, so
@@ -52,7 +54,7 @@ def check_pipeline_module(model: Any, cfg: Any) -> None:
     from ..common.errors import ConfigError
     from ..families import pipeline_placement
 
-    family = getattr(cfg, "model_family", None)
+    family = cfg.model_family
     who = f"the {family.name!r} model family's build_model(cfg, pipeline=True)" \
         if family is not None else "the model provider (pipeline=True)"
     p = cfg.parallel
@@ -74,19 +76,19 @@ def check_pipeline_module(model: Any, cfg: Any) -> None:
                           f"PipelineModule")
 
 
-def _compile(model, cfg, pipeline):
+def _compile(model, cfg: RunConfig, pipeline):
     """``--compile``: each pipeline chunk as one region, its loss included (pp = 1: the whole
     model and the family's loss); a family whose ``compile_classes`` is ``()`` opts out."""
     from ..model.compile import compile_model, compile_pipeline, compiler
     from ..common.utils import print_rank_0, warn_rank_0
 
-    family = getattr(cfg, "model_family", None)
+    family = cfg.model_family
     classes = family.compile_classes if family is not None else None
     if classes is not None and not tuple(classes):
         warn_rank_0(f"--compile compiled nothing: the {family.name!r} family's "
                     f"compile_classes is empty (compile nothing); the model runs uncompiled")
         return
-    zero_bubble = getattr(cfg.parallel, "pipeline_schedule", "1f1b") in ("zb-h1", "zbv")
+    zero_bubble = cfg.parallel.pipeline_schedule in ZERO_BUBBLE_SCHEDULES
     mode = {"mode": "reduce-overhead"} if cfg.kernels.cuda_graphs else {}
     compile_fn = compiler(defers_weight_grads=pipeline and zero_bubble, **mode)
     if pipeline:
@@ -101,7 +103,7 @@ def _compile(model, cfg, pipeline):
     print_rank_0(f"> --compile: {what} (compiled on the first step)")
 
 
-def build_backend(cfg: Any, model_provider: Callable,
+def build_backend(cfg: RunConfig, model_provider: Callable,
                   batch_fn: Optional[Callable] = None) -> "TrainingBackend":
     """Build the model through ``model_provider`` and the backend that trains it.
 

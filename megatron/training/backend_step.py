@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import mpu
+from ..config.run_config import V_SCHEDULE, ZERO_BUBBLE_SCHEDULES, RunConfig
 from ..distributed import DataParallel, DDPConfig, autocast_region, tied_weights_of
 from ..optimizer.learning_rates import AnnealingLR
 from ..optimizer import build_grad_scaler, build_optimizer, get_param_groups
@@ -34,7 +35,7 @@ def autocast(precision: Any) -> ContextManager:
     return autocast_region(precision.dtype, mpu.get_device().type)
 
 
-def ddp_config(cfg: Any) -> DDPConfig:
+def ddp_config(cfg: RunConfig) -> DDPConfig:
     """The gradient path the run's flags ask for."""
     p = cfg.parallel
     return DDPConfig(use_distributed_optimizer=p.use_distributed_optimizer,
@@ -46,13 +47,13 @@ def ddp_config(cfg: Any) -> DDPConfig:
 class StepBackend(TrainingBackend):
     """The step of the module docstring, at pp 1 (``name`` "ddp") or pp > 1 ("pipeline")."""
 
-    def __init__(self, model: DataParallel, optimizer, lr_scheduler, cfg, schedule=None):
+    def __init__(self, model: DataParallel, optimizer, lr_scheduler, cfg: RunConfig, schedule=None):
         super().__init__(model, optimizer, lr_scheduler, cfg, state_io_for(optimizer))
         self.schedule = schedule
         self.name = "pipeline" if schedule is not None else "ddp"
 
     @classmethod
-    def build(cls, module: torch.nn.Module, cfg: Any, batch_fn: Optional[Callable] = None,
+    def build(cls, module: torch.nn.Module, cfg: RunConfig, batch_fn: Optional[Callable] = None,
               pipeline: bool = False) -> "StepBackend":
         """Wrap ``module``, build its optimizer and LR schedule (and, at pp > 1, its pipeline
         schedule fed by ``batch_fn``)."""
@@ -170,19 +171,18 @@ class StepBackend(TrainingBackend):
         return [{**row, **dict(zip(names, values[i]))} for i, row in enumerate(rows)]
 
 
-def _pipeline_schedule(module, cfg, batch_fn, model):
+def _pipeline_schedule(module, cfg: RunConfig, batch_fn, model):
     """tds's pipeline schedule for this rank of the run, fed by ``batch_fn`` (each call in
     its micro-batch's seeded draws); the log names the schedule."""
     from tds.pipe import StageLink, contract_of
     from tds.pipe.schedule_step import ScheduleStep, Stage
-    from tds.pipe.schedules import ZERO_BUBBLE
 
     from ..common.utils import print_rank_0
     from .batch_draws import SeededBatchFn
 
     name, p = cfg.parallel.pipeline_schedule, cfg.parallel.pp
-    store = mpu.set_weight_grad_deferral(module) if name in ZERO_BUBBLE else None
-    chunks = f"{cfg.parallel.vpp} chunks per rank" + (" in a V" if name == "zbv" else "") \
+    store = mpu.set_weight_grad_deferral(module) if name in ZERO_BUBBLE_SCHEDULES else None
+    chunks = f"{cfg.parallel.vpp} chunks per rank" + (" in a V" if name == V_SCHEDULE else "") \
         if cfg.parallel.vpp > 1 else "1 chunk per rank"
     split = ", backward split into input and weight passes" if store is not None else ""
     print_rank_0(f"> pipeline schedule: {name} ({p} stages, {chunks}, {cfg.batch.gas} "

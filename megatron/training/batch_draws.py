@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
+from ..config.run_config import RunConfig
+
 
 def draw_seed(*key: Any) -> int:
     """A 63-bit seed from ``key`` (ints and strings), the same in every process."""
@@ -111,7 +113,7 @@ class SeededBatchFn:
             return self.batch_fn(raw)
 
 
-def seeded(batch_fn: Optional[Callable], cfg: Any) -> Optional[SeededBatchFn]:
+def seeded(batch_fn: Optional[Callable], cfg: RunConfig) -> Optional[SeededBatchFn]:
     """``batch_fn`` seeded for this rank of the run ``cfg`` (None stays None; one already
     seeded is returned as is)."""
     if batch_fn is None or isinstance(batch_fn, SeededBatchFn):

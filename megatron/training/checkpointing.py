@@ -27,6 +27,7 @@ from ..checkpoint.format import (  # noqa: F401 (TRACKER_FILENAME, read_tracker,
 from ..checkpoint.layout_change import read_at_new_layout, saved_layout_differs, weights_for_run
 from ..checkpoint.manifest import check_file, verification
 from ..checkpoint.sharding import module_classes
+from ..config.run_config import RunConfig
 from ..resilience.agreement import agree, agree_on_call, agree_on_value
 from ..config import args_to_dict
 from ..common.errors import CheckpointDigestError, CheckpointError, MegatronError
@@ -153,7 +154,7 @@ def new_async_writer() -> Any:
                                  lambda *a, **k: _publish(*a, **k))
 
 
-def save_checkpoint(iteration: int, backend: Any, cfg: Any, train_state: Any,
+def save_checkpoint(iteration: int, backend: Any, cfg: RunConfig, train_state: Any,
                     writer: Optional[Any] = None) -> None:
     """Write a complete checkpoint for ``iteration`` (collective: every rank calls it).
 
@@ -324,7 +325,7 @@ def _agreed_contents(cfg):
         found = _contents(cfg)
     except Exception as exc:  # every rank learns of it below (a bug keeps its traceback)
         error = exc
-    formats = getattr(cfg.model_family, "foreign_checkpoints", ())
+    formats = cfg.model_family.foreign_checkpoints if cfg.model_family is not None else ()
 
     def in_words(contents):
         index, iteration = contents
@@ -343,8 +344,8 @@ def _agreed_contents(cfg):
 def _foreign_format(cfg):
     """The run's model family's foreign checkpoint format the ``--load`` folder holds, or
     None (a native checkpoint, or a family with none)."""
-    family = getattr(cfg, "model_family", None)  # the run's object: no lookup by name
-    for fmt in getattr(family, "foreign_checkpoints", ()):
+    family = cfg.model_family  # the run's object: no lookup by name
+    for fmt in family.foreign_checkpoints if family is not None else ():
         if fmt.detect(cfg.checkpoint.load):
             return fmt
     return None
@@ -424,7 +425,7 @@ def _restore_rng(cfg, state):
                     f"weights-only checkpoint); random streams start from --seed")
 
 
-def load_checkpoint(backend: Any, cfg: Any, train_state: Any) -> int:
+def load_checkpoint(backend: Any, cfg: RunConfig, train_state: Any) -> int:
     """Resume from ``--load`` if it holds a checkpoint (collective). Returns the iteration.
 
     A missing tracker starts from scratch: one line when ``--load`` is ``--save`` (the run

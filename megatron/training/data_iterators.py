@@ -9,6 +9,7 @@ thread (megatron/data/prefetch.py).
 from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from .. import mpu
+from ..config.run_config import RunConfig
 from ..data.data_samplers import build_pretraining_data_loader
 from ..data.prefetch import Prefetcher
 from ..common.errors import DataError
@@ -22,7 +23,7 @@ def reads_data() -> bool:
     return state.tp_rank == 0 and on_edge
 
 
-def train_valid_test_num_samples(cfg: Any) -> List[int]:
+def train_valid_test_num_samples(cfg: RunConfig) -> List[int]:
     """Samples each split must provide for the whole run (Megatron's sizing)."""
     gbs, iters, log = cfg.batch.global_batch_size, cfg.batch.train_iters, cfg.logging
     evaluations = iters // log.eval_interval + 1
@@ -33,7 +34,7 @@ def _iterator(loader, depth):
     return Prefetcher(loader, depth) if depth > 0 else iter(loader)
 
 
-def build_train_valid_test_data_iterators(provider: Callable, cfg: Any, state: Any
+def build_train_valid_test_data_iterators(provider: Callable, cfg: RunConfig, state: Any
                                           ) -> Tuple[Optional[Any], ...]:
     """Call ``provider`` and wrap each split; sets ``state.do_train/do_valid/do_test``.
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..common.errors import DivergenceError
 from ..common.utils import unwrap_model
+from ..config.run_config import RunConfig
 
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _OK, _BAD_NORM, _BAD_LOSS = 0, 1, 2
@@ -52,7 +53,7 @@ def _all_ranks_max(tensor):
     return tensor
 
 
-def check_pending(cfg: Any, iteration: int, pending: List[Dict[str, Any]]) -> None:
+def check_pending(cfg: RunConfig, iteration: int, pending: List[Dict[str, Any]]) -> None:
     """Raise :class:`DivergenceError` if a step since the last check was not finite.
 
     Collective when torch.distributed is initialised (every rank calls it at the same point).
@@ -76,7 +77,7 @@ def check_pending(cfg: Any, iteration: int, pending: List[Dict[str, Any]]) -> No
     _fail(cfg, f"gradient norm is not finite at iteration {step}", step - 1)
 
 
-def check_weights(cfg: Any, iteration: int, model: Any) -> None:
+def check_weights(cfg: RunConfig, iteration: int, model: Any) -> None:
     """Before saving ``iteration``: every rank's weights are finite, or raise (collective).
 
     Args:
@@ -102,7 +103,7 @@ def newest_checkpoint_up_to(root: Optional[str], limit: int) -> Optional[int]:
     return max(good) if good else None
 
 
-def _fixes(cfg):
+def _fixes(cfg: RunConfig):
     """What the user can change, offering --skip-nonfinite-steps only where the run's backend
     accepts it (the DDP path: megatron/config/validation.py refuses it for DeepSpeed and
     pipeline runs, which skip fp16 overflows only)."""
@@ -114,7 +115,7 @@ def _fixes(cfg):
     return fixes + ", or pass --skip-nonfinite-steps to skip such steps"
 
 
-def _fail(cfg, what, good_limit):
+def _fail(cfg: RunConfig, what, good_limit):
     """Point the tracker at the newest good checkpoint (rank 0) and raise on every rank."""
     from .checkpointing import TRACKER_FILENAME, read_tracker, write_tracker
 

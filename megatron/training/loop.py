@@ -25,6 +25,7 @@ from .. import mpu
 from ..config import build_run_config, settings_check_only
 from ..common.global_vars import (get_startup_times, get_tensorboard_writer, get_timers,
                            get_tokenizer)
+from ..config.run_config import RunConfig
 from ..initialize import initialize_megatron
 from ..memory.check import startup_memory_check
 from ..observability.startup_times import StartupTimes
@@ -94,7 +95,7 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator],
 
 
 def evaluate(forward_step_func: Callable, data_iterator: Optional[Iterator], backend: Any,
-             cfg: Any, phase: str = "valid", iteration: int = 0) -> float:
+             cfg: RunConfig, phase: str = "valid", iteration: int = 0) -> float:
     """Average validation loss over ``--eval-iters`` global batches (``phase`` and
     ``iteration`` seed the batch function's draws: :mod:`.batch_draws`)."""
     backend.eval()
@@ -141,7 +142,7 @@ def _shared(backend, pending):
     return [dict(p, **row) for p, row in zip(pending, rows)]
 
 
-def _flush_interval(cfg, state, pending, backend, timers, writer):
+def _flush_interval(cfg: RunConfig, state, pending, backend, timers, writer):
     """Check, record and log the steps since the last log line."""
     pending = _shared(backend, pending)
     _count_device_skips(state, pending, backend)
@@ -188,7 +189,7 @@ def _routing(backend):
                      "expert load max/mean"), values))
 
 
-def _interval_compile_seconds(cfg):
+def _interval_compile_seconds(cfg: RunConfig):
     """Wall seconds of the log interval in which some rank ran ``torch.compile`` (0 without
     ``--compile``): left out of its step time, tokens/s and MFU (megatron/observability/compile_watch.py)."""
     if not cfg.kernels.compile:
@@ -199,7 +200,7 @@ def _interval_compile_seconds(cfg):
     return compile_seconds(cfg, compile_watch.take_spans())
 
 
-def _first_step_done(cfg, seconds):
+def _first_step_done(cfg: RunConfig, seconds):
     """Record the first step's time (host wall time: no device sync is added to it) and print
     the start-up line (megatron/observability/startup_times.py); with ``--compile`` it names the graphs the
     step compiled and this rank's compile time in it (later steps reuse them; evaluation
@@ -226,7 +227,7 @@ def _every(iteration, interval):
 
 
 def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[Iterator],
-          valid_iterator: Optional[Iterator], cfg: Any, state: "TrainState",
+          valid_iterator: Optional[Iterator], cfg: RunConfig, state: "TrainState",
           guard: Optional[Any] = None) -> "TrainState":
     """Run steps until ``--train-iters``, logging, evaluating and saving on the way (and
     stopping early when ``guard``, a :class:`~.fault_tolerance.RunGuard`, says so)."""
@@ -280,7 +281,7 @@ def train(forward_step_func: Callable, backend: Any, train_iterator: Optional[It
     return state
 
 
-def _providers(family, cfg, dataset_provider, model_provider, forward_step_func):
+def _providers(family, cfg: RunConfig, dataset_provider, model_provider, forward_step_func):
     """The family's providers where the caller gave none, and the pipeline batch function."""
     if family is None:
         missing = [name for name, given in (("train_valid_test_dataset_provider",
@@ -361,7 +362,8 @@ def pretrain(train_valid_test_dataset_provider: Optional[Callable] = None,
     return state
 
 
-def _run(cfg, guard, state, dataset_provider, model_provider, forward_step_func, batch_fn):
+def _run(cfg: RunConfig, guard, state, dataset_provider, model_provider, forward_step_func,
+         batch_fn):
     """Build, resume, train, save, test (the body of :func:`pretrain`)."""
     startup = get_startup_times() or StartupTimes()
     with startup.phase("model, optimizer, engine"):

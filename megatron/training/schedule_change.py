@@ -11,6 +11,7 @@ schedule and under the checkpoint's. (Megatron-LM refuses such a resume unless t
 """
 from typing import Any, Dict, List
 
+from ..config.run_config import RunConfig
 from ..optimizer.learning_rates import schedule_lr
 from ..common.utils import print_rank_0
 
@@ -28,7 +29,7 @@ SCHEDULE_SETTINGS = (
 )
 
 
-def flag_changes(saved_args: Dict[str, Any], cfg: Any) -> List[str]:
+def flag_changes(saved_args: Dict[str, Any], cfg: RunConfig) -> List[str]:
     """``["--train-iters 300 -> 200", ...]``: the schedule settings whose value differs from
     the checkpoint's saved arguments (``--lr-decay-iters`` and the warmup as derived from
     ``--train-iters`` when not given)."""
@@ -44,7 +45,7 @@ def schedule_differs(saved: Dict[str, Any], current: Dict[str, Any]) -> bool:
     return any(saved.get(key) != current.get(key) for key in SCHEDULE_KEYS)
 
 
-def resume_schedule(scheduler: Any, state: Dict[str, Any], cfg: Any) -> None:
+def resume_schedule(scheduler: Any, state: Dict[str, Any], cfg: RunConfig) -> None:
     """Load the scheduler's step from ``state`` (a checkpoint's main file); print one line when
     the checkpoint's schedule and the flags' differ (every rank loads, rank 0 prints).
 
