@@ -398,7 +398,7 @@ def _key_mapped_names(states, cfg, own, saved, family):
     records = [s["sharding"] for s in states.values()] + [own]
     if not any(experts_of(spec) for record in records for spec in record.values()):
         return None
-    keys = key_map_for(saved, getattr(cfg, "model_family", None),
+    keys = key_map_for(saved, cfg.model_family,
                        list(states[(0, 0)].get("model") or ()), family)
     layers = saved["num_layers"]
 
