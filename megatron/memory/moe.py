@@ -15,7 +15,8 @@ tokens the step keeps, counted tensor by tensor as the dense terms are:
   ``[N, h]``, its activation's input and output ``[N, f / t]`` (SwiGLU: four such), and the
   combine's fp32 ``[T k, h]`` rows. ``N``, the rows this rank's experts receive, is ``T k``
   under **balanced routing** (every expert gets ``T k / E`` rows from every rank): the
-  assumption of every dropless figure; a skewed routing adds rows on the busy ranks;
+  assumption of every dropless figure; a skewed routing adds rows on the busy ranks
+  (``MemorySpec.moe_rows_factor`` scales ``N`` for headroom, or for a measured routing);
 - capacity mode: the static ``[E, C, h]`` buffers (``C = ceil(T k / E x factor)``),
   the experts' ``[E C, f / t]`` activations, the slot indices and the combine's rows;
 - under autocast the experts' weights are cast in every forward (the loop's per-expert
@@ -76,6 +77,9 @@ def moe_problems(spec: MemorySpec) -> List[str]:
         problems.append("sequence parallelism with MoE layers (the run refuses it)")
     if spec.backend == "engine":
         problems.append("MoE layers under DeepSpeed's engine (the run refuses it)")
+    if spec.pp > 1 and spec.pipeline_schedule in ("zb-h1", "zbv"):
+        problems.append(f"MoE layers under {spec.pipeline_schedule}: the experts' deferred "
+                        f"weight pass is not described")
     return problems
 
 
@@ -141,7 +145,7 @@ def expert_rows(spec: MemorySpec, tokens: int) -> int:
     (the same number, balanced)."""
     if spec.capacity_factor:
         return spec.num_experts * capacity(spec, tokens)
-    return tokens * spec.moe_topk
+    return int(tokens * spec.moe_topk * spec.moe_rows_factor)
 
 
 def router_saved(spec: MemorySpec, tokens: int) -> int:

@@ -130,6 +130,10 @@ class MemorySpec:
     moe_dispatcher: str = "alltoall"
     moe_grouped: bool = False
     """``--moe-grouped-gemm`` (one ``torch._grouped_mm``; else the per-expert loop)."""
+    moe_rows_factor: float = 1.0
+    """Dropless: the rows this rank's experts compute over the balanced ``T k`` (1.0:
+    balanced routing, the planner's and the start-up check's assumption; above 1 for the
+    headroom of a skewed router)."""
     moe_aux_loss: bool = False
     """A load-balancing loss (softmax or sigmoid scores over all experts kept)."""
     moe_z_loss: bool = False
