@@ -274,10 +274,12 @@ def gpt2_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> Tr
         made += _grad_bytes(spec, final_norm=True)
     n = layers.encoder_layers
     if n:
-        lb = layer_backward(spec, Shape(s, s, b), 2 if spec.gated else 1) - head
-        if layers.moe_layers:  # the largest of the dense and the MoE layers' backward
-            moe = layer_backward(spec, Shape(s, s, b), 2 if spec.gated else 1, True) - head
-            lb = moe if layers.moe_layers == n else max(lb, moe)
+        gated = 2 if spec.gated else 1
+        # the largest of the dense and the MoE layers' backward (each only where it runs)
+        lb = layer_backward(spec, Shape(s, s, b), gated) - head \
+            if layers.moe_layers < n else 0
+        if layers.moe_layers:
+            lb = max(lb, layer_backward(spec, Shape(s, s, b), gated, True) - head)
         points += _layer_points(spec, n, lb, act, b, made, layers)
         made += _grad_bytes(spec, encoder_layers=n, moe_layers=layers.moe_layers)
     if layers.embedding:
