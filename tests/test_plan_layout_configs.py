@@ -37,7 +37,8 @@ CASES = [
     ("t5/t5_base", 8, "table", True), ("t5/t5_base", 16, "table", False),
     ("llama/llama2_7b", 8, "table", False), ("llama/llama2_7b", 16, "table", False),
     # MoE, ep among the dimensions: 46.7B parameters at 16 bytes each (the project's step:
-    # fp32 weights and gradients) do not fit on 8 GPUs; on 64 the ranking's ep column
+    # fp32 weights, gradients, Adam's moments) do not fit on 8 GPUs (87 GiB each); on 64
+    # the ranking's ep column
     # (ep x the cp candidates: ~25 s of CPU, -m exhaustive)
     ("llama/mixtral_8x7b", 8, "fits", True), ("llama/mixtral_8x7b", 64, "table", False),
 ]
