@@ -24,11 +24,12 @@ tokens the step keeps, counted tensor by tensor as the dense terms are:
   keep the casts: a 16-bit copy of the local experts per micro-batch and MoE layer.
 
 The dispatch buffers (the sorted rows, what the all-to-all sends and receives) live only
-inside the forward and the backward: they enter the transient terms.
+inside the forward and the backward: the backward's (the rows' gradients going back through
+the combine and the dispatch) are in the MoE block's backward working set
+(:func:`moe_backward_parts`); the forward's, smaller than that, are not counted apart.
 """
 from typing import List
 
-from ..errors import ConfigError
 from .spec import MemorySpec
 
 
@@ -195,16 +196,6 @@ def dense_mlp_saved(spec: MemorySpec, tokens: int) -> int:
     return h_part + (4 if spec.gated else 2) * tokens * spec.ffn * spec.e // spec.tp
 
 
-def dispatch_transient(spec: MemorySpec, tokens: int) -> int:
-    """The dispatch buffers alive at once in an MoE block's forward or backward: the sorted
-    rows, what the all-to-all receives and the experts' output (each ``[T k, h]``, balanced
-    routing), or the ``[E C, h]`` buffers in capacity mode."""
-    n = expert_rows(spec, tokens)
-    rows = tokens * spec.moe_topk
-    return (rows + 2 * n) * spec.hidden * spec.e if spec.ep > 1 else (rows + n) * \
-        spec.hidden * spec.e
-
-
 def moe_backward_parts(spec: MemorySpec, tokens: int, wg: int):
     """``(working set, saved bytes it frees, held)`` rows of an MoE block's backward in
     :func:`~megatron.memory.backward.layer_backward`'s order (the combine and the dispatch
@@ -237,9 +228,3 @@ def moe_backward_parts(spec: MemorySpec, tokens: int, wg: int):
             (inner + n * h * e * 2 + w1 + tokens * h * 4,
              n * h * e + router_saved(spec, tokens), 0))  # fc1, the dispatch back, router
 
-
-def check_moe(spec: MemorySpec) -> None:
-    """Raise :class:`ConfigError` for an MoE spec the model cannot describe."""
-    problems = moe_problems(spec)
-    if problems:
-        raise ConfigError("memory model: " + "; ".join(problems))
