@@ -69,7 +69,7 @@ def test_dispatch_time_and_expert_gemms():
 
 
 def test_ep_is_a_planner_dimension():
-    base = _spec(num_layers=8, dp=1, tp=1)
+    base = _spec(num_layers=4, dp=1, tp=1)
     hw = Hardware(gpus=8, gpu_memory=80 * 2**30)
     rows = list(layouts(base, hw, 16))
     seen = {(r.dp * r.cp, r.ep) for r in rows}
@@ -80,3 +80,20 @@ def test_ep_is_a_planner_dimension():
                    or r.backend == "engine" for r in rows)
     for r in random.sample(rows, 20):
         r.check()  # each is a spec the model describes
+
+
+def test_the_fast_ranking_gives_each_moe_layout_its_full_evaluation():
+    """ranking.py's grouped walk (one matrix product per schedule) against evaluating each
+    MoE layout in full, including pipelines whose stages hold different MoE layer counts."""
+    from megatron.memory.planner import evaluate
+    from megatron.memory.ranking import fitting_plans
+
+    base = _spec(num_layers=6, moe_layers=(True, False) * 3, dp=1)
+    hw = Hardware(gpus=8, gpu_memory=80 * 2**30)
+    rows = random.sample([r for r in layouts(base, hw, 16) if r.pp > 1], 12)
+    fast = {p.spec: p for p in fitting_plans(rows, hw, 1.0)}
+    assert len(fast) == len(rows)
+    for spec in rows:
+        full = evaluate(spec, hw, 1.0)
+        assert [s.peak for s in fast[spec].stages] == [s.peak for s in full.stages], spec
+        assert fast[spec].step_time == pytest.approx(full.step_time)
