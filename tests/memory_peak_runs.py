@@ -115,6 +115,29 @@ def _mark_step_phase(backend, tracker):
         setattr(engine, name, marked(getattr(engine, name)))
 
 
+def _count_expert_rows(module):
+    """Forward pre-hooks on the model's MoE experts (dropless) recording the rows each call
+    computes: ``(rows list, hook handles)``; none for a dense model or in capacity mode."""
+    from megatron.mpu.moe.experts import GroupedExperts
+
+    rows, hooks = [], []
+    for m in module.modules():
+        if isinstance(m, GroupedExperts):
+            hooks.append(m.register_forward_pre_hook(
+                lambda _, args: rows.append(args[0].shape[0]) if len(args) > 1 else None))
+    return rows, hooks
+
+
+def _rows_factor(cfg, spec, rows):
+    """The busiest micro-batch's expert rows on this rank over the balanced ``T k`` of every
+    MoE layer (``rows``: one entry per layer and micro-batch, in order; pp 1, no
+    recompute)."""
+    layers = sum(cfg.moe.layers(cfg.model.num_layers))
+    balanced = layers * spec.seq_local * spec.micro_batch * spec.moe_topk
+    per_mb = [sum(rows[i:i + layers]) for i in range(0, len(rows), layers)]
+    return max(per_mb) / balanced
+
+
 def measure_peak(argv, vocab, seed, family="gpt2"):
     """This rank's measured peak during the second of two training steps at ``argv``, what
     was alive at that moment by kind, and the model's stage figures; ``family`` a decoder
@@ -140,18 +163,28 @@ def measure_peak(argv, vocab, seed, family="gpt2"):
     labels = _labels(module, backend)
     tracker = LivePeak(label_fn=lambda key, origin: labels.get(key, str(origin)), ignore=before)
     _mark_step_phase(backend, tracker)
+    rows, hooks = _count_expert_rows(module)
     with tracker:
         backend.train_step(step, batches)
     dist.barrier()
-    stage = predict(spec_from_run_config(cfg, device="cpu"))[
-        mpu.get_pipeline_model_parallel_rank()]
+    for hook in hooks:
+        hook.remove()
+    spec = spec_from_run_config(cfg, device="cpu")
+    balanced = None
+    if rows:  # dropless MoE: the model's rows at this rank's measured routing
+        from dataclasses import replace
+
+        balanced = predict(spec)[mpu.get_pipeline_model_parallel_rank()].peak
+        spec = replace(spec, moe_rows_factor=_rows_factor(cfg, spec, rows))
+    stage = predict(spec)[mpu.get_pipeline_model_parallel_rank()]
     kept_at_peak, kept = _kept_bytes(_kept_by_runner(backend, module), tracker)
     out = {"argv": " ".join(argv), "stage": stage.stage, "peak": tracker.peak,
            "baseline": tracker.baseline, "at_peak": tracker.labelled(),
            "peak_op": str(tracker.peak_op), "phases": tracker.phase_peaks,
            "states": _states(backend, module),
            "kept_by_runner": {"peak": kept_at_peak, "step": kept},
-           "predicted": stage.to_dict()}
+           "predicted": stage.to_dict(), "balanced_peak": balanced,
+           "rows_factor": spec.moe_rows_factor}
     del backend, module, batches, tracker
     gc.collect()
     return out

@@ -26,7 +26,8 @@ def setup(cfg):
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp,
-                                  context_parallel_size=cfg.parallel.cp)
+                                  context_parallel_size=cfg.parallel.cp,
+                                  expert_model_parallel_size=cfg.parallel.ep)
     torch.manual_seed(cfg.model.seed)
     mpu.model_parallel_cuda_manual_seed(cfg.model.seed)
     import tds

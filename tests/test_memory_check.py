@@ -118,6 +118,19 @@ def test_startup_check_prints_or_steps_aside(capsys):
     assert out.count("predicted peak") == 2 and "no prediction" not in out, out
     for stage in predict(spec_from_run_config(cp2, device="cpu")):  # a small model: MiB
         assert f"stage {stage.stage}/2: predicted peak {stage.peak / 2**20:.2f} MiB" in out
+    # MoE layers: predicted (experts per rank at ep 2 of dp 4), the figures the model's
+    startup_memory_check(moe := cfg("--num-experts", "8", "--expert-model-parallel-size", "2"))
+    out = capsys.readouterr().out
+    assert out.count("predicted peak") == 1 and "no prediction" not in out, out
+    moe_spec = spec_from_run_config(moe, device="cpu")
+    assert (moe_spec.num_experts, moe_spec.ep) == (8, 2)
+    stage = predict(moe_spec)[0]
+    assert f"stage 0/1: predicted peak {stage.peak / 2**20:.2f} MiB" in out, out
+    dense = predict(spec_from_run_config(cfg(), device="cpu"))[0]
+    # each MoE layer: 4 of the 8 experts (2 x 64 x 256 each) and the 8 x 64 router, less the
+    # dense MLP (fc1 and fc2 with their biases)
+    per_layer = 4 * 2 * 64 * 256 + 8 * 64 - (2 * 64 * 256 + 256 + 64)
+    assert stage.states.params - dense.states.params == 2 * per_layer
     startup_memory_check(cfg("--deepspeed", "--zero-stage", "3"))
     assert "no prediction" in capsys.readouterr().out
     # without --deepspeed, ZeRO stage 1 is the project's distributed optimizer: Adam's

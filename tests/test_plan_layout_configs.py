@@ -36,6 +36,11 @@ CASES = [
     ("gpt2/gpt_1t", 64, "fits", True), ("gpt2/gpt_1t", 512, "table", False),
     ("t5/t5_base", 8, "table", True), ("t5/t5_base", 16, "table", False),
     ("llama/llama2_7b", 8, "table", False), ("llama/llama2_7b", 16, "table", False),
+    # MoE, ep among the dimensions: 46.7B parameters at 16 bytes each (the project's step:
+    # fp32 weights, gradients, Adam's moments) do not fit on 8 GPUs (87 GiB each); on 64
+    # the ranking's ep column
+    # (ep x the cp candidates: ~25 s of CPU, -m exhaustive)
+    ("llama/mixtral_8x7b", 8, "fits", True), ("llama/mixtral_8x7b", 64, "table", False),
 ]
 #: Where the best row's line is fed to the settings check in the default run (a pipeline
 #: with ZeRO in fp16 through run_gpt2.sh; run_t5.sh and the flags of the Llama example's
@@ -85,6 +90,12 @@ def test_plan_layout_ranks_or_says_why(config, gpus, want, monkeypatch):
         assert r["tp"] * r["cp"] * r["pp"] * r["dp"] == gpus, r
         assert r["peak_bytes"] <= plan["usable_bytes"], r
         assert r["micro_batch"] * r["num_micro_batches"] * r["dp"] == plan["global_batch"]
+    if "num_experts" in open(os.path.join(REPO, "configs", f"{config}.yaml")).read():
+        # ep a dimension: every ep that divides dp x cp and the 8 experts is planned
+        eps = {r["ep"] for r in rows}
+        assert len(eps) > 1 and all(r["dp"] * r["cp"] % r["ep"] == 0 and 8 % r["ep"] == 0
+                                    for r in rows), eps
+        assert not any(r["sequence_parallel"] for r in rows)  # the run refuses it with MoE
     mine, note = plan["config_layout"], plan["config_layout_note"]
     assert (mine is None) == bool(note), (mine, note)
     if mine is None:  # the config's layout is for another GPU count: said, and planned
@@ -104,6 +115,7 @@ def _check_run_line(row, family, gpus, config):
         assert read["--tensor-model-parallel-size"] == str(row["tp"])
         assert read["--pipeline-model-parallel-size"] == str(row["pp"])
         assert read["--micro-batch-size"] == str(row["micro_batch"])
+        assert read.get("--expert-model-parallel-size", "1") == str(row["ep"])
         yaml_text = open(os.path.join(REPO, "configs", f"{config}.yaml")).read()
         assert read["--num-layers"] == re.search(r"num_layers: (\d+)", yaml_text).group(1)
         assert ("--sequence-parallel" in flags) == row["sequence_parallel"]  # the row's

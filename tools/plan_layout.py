@@ -20,6 +20,7 @@ against sequence parallelism + selective recompute, megatron/memory/korthikanti.
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -142,13 +143,17 @@ def _own_world(args, family):
     tp, pp = max(ns.tensor_model_parallel_size, 1), max(ns.pipeline_model_parallel_size, 1)
     cp = max(getattr(ns, "context_parallel_size", 1) or 1, 1)
     dp = getattr(ns, "expected_data_parallel_size", None)
+    # the expert-parallel group is carved out of dp x cp: dp a multiple of ep / cp
+    ep = max(getattr(ns, "expert_model_parallel_size", 1) or 1, 1)
+    need = ep // math.gcd(ep, cp)
     size = tp * cp * pp
-    if args.gpus % size == 0 and dp in (None, args.gpus // size):
+    if args.gpus % (size * need) == 0 and dp in (None, args.gpus // size):
         return args.gpus, ""
-    own = size * (dp or 1)
+    own = size * (dp or need)
+    ep_text = f" (ep {ep} out of dp x cp)" if ep > 1 else ""
     return own, (f"its layout tp {tp} x cp {cp} x pp {pp}"
-                 f"{f' x dp {dp}' if dp else ''} needs "
-                 f"{f'{own}' if dp else f'a multiple of {size}'} GPUs, not {args.gpus}")
+                 f"{f' x dp {dp}' if dp else ''}{ep_text} needs "
+                 f"{f'{own}' if dp else f'a multiple of {size * need}'} GPUs, not {args.gpus}")
 
 
 def _base(args):

@@ -42,7 +42,7 @@ LAYOUT_DESTS = frozenset({
     "checkpoint_num_layers", "recompute_granularity", "recompute_method",
     "recompute_num_layers", "recompute_activations", "zero_stage", "deepspeed",
     "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-    "expected_data_parallel_size"})
+    "expected_data_parallel_size", "expert_model_parallel_size"})
 #: The YAML's model settings a run-script line passes in EXTRA_ARGS (the scripts have no
 #: variable for them); the rest of the script's run (optimizer, logging) is the script's.
 SCRIPT_EXTRAS = ("ffn_hidden_size", "kv_channels", "make_vocab_size_divisible_by",
@@ -81,6 +81,8 @@ def layout_flags(spec: Any) -> List[str]:
              "--pipeline-model-parallel-size", str(spec.pp)]
     if spec.cp > 1:
         flags += ["--context-parallel-size", str(spec.cp), "--cp-comm-type", spec.cp_comm]
+    if getattr(spec, "num_experts", 0):
+        flags += ["--expert-model-parallel-size", str(spec.ep)]
     if spec.pp > 1:
         flags += ["--pipeline-schedule", spec.pipeline_schedule]
         if spec.vpp > 1:
@@ -99,6 +101,8 @@ def _script_variables(spec: Any, family: str, settings: Dict[str, Any]) -> Dict[
     out = {"mp_size": str(spec.tp)}
     if family == "gpt2":
         out["cp_size"] = str(spec.cp)
+    if getattr(spec, "num_experts", 0):
+        out["ep_size"] = str(spec.ep)
     out.update(pp_size=str(spec.pp), vpp_size=str(spec.vpp if spec.pp > 1 else 1))
     if spec.pp > 1:
         out["PIPELINE_SCHEDULE"] = spec.pipeline_schedule

@@ -207,6 +207,32 @@ def gpt2_layer(spec: MemorySpec, b: int) -> int:
     return total
 
 
+def moe_layer(spec: MemorySpec, b: int) -> int:
+    """Bytes one MoE layer saves for one micro-batch: :func:`gpt2_layer` with the dense
+    MLP's tensors replaced by the MoE block's (megatron/memory/moe.py).
+
+    Args:
+        spec: the run.
+        b: samples per micro-batch.
+    """
+    from .moe import dense_mlp_saved, moe_mlp_saved
+
+    tokens = spec.seq_local * b
+    return gpt2_layer(spec, b) - dense_mlp_saved(spec, tokens) + moe_mlp_saved(spec, tokens)
+
+
+def stage_layer_bytes(spec: MemorySpec, layers: StageLayers, b: int):
+    """``(saved bytes of the stage's layers, the largest layer's)``: dense and MoE layers
+    (no recompute)."""
+    dense = gpt2_layer(spec, b)
+    if not layers.moe_layers:
+        return layers.encoder_layers * dense, dense
+    moe = moe_layer(spec, b)
+    m = layers.moe_layers
+    return (layers.encoder_layers - m) * dense + m * moe, max(moe, dense if
+                                                              layers.encoder_layers > m else 0)
+
+
 def layer_weight_copy(spec: MemorySpec) -> int:
     """Bytes of autocast's compute-dtype copies of one decoder layer's linear weights (one
     tensor-parallel rank)."""
@@ -322,8 +348,14 @@ def gpt2_stage(spec: MemorySpec, layers: StageLayers) -> Activations:
     n = layers.encoder_layers
     # a recomputed group keeps the [1, 1, s, s] mask it was given (on a pipeline stage the
     # one the engine received: report.py then does not count it again); cp: the layout
-    body, peak = full_recompute(spec, n, gpt2_layer(spec, b), recompute_input(spec, tokens),
+    layer = gpt2_layer(spec, b)
+    if layers.moe_layers:  # the stage's mean layer; a recompute brings back the largest
+        total_layers, largest = stage_layer_bytes(spec, layers, b)
+        layer = total_layers // n
+    body, peak = full_recompute(spec, n, layer, recompute_input(spec, tokens),
                                 gpt2_mask_bytes(spec))
+    if layers.moe_layers and peak:
+        peak = peak // layer * largest
     total = body
     if layers.embedding:
         total += gpt2_embedding(spec, b)

@@ -57,7 +57,8 @@ def attention_backward(spec: MemorySpec, shape: Shape) -> int:
     return scores * e + (q + 2 * k) * proj * e + q * proj * spec.e
 
 
-def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1) -> int:
+def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1,
+                   moe: bool = False) -> int:
     """One transformer layer's backward on one rank: the residual stream's gradient plus
     the largest working set among its parts, in the order the backward runs them (fc2,
     the activation, fc1, dense, the attention core, the q, k, v gradients and their
@@ -67,6 +68,7 @@ def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1) -> int:
         spec: the run.
         shape: the self-attention's sizes.
         fc1_outputs: 2 for a gated feed-forward (two ``d_ff`` outputs).
+        moe: the layer's MLP is an MoE block (megatron/memory/moe.py).
     """
     h, e, r, c = spec.hidden, spec.e, spec.residual_bytes, sp_divisor(spec)
     tokens = shape.sq * shape.b
@@ -97,6 +99,14 @@ def layer_backward(spec: MemorySpec, shape: Shape, fc1_outputs: int = 1) -> int:
         core_part,  # the attention core
         grads_part,  # q, k, v gradients and the split's concatenation
         (tokens * qkv * e + col_dx + qkv * h * wg, 0, held * qkv))  # QKV
+    if moe:  # the MoE block's backward in the dense MLP's place
+        from .moe import moe_backward_parts
+
+        block = list(moe_backward_parts(spec, tokens, wg))
+        block[0] = (row_dy + block[0][0], block[0][1] + drop, 0)
+        ln2 = norm_bytes(spec, tokens, spec.norm_stats) + drop
+        block[-1] = (block[-1][0], block[-1][1] + ln2, 0)
+        parts = tuple(block) + parts[3:]
     most = freed = 0
     for working, frees, holds in parts:
         most = max(most, working - freed)
@@ -209,15 +219,22 @@ def _deferred_layer(spec: MemorySpec, b: int) -> int:
     return deferred_bytes(spec, StageLayers(0, False, 1, 0, False, False, False))
 
 
-def _layer_points(spec: MemorySpec, n: int, lb: int, act: Activations, b: int, made: int):
+def _layer_points(spec: MemorySpec, n: int, lb: int, act: Activations, b: int, made: int,
+                  layers: StageLayers = None):
     """``(working set, gradients made before)`` at the first and the last of ``n`` layers'
     backwards (each is linear in the layers done: the worst is at one end): the layers run
     last to first, each freeing what it saved (a recomputed group: its input) and making
     its weight gradients; under block recompute the stage's last layers keep everything
     and run first, the first ones come back after them."""
-    # a layer's backward frees what it saved, less (zero bubble) what the weight pass needs
+    # a layer's backward frees what it saved, less (zero bubble) what the weight pass needs;
+    # with MoE layers the stage's mean layer
     layer = gpt2_layer(spec, b) - _deferred_layer(spec, b)
     grads = _grad_bytes(spec, encoder_layers=1)
+    if layers is not None and layers.moe_layers:
+        from .activations import stage_layer_bytes
+
+        layer = stage_layer_bytes(spec, layers, b)[0] // n - _deferred_layer(spec, b)
+        grads = _grad_bytes(spec, encoder_layers=n, moe_layers=layers.moe_layers) // n
     kept_input = recompute_input(spec, spec.seq_local * b)
     if spec.recompute != "full":
         return [(lb, made), (lb - (n - 1) * layer, made + (n - 1) * grads)]
@@ -258,9 +275,14 @@ def gpt2_backward(spec: MemorySpec, layers: StageLayers, act: Activations) -> Tr
         made += _grad_bytes(spec, final_norm=True)
     n = layers.encoder_layers
     if n:
-        lb = layer_backward(spec, Shape(s, s, b), 2 if spec.gated else 1) - head
-        points += _layer_points(spec, n, lb, act, b, made)
-        made += n * _grad_bytes(spec, encoder_layers=1)
+        gated = 2 if spec.gated else 1
+        # the largest of the dense and the MoE layers' backward (each only where it runs)
+        lb = layer_backward(spec, Shape(s, s, b), gated) - head \
+            if layers.moe_layers < n else 0
+        if layers.moe_layers:
+            lb = max(lb, layer_backward(spec, Shape(s, s, b), gated, True) - head)
+        points += _layer_points(spec, n, lb, act, b, made, layers)
+        made += _grad_bytes(spec, encoder_layers=n, moe_layers=layers.moe_layers)
     if layers.embedding:
         freed = act.saved - gpt2_embedding(spec, b) - n * _deferred_layer(spec, b)
         points.append((gpt2_embedding_backward(spec, b) - freed, made))

@@ -40,12 +40,14 @@ class Layout:
 
 def stage_layout(spec: MemorySpec) -> Layout:
     """The chunks and ranks of a layout (cached per family, layers, pp, v, schedule)."""
-    return _layout(spec.family, spec.num_layers, spec.pp, spec.vpp, spec.pipeline_schedule)
+    return _layout(spec.family, spec.num_layers, spec.pp, spec.vpp, spec.pipeline_schedule,
+                   spec.num_experts, spec.moe_layers)
 
 
 @lru_cache(maxsize=1024)
-def _layout(family: str, layers: int, pp: int, vpp: int, schedule: str) -> Layout:
-    sizes = _Sizes(family, layers, pp, vpp)
+def _layout(family: str, layers: int, pp: int, vpp: int, schedule: str, num_experts: int = 0,
+            moe_layers: Tuple[bool, ...] = ()) -> Layout:
+    sizes = _Sizes(family, layers, pp, vpp, num_experts, moe_layers)
     parts = chunk_layers(sizes) if vpp > 1 else stage_layers(sizes)
     chunks_of = rank_chunks(pp, vpp, schedule)
     stages = [rank_layers(parts, r, mine) for r, mine in enumerate(chunks_of)] \
@@ -62,6 +64,8 @@ class _Sizes:
     num_layers: int
     pp: int
     vpp: int
+    num_experts: int = 0
+    moe_layers: Tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

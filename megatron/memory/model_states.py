@@ -29,8 +29,9 @@ DeepSpeed is given as its data-parallel group under context parallelism.
 What exists only while the gradients are reduced and the optimizer steps, when the
 activations are gone, is :func:`step_bytes`.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .moe import dense_mlp_params, dense_moe_params, expert_grad_ranks, expert_params
 from .spec import MemorySpec
 from .stages import StageLayers
 
@@ -89,6 +90,9 @@ def stage_params(spec: MemorySpec, layers: StageLayers) -> int:
         positions = spec.max_positions * h if spec.positions == "learned" else 0
         embedding = word + positions  # learned positions, replicated
         count = layers.encoder_layers * _gpt2_layer_params(spec)
+        if layers.moe_layers:  # the MLP replaced by the router, the experts, shared experts
+            count += layers.moe_layers * (dense_moe_params(spec) + expert_params(spec) -
+                                          dense_mlp_params(spec))
         if not spec.tie_embeddings:  # an output layer of its own
             return count + embedding * layers.embedding + word * layers.head + \
                 _norm_params(spec) * layers.final_norm
@@ -139,7 +143,7 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
     """
     n = stage_params(spec, layers)
     g = n - _no_grad_params(spec, layers)
-    partition = -(-n // spec.grad_ranks)  # ceil: each bucket is padded to dp parts
+    partition = _partition(spec, layers, n)
     if spec.backend == "ddp":  # the gradient buffer covers every trained parameter
         return ModelStates(n, 4 * n, 4 * n, 8 * (partition if spec.zero_stage else n))
     if spec.dtype == "fp32" and not spec.zero_stage:
@@ -156,6 +160,16 @@ def model_states(spec: MemorySpec, layers: StageLayers) -> ModelStates:
     return ModelStates(n, w * n, grads, 12 * partition)
 
 
+def _partition(spec: MemorySpec, layers: StageLayers, n: int) -> int:
+    """Elements of one rank's slice of the stage's gradient buffers: the dense buffer
+    over dp x cp, the expert buffer (its own) over the expert-data-parallel ranks
+    (megatron/distributed/grad_buffer.py, megatron/optimizer/distributed.py); each padded
+    to whole parts (ceil)."""
+    experts = layers.moe_layers * expert_params(spec)
+    dense = -(-(n - experts) // spec.grad_ranks)
+    return dense + (-(-experts // expert_grad_ranks(spec)) if experts else 0)
+
+
 def _largest_param(spec: MemorySpec, layers: StageLayers) -> int:
     """Elements of the stage's largest parameter tensor on one tensor-parallel rank."""
     t = spec.tp
@@ -163,13 +177,28 @@ def _largest_param(spec: MemorySpec, layers: StageLayers) -> int:
         if layers.encoder_layers or layers.decoder_layers else spec.hidden
     if layers.embedding or layers.head:
         largest = max(largest, spec.vocab // t * spec.hidden)
+    if layers.moe_layers:  # a stacked expert weight (fc1: [E / ep, F1 / tp, h])
+        largest = max(largest, expert_params(spec) * (2 if spec.gated else 1) //
+                      (3 if spec.gated else 2))
     return largest
+
+
+def _copied_buckets(spec: MemorySpec, layers: StageLayers, n: int) -> int:
+    """Elements of the buckets whose gloo copies the distributed optimizer's collectives
+    hold at once: the largest, or with an expert buffer its bucket and the dense one's."""
+    experts = layers.moe_layers * expert_params(spec)
+    if not experts:
+        return _largest_bucket(spec, layers, n)
+    return experts + _largest_bucket(spec, replace(layers, moe_layers=0), n - experts)
 
 
 def _largest_bucket(spec: MemorySpec, layers: StageLayers, n: int) -> int:
     """Elements of a stage's largest gradient bucket (one bucket, but a weight tied across
     pipeline stages, the word embedding, has its own: megatron/distributed)."""
     word = spec.vocab // spec.tp * spec.hidden
+    experts = layers.moe_layers * expert_params(spec)
+    if experts:  # the expert parameters' buffer is a bucket of its own
+        return max(experts, _largest_bucket(spec, replace(layers, moe_layers=0), n - experts))
     tied = spec.pp > 1 and spec.tie_embeddings and (layers.embedding or layers.head)
     return max(word, n - word) if tied else n
 
@@ -199,15 +228,19 @@ def step_bytes(spec: MemorySpec, layers: StageLayers, states: ModelStates) -> in
         states: its model states (:func:`model_states`).
     """
     n = states.params
-    partition = -(-n // spec.grad_ranks)
+    partition = _partition(spec, layers, n)
     if spec.backend == "ddp":  # tensor by tensor: a parameter, or its part in this slice
         if spec.device != "cpu":
             return 0
         largest = _largest_param(spec, layers)
+        # with an expert buffer a third temporary of the largest parameter (measured on the
+        # CPU: tests/test_memory_peak.py's MoE layouts)
+        third = 4 * largest if layers.moe_layers else 0
         if not spec.zero_stage:
-            return 2 * 4 * largest
-        # gloo's reduce-scatter and all-gather copy a bucket (NCCL's run in place)
-        return 2 * 4 * min(largest, partition) + 4 * _largest_bucket(spec, layers, n)
+            return 2 * 4 * largest + third
+        # gloo's reduce-scatter and all-gather copy a bucket (NCCL's run in place); with
+        # an expert buffer the copies of both buffers' buckets are alive at once (measured)
+        return 2 * 4 * min(largest, partition) + 4 * _copied_buckets(spec, layers, n) + third
     flat = bf16_optimizer(spec) or spec.zero_stage > 0  # the optimizer steps flat partitions
     adam = 2 * 4 * (partition if flat else _largest_param(spec, layers)) \
         if spec.device == "cpu" else 0

@@ -1,4 +1,4 @@
-"""Every (tp, cp, pp, dp, micro-batch, recompute, ZeRO, SP) layout that fits, ranked by
+"""Every (tp, cp, ep, pp, dp, micro-batch, recompute, ZeRO, SP) layout that fits, ranked by
 predicted tokens per second per GPU at the global batch the user gives.
 
 Memory per stage from :func:`~megatron.memory.report.predict`, held against the GPU's
@@ -12,6 +12,13 @@ sequence cut into ``2 cp`` chunks, no attention dropout; docs/scale_out.md): its
 between tensor and data parallelism in the grid, so tp x cp <= a node's GPUs is preferred
 by the links' speeds, not required. The ring (p2p) always; Ulysses (a2a) where each
 context-parallel rank gets whole heads.
+
+Expert parallelism (ep) is a candidate dimension of a model with MoE layers: every divisor
+of dp x cp that divides the experts (the expert-parallel group is carved out of the data x
+context ranks, so ep adds no GPUs: it trades the experts' memory for the dispatch's
+all-to-alls); such a model is planned without sequence parallelism, ZeRO-2 and the
+zero-bubble schedules (the run refuses the first two; the experts' deferred weight pass is
+not described).
 """
 import itertools
 from dataclasses import replace
@@ -90,6 +97,8 @@ def _schedules(base, pp):
     per_stage = layers // pp if layers % pp == 0 else 0
     interleaved = [("interleaved", v) for v in range(2, per_stage + 1) if per_stage % v == 0]
     zbv = [("zbv", 2)] if layers % (2 * pp) == 0 else []
+    if base.num_experts:  # the experts' deferred weight pass is not described
+        return [("1f1b", 1)] + interleaved
     return [("1f1b", 1), ("zb-h1", 1)] + interleaved + zbv
 
 
@@ -102,10 +111,21 @@ def _recomputes(base):
     return ("none", "full", "selective") if keeps else ("none", "full")
 
 
+def _expert_parallel(base, dp):
+    """ep candidates: 1 for a dense model; with MoE layers every divisor of dp x cp that
+    divides the experts (the expert-parallel group is carved out of those ranks)."""
+    if not base.num_experts:
+        return (1,)
+    return tuple(ep for ep in _divisors(dp * base.cp) if base.num_experts % ep == 0)
+
+
 def _variants(base, tp, pp, dp, mb, m):
-    for (schedule, vpp), recompute in itertools.product(_schedules(base, pp), _recomputes(base)):
-        for zero in (0, 1) if pp > 1 else (0, 1, 2):
-            for sp in (False, True) if tp > 1 else (False,):
+    moe = bool(base.num_experts)
+    for (schedule, vpp), recompute, ep in itertools.product(
+            _schedules(base, pp), _recomputes(base), _expert_parallel(base, dp)):
+        # MoE: no sequence parallelism, not DeepSpeed's engine (both refused by the run)
+        for zero in (0, 1) if pp > 1 or moe else (0, 1, 2):
+            for sp in (False, True) if tp > 1 and not moe else (False,):
                 if zero and dp * base.cp == 1 or sp and base.seq_local % tp:
                     continue
                 # ZeRO-2 is DeepSpeed's engine's (pp 1); stage 1 is the project's distributed
@@ -116,7 +136,7 @@ def _variants(base, tp, pp, dp, mb, m):
                               recompute=recompute, recompute_method="uniform",
                               recompute_num_layers=1, zero_stage=zero, sequence_parallel=sp,
                               backend=backend, vpp=vpp, schedule=schedule,
-                              overlap_grad_reduce=backend == "ddp")
+                              overlap_grad_reduce=backend == "ddp", ep=ep)
 
 
 def plan(base: MemorySpec, hw: Hardware, global_batch: int, step_flops: float,

@@ -117,13 +117,14 @@ class Plan:
             recompute += f"/{s.recompute_method}{s.recompute_num_layers}"
         cp = f" cp={s.cp}" + (f"/{s.cp_comm}" if s.cp_comm != "p2p" else "") \
             if s.cp > 1 else ""
-        return (f"tp={s.tp}{cp} pp={s.pp}{schedule} dp={s.dp} mb={s.micro_batch} "
+        ep = f" ep={s.ep}" if s.num_experts else ""
+        return (f"tp={s.tp}{cp}{ep} pp={s.pp}{schedule} dp={s.dp} mb={s.micro_batch} "
                 f"m={s.num_micro_batches} recompute={recompute} zero={s.zero_stage} "
                 f"sp={int(s.sequence_parallel)}")
 
     def to_dict(self) -> dict:
         s, t = self.spec, self.time
-        return {"tp": s.tp, "pp": s.pp, "dp": s.dp, "cp": s.cp,
+        return {"tp": s.tp, "pp": s.pp, "dp": s.dp, "cp": s.cp, "ep": s.ep,
                 "cp_comm_type": s.cp_comm if s.cp > 1 else None,
                 "micro_batch": s.micro_batch,
                 "pipeline_schedule": s.pipeline_schedule if s.pp > 1 else None, "vpp": s.vpp,
@@ -138,7 +139,7 @@ class Plan:
                 "step_time_s": t.total, "tokens_per_gpu_s": self.tokens_per_gpu_s,
                 "model_tflops_per_gpu": self.tflops_per_gpu,
                 "compute_time_s": t.compute, "tp_comm_time_s": t.tp_comm,
-                "cp_comm_time_s": t.cp_comm,
+                "cp_comm_time_s": t.cp_comm, "ep_comm_time_s": t.ep_comm,
                 "pipeline_time_s": t.pp, "dp_comm_time_s": t.dp_comm,
                 "optimizer_time_s": t.optimizer, "comm_bytes": self.comm_bytes,
                 "bubble": t.bubble}
@@ -181,7 +182,8 @@ def _cp_bytes(spec: MemorySpec, tokens: int) -> float:
 def plan_of(spec: MemorySpec, stages: List[StageMemory], hw: Hardware,
             step_flops: float) -> Plan:
     """The :class:`Plan` of a layout whose stage memory is known: its step time added."""
-    parts = [(x.encoder_layers, x.decoder_layers, x.head) for x in stage_layers(spec)]
+    parts = [(x.encoder_layers, x.decoder_layers, x.head, x.moe_layers)
+             for x in stage_layers(spec)]
     params = max(s.states.params for s in stages)
     time = step_time(spec, hw.device(), hw.per_node, parts, params)
     return Plan(spec, stages, time, _comm_bytes(spec, stages), step_flops, spec.world)

@@ -141,6 +141,10 @@ def autocast_weight_copies(spec: MemorySpec, layers: StageLayers) -> int:
             layers.decoder_layers * t5_layer_weight_copy(spec, True)
     else:
         total = layers.encoder_layers * layer_weight_copy(spec)
+        if layers.moe_layers:  # no dense MLP; the shared experts' (the experts' casts
+            h, t = spec.hidden, spec.tp  # are per micro-batch: megatron/memory/moe.py)
+            mlp = (3 if spec.gated else 2) * h * (spec.ffn - spec.moe_shared_ffn) // t
+            total -= layers.moe_layers * mlp * spec.e
     if layers.head:
         total += spec.vocab // spec.tp * spec.hidden * spec.e
     return total

@@ -5,7 +5,7 @@
 (the layout planner), so the model never needs a process group, a tokenizer or a device.
 """
 from dataclasses import dataclass, replace
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..common.errors import ConfigError
 
@@ -111,6 +111,32 @@ class MemorySpec:
     published tables' runs): each layer moves ``10 e h + 2 h`` bytes per token around
     its GEMMs (+ ``2 e f / t``) instead of this project's separate bias, dropout and
     residual ops' ``16 e h`` (+ ``4 e f / t``); step time only (megatron/memory/step_time.py)."""
+    num_experts: int = 0
+    """Experts per MoE layer (``--num-experts``); 0: dense feed-forward layers only
+    (megatron/memory/moe.py describes the MoE layers)."""
+    moe_topk: int = 2
+    moe_ffn: int = 0
+    """Each expert's feed-forward width (``--moe-ffn-hidden-size``; 0: ``ffn``)."""
+    moe_layers: Tuple[bool, ...] = ()
+    """Per layer: an MoE block in the MLP's place (``--moe-layer-freq``; empty: every
+    layer when ``num_experts``)."""
+    moe_shared_ffn: int = 0
+    """The shared experts' width (``--moe-shared-expert-intermediate-size``; 0: none)."""
+    ep: int = 1
+    """Expert-parallel size: ranks splitting each MoE layer's experts, carved out of the
+    data x context ranks."""
+    capacity_factor: float = 0.0
+    """``--moe-expert-capacity-factor``; 0: dropless (balanced routing assumed)."""
+    moe_dispatcher: str = "alltoall"
+    moe_grouped: bool = False
+    """``--moe-grouped-gemm`` (one ``torch._grouped_mm``; else the per-expert loop)."""
+    moe_rows_factor: float = 1.0
+    """Dropless: the rows this rank's experts compute over the balanced ``T k`` (1.0:
+    balanced routing, the planner's and the start-up check's assumption; above 1 for the
+    headroom of a skewed router)."""
+    moe_aux_loss: bool = False
+    """A load-balancing loss (softmax or sigmoid scores over all experts kept)."""
+    moe_z_loss: bool = False
     grad_accum: str = ""
     """DeepSpeed's ``data_types.grad_accum_dtype`` (``fp32``, ``bf16``, ``fp16``; empty: the
     weights' dtype): the dtype of the BF16_Optimizer's flat gradient buffer."""
@@ -212,6 +238,10 @@ class MemorySpec:
             problems.append(f"{self.heads} heads do not split over tp={self.tp}")
         problems += self.cp_problems()
         problems += self._grad_accum_problems()
+        if self.num_experts:
+            from .moe import moe_problems
+
+            problems += moe_problems(self)
         if problems:
             raise ConfigError("memory model: " + "; ".join(problems))
 
@@ -371,13 +401,9 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
             tokenizer, as the planner does).
 
     Raises:
-        ConfigError: a run the model does not describe (MoE layers: no description of the
-            experts and the dispatch buffers yet; the start-up check then says so and
-            predicts nothing).
+        ConfigError: a run the model does not describe (the start-up check then says so
+            and predicts nothing).
     """
-    if cfg.get("num_experts"):
-        raise ConfigError("memory model: MoE layers (--num-experts) are not described yet "
-                          "(experts per rank, dispatch buffers): no prediction for this run")
     m, p, k = cfg.model, cfg.parallel, cfg.kernels
     rows = m.padded_vocab_size or vocab
     if rows is None:
@@ -419,5 +445,8 @@ def spec_from_run_config(cfg, device: Optional[str] = None, vocab: Optional[int]
         vocab_padded=m.true_vocab_size is None or m.true_vocab_size < rows,
         grad_accum=_grad_accum(cfg) if backend == "engine" else "", **extra)
     spec = replace(spec, **layer)  # the family's description of its layers
+    from .moe import moe_fields
+
+    spec = replace(spec, **moe_fields(cfg))
     spec.check()
     return spec

@@ -29,6 +29,8 @@ class StageLayers:
     """GPT-2's final LayerNorm / T5's decoder final norm."""
     head: bool
     """Output layer, logits and loss (last stage)."""
+    moe_layers: int = 0
+    """How many of ``encoder_layers`` have an MoE block (megatron/memory/moe.py)."""
 
 
 def _specs(spec: MemorySpec) -> List[str]:
@@ -47,6 +49,22 @@ def stage_layers(spec: MemorySpec) -> List[StageLayers]:
         spec: the run (family, layers, pp).
     """
     return _partition(spec, spec.pp)
+
+
+def _with_moe(spec: MemorySpec, parts) -> List[StageLayers]:
+    """The partition with each part's MoE layer count (the parts hold consecutive
+    layers)."""
+    if not spec.num_experts:
+        return list(parts)
+    from dataclasses import replace
+
+    from .moe import moe_layer_count
+
+    out, first = [], 0
+    for part in parts:
+        out.append(replace(part, moe_layers=moe_layer_count(spec, first, part.encoder_layers)))
+        first += part.encoder_layers
+    return out
 
 
 def chunk_layers(spec: MemorySpec) -> List[StageLayers]:
@@ -76,11 +94,12 @@ def rank_layers(chunks: List[StageLayers], rank: int, mine: Sequence[int]) -> St
                        decoder_layers=sum(p.decoder_layers for p in parts),
                        encoder_norm=any(p.encoder_norm for p in parts),
                        final_norm=any(p.final_norm for p in parts),
-                       head=any(p.head for p in parts))
+                       head=any(p.head for p in parts),
+                       moe_layers=sum(p.moe_layers for p in parts))
 
 
 def _partition(spec: MemorySpec, parts_count: int) -> List[StageLayers]:
-    return list(_cached_partition(spec.family, spec.num_layers, parts_count))
+    return _with_moe(spec, _cached_partition(spec.family, spec.num_layers, parts_count))
 
 
 @lru_cache(maxsize=1024)

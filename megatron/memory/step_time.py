@@ -44,6 +44,10 @@ Every term is a roofline with stated constants (docs/memory.md, "Step time"):
   planner's rows) the project's step hides it under the slowest stage's last micro-batch
   backward (of one chunk: ``/ v``), else it and DeepSpeed's engine run it after the
   backward.
+- **MoE layers**: the router (fp32), each local expert's two GEMMs over its rows (``T k /
+  E`` from each of the ``ep`` ranks under balanced routing) at the expert's width, the
+  shared experts; the dispatch's two all-to-alls forward and two backward of the ``T k``
+  rows over the expert-parallel group, not overlapped (:func:`ep_comm`).
 - **Optimizer**: the Adam step's bytes (weights, gradients, moments, masters) at HBM speed.
 """
 from dataclasses import dataclass
@@ -116,17 +120,23 @@ def _bw(span: int, per_node: int, dev: Device) -> float:
 
 
 def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int,
-                   cross: bool) -> Tuple[float, float]:
+                   cross: bool, moe: bool = False) -> Tuple[float, float]:
     """``(matmul, memory)`` seconds of one layer's forward on one rank (one micro-batch): the
     GEMMs and the attention core's FLOPs, and the HBM-bound elementwise work (norms,
-    dropouts, residuals, GeLU; the unfused attention's scores)."""
+    dropouts, residuals, GeLU; the unfused attention's scores); ``moe``: an MoE layer
+    (:func:`_moe_forward` in the dense MLP's place)."""
     h, t, e, f = spec.hidden, spec.tp, spec.e, spec.ffn
     proj = spec.heads * spec.kv_channels
     gated = 2 if spec.gated else 1
     b = spec.micro_batch
     time = gemm_time(tokens, spec.qkv_width // t, h, e, dev) + \
         gemm_time(tokens, h, proj // t, e, dev)
-    time += gemm_time(tokens, gated * f // t, h, e, dev) + gemm_time(tokens, h, f // t, e, dev)
+    if moe:
+        moe_matmul, moe_bytes = _moe_forward(spec, dev, tokens)
+        time += moe_matmul
+    else:
+        time += gemm_time(tokens, gated * f // t, h, e, dev) + \
+            gemm_time(tokens, h, f // t, e, dev)
     if cross:  # decoder: cross-attention's projections (its core: _core_forward)
         enc = s_kv * b
         time += gemm_time(tokens, proj // t, h, e, dev) + gemm_time(enc, 2 * proj // t, h, e, dev)
@@ -136,9 +146,57 @@ def _layer_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int,
     # Megatron-LM's fused bias-dropout-add (1-byte mask) and bias-GeLU kernels less
     elementwise = tokens * (e * 10 * h + 2 * h) / c + tokens * e * 2 * f / t \
         if spec.fused_elementwise else tokens * e * (16 * h / c + 4 * f / t)
+    if moe:  # the experts' activation instead of the dense one's
+        elementwise += moe_bytes - (tokens * e * 2 * f / t if spec.fused_elementwise else
+                                    tokens * e * 4 * f / t)
     core_matmul, core_memory = _core_forward(spec, dev, tokens, s_kv, cross)
     return time + core_matmul, \
         elementwise / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency) + core_memory
+
+
+def _moe_forward(spec: MemorySpec, dev: Device, tokens: int) -> Tuple[float, float]:
+    """``(matmul seconds, HBM bytes)`` of one MoE block's forward on one rank: the fp32
+    router, each local expert's two GEMMs over its ``T k / E x ep`` rows (balanced routing;
+    capacity mode: its ``C x ep`` padded rows) at the expert width split over tp, the
+    shared experts; the bytes of the experts' activation, the sort and the combine."""
+    from .moe import expert_ffn, expert_rows, local_experts
+
+    h, t, e = spec.hidden, spec.tp, spec.e
+    gated = 2 if spec.gated else 1
+    f, local = expert_ffn(spec), local_experts(spec)
+    n = expert_rows(spec, tokens)
+    rows = max(1, n // local)  # each local expert's
+    time = gemm_time(tokens, spec.num_experts, h, 4, dev)  # the router, fp32
+    time += local * (gemm_time(rows, gated * f // t, h, e, dev) +
+                     gemm_time(rows, h, f // t, e, dev))
+    if spec.moe_shared_ffn:
+        sf = spec.moe_shared_ffn
+        time += gemm_time(tokens, gated * sf // t, h, e, dev) + \
+            gemm_time(tokens, h, sf // t, e, dev)
+    moved = n * e * 4 * f / t + tokens * spec.moe_topk * h * (3 * e + 8)  # sort, combine
+    return time, moved
+
+
+def ep_comm(spec: MemorySpec, dev: Device, tokens: int, per_node: int) -> float:
+    """Forward + backward expert-parallel dispatch of one MoE layer and one micro-batch:
+    ``alltoall``: two all-to-alls forward (the rows out, the outputs back) and two backward,
+    each of the ``T k`` rows (``(ep - 1) / ep`` of them leave the rank; capacity mode:
+    the ``E C`` rows of the buffers), at the speed of the link the ep group spans (its ranks
+    are tp apart: ``tp x ep`` consecutive ranks); ``allgather``: the tokens all-gathered
+    and the fp32 outputs reduce-scattered, forward and backward."""
+    ep = spec.ep
+    if ep == 1:
+        return 0.0
+    from .moe import expert_rows
+
+    bw = _bw(spec.tp * ep, per_node, dev)
+    if spec.moe_dispatcher == "allgather":
+        gather = _collective(tokens * ep * spec.hidden * spec.e, ep, bw, dev, ring=1.0)
+        scatter = _collective(tokens * ep * spec.hidden * 4, ep, bw, dev, ring=1.0)
+        return 2 * (gather + scatter)
+    rows = expert_rows(spec, tokens) if spec.capacity_factor else tokens * spec.moe_topk
+    one = (ep - 1) / ep * rows * spec.hidden * spec.e / (bw * 1e9) + dev.latency_s
+    return 4 * one
 
 
 def _core_forward(spec: MemorySpec, dev: Device, tokens: int, s_kv: int,
@@ -223,18 +281,21 @@ class StepTime:
     cp_comm: float = 0.0
     """The slowest stage's exposed context-parallel communication (in ``total``, not in
     ``tp_comm``)."""
+    ep_comm: float = 0.0
+    """The slowest stage's expert-parallel dispatch (in ``total``, not overlapped)."""
 
 
-def _per_layer(spec: MemorySpec, dev: Device, per_node: int, decoder: bool):
-    """``(compute, (tp comm, cp comm), forward, (forward tp comm, forward cp comm))``
+def _per_layer(spec: MemorySpec, dev: Device, per_node: int, decoder: bool,
+               moe: bool = False):
+    """``(compute, (tp comm, cp comm, ep comm), forward, (its forward parts))``
     seconds of one layer (a T5 decoder layer when ``decoder``) and one micro-batch: forward
     and backward (two GEMMs per forward GEMM, the elementwise bytes once more: each op
     reads its saved input and the gradient and writes one gradient), selective recompute's
     attention core; what full recompute would run again is the forward and its share of
-    the communication."""
+    the communication; ``moe``: an MoE layer (its dispatch: :func:`ep_comm`)."""
     b = spec.micro_batch
     tokens = (spec.dec_seq if decoder else spec.seq_local) * b
-    matmul, memory = _layer_forward(spec, dev, tokens, spec.seq, decoder)
+    matmul, memory = _layer_forward(spec, dev, tokens, spec.seq, decoder, moe)
     forward = matmul + memory
     tp = _tp_comm(spec, dev, tokens, per_node)
     core = sum(_core_forward(spec, dev, tokens, spec.seq, decoder))
@@ -242,31 +303,35 @@ def _per_layer(spec: MemorySpec, dev: Device, per_node: int, decoder: bool):
     compute = forward + 2 * matmul + memory
     if selective(spec):  # the attention core once more (where it keeps s x s)
         compute += core
-    return compute, (tp, cp), forward, (tp / 2, cp_forward)
+    ep = ep_comm(spec, dev, tokens, per_node) if moe else 0.0
+    return compute, (tp, cp, ep), forward, (tp / 2, cp_forward, ep / 2)
 
 
 def _stage_times(spec: MemorySpec, dev: Device, layers_per_stage: List[tuple],
                  per_node: int):
-    """Per stage: (compute, tp comm, cp comm) seconds of one micro-batch, forward +
-    backward."""
+    """Per stage: (compute, tp comm, cp comm, ep comm) seconds of one micro-batch, forward +
+    backward (a stage's 4th entry, where given: how many of its layers are MoE)."""
     kinds = [_per_layer(spec, dev, per_node, decoder) if any(
         stage[decoder] for stage in layers_per_stage) else None for decoder in (0, 1)]
+    moe = _per_layer(spec, dev, per_node, False, True) if spec.num_experts else None
     tokens = (spec.dec_seq if spec.family == "t5" else spec.seq_local) * spec.micro_batch
     head_time = 3 * gemm_time(tokens, spec.vocab // spec.tp, spec.hidden, spec.e, dev)
     out = []
     for stage in layers_per_stage:
-        comp = comm = cp = 0.0
-        for decoder in (0, 1):
-            n = stage[decoder]
+        comp = comm = cp = ep = 0.0
+        moe_layers = stage[3] if len(stage) > 3 else 0
+        for kind, n in ((kinds[0], stage[0] - moe_layers), (kinds[1], stage[1]),
+                        (moe, moe_layers)):
             if n:
-                compute, (tp, cp_), forward, (forward_tp, forward_cp) = kinds[decoder]
+                compute, (tp, cp_, ep_), forward, (forward_tp, forward_cp, forward_ep) = kind
                 again = recomputed_layers(spec, n, stage[0] + stage[1])
                 comp += n * compute + again * forward
                 comm += n * tp + again * forward_tp
                 cp += n * cp_ + again * forward_cp
+                ep += n * ep_ + again * forward_ep
         if stage[2]:
             comp += head_time
-        out.append((comp, comm, cp))
+        out.append((comp, comm, cp, ep))
     return out
 
 
@@ -321,12 +386,13 @@ def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: Li
         spec: the layout.
         dev: device and link constants.
         per_node: GPUs per node.
-        layers_per_stage: per pipeline stage ``(encoder layers, decoder layers, has head)``.
+        layers_per_stage: per pipeline stage ``(encoder layers, decoder layers, has head)``
+            and optionally the MoE layers among the encoder layers.
         params_per_rank: parameters the most loaded rank holds (gradients and optimizer).
     """
     m, p, v = spec.num_micro_batches, spec.pp, spec.vpp
     stages = _stage_times(spec, dev, layers_per_stage, per_node)
-    per_mb = [c + t + x for c, t, x in stages]
+    per_mb = [sum(parts) for parts in stages]
     p2p = 0.0
     if p > 1:
         act = spec.micro_batch * (spec.seq_local + spec.dec_seq) * spec.hidden * spec.e / \
@@ -351,4 +417,5 @@ def step_time(spec: MemorySpec, dev: Device, per_node: int, layers_per_stage: Li
     shard = spec.grad_ranks if spec.zero_stage else 1
     opt = params_per_rank * adam_bytes / shard / (dev.hbm_gbps * 1e9 * dev.hbm_efficiency)
     return StepTime(pipeline + dp + opt, m * stages[idx][0], m * stages[idx][1],
-                    pipeline - m * per_mb[idx], dp, opt, bubble, m * stages[idx][2])
+                    pipeline - m * per_mb[idx], dp, opt, bubble, m * stages[idx][2],
+                    m * stages[idx][3])
