@@ -28,19 +28,21 @@ inside the forward and the backward: the backward's (the rows' gradients going b
 the combine and the dispatch) are in the MoE block's backward working set
 (:func:`moe_backward_parts`); the forward's, smaller than that, are not counted apart.
 """
-from typing import List
+from typing import TYPE_CHECKING, List
 
-from .spec import MemorySpec
+if TYPE_CHECKING:  # spec.py calls into this module: the type only, no import circle
+    from ..config.run_config import RunConfig
+    from .spec import MemorySpec
 
 
-def moe_fields(cfg) -> dict:
+def moe_fields(cfg: "RunConfig") -> dict:
     """The MoE fields of :class:`MemorySpec` from a run configuration (none without
     ``--num-experts``).
 
     Args:
         cfg: a validated :class:`~megatron.config.RunConfig`.
     """
-    moe = getattr(cfg, "moe", None)
+    moe = cfg.moe
     if moe is None or not moe.enabled:
         return {}
     return dict(
@@ -55,7 +57,7 @@ def moe_fields(cfg) -> dict:
         moe_z_loss=bool(moe.moe_z_loss_coeff))
 
 
-def moe_problems(spec: MemorySpec) -> List[str]:
+def moe_problems(spec: "MemorySpec") -> List[str]:
     """What the MoE description does not cover, or a layout the run would refuse."""
     problems = []
     if spec.family != "gpt2":
@@ -84,54 +86,54 @@ def moe_problems(spec: MemorySpec) -> List[str]:
     return problems
 
 
-def expert_ffn(spec: MemorySpec) -> int:
+def expert_ffn(spec: "MemorySpec") -> int:
     """Each expert's feed-forward width."""
     return spec.moe_ffn or spec.ffn
 
 
-def is_moe(spec: MemorySpec, layer: int) -> bool:
+def is_moe(spec: "MemorySpec", layer: int) -> bool:
     """Whether 0-based ``layer`` has an MoE block."""
     if not spec.num_experts:
         return False
     return bool(spec.moe_layers[layer]) if spec.moe_layers else True
 
 
-def moe_layer_count(spec: MemorySpec, first: int, count: int) -> int:
+def moe_layer_count(spec: "MemorySpec", first: int, count: int) -> int:
     """MoE layers among ``count`` layers from 0-based ``first``."""
     return sum(is_moe(spec, i) for i in range(first, first + count))
 
 
-def local_experts(spec: MemorySpec) -> int:
+def local_experts(spec: "MemorySpec") -> int:
     return spec.num_experts // spec.ep
 
 
-def expert_params(spec: MemorySpec) -> int:
+def expert_params(spec: "MemorySpec") -> int:
     """Expert parameter elements of one MoE layer on one rank (``E / ep`` experts, each
     FFN split over tp)."""
     f = expert_ffn(spec)
     return local_experts(spec) * (3 if spec.gated else 2) * f * spec.hidden // spec.tp
 
 
-def dense_moe_params(spec: MemorySpec) -> int:
+def dense_moe_params(spec: "MemorySpec") -> int:
     """Dense parameters of one MoE block: the replicated router and the shared experts."""
     shared = (3 if spec.gated else 2) * spec.moe_shared_ffn * spec.hidden // spec.tp
     return spec.num_experts * spec.hidden + shared
 
 
-def dense_mlp_params(spec: MemorySpec) -> int:
+def dense_mlp_params(spec: "MemorySpec") -> int:
     """The dense MLP's parameters an MoE layer does not have (fc1, fc2, their biases)."""
     h, f, t = spec.hidden, spec.ffn, spec.tp
     mlp_in = (2 if spec.gated else 1) * f
     return (mlp_in * h + f * h) // t + ((mlp_in // t + h) if spec.bias else 0)
 
 
-def expert_grad_ranks(spec: MemorySpec) -> int:
+def expert_grad_ranks(spec: "MemorySpec") -> int:
     """The expert-data-parallel group: ``dp x cp / ep`` ranks (the distributed optimizer
     shards the expert buffer over them)."""
     return spec.grad_ranks // spec.ep
 
 
-def capacity(spec: MemorySpec, tokens: int) -> int:
+def capacity(spec: "MemorySpec", tokens: int) -> int:
     """Rows each expert takes from this rank in capacity mode (megatron/mpu/moe/capacity.py)."""
     import math
 
@@ -139,7 +141,7 @@ def capacity(spec: MemorySpec, tokens: int) -> int:
                                  spec.capacity_factor))
 
 
-def expert_rows(spec: MemorySpec, tokens: int) -> int:
+def expert_rows(spec: "MemorySpec", tokens: int) -> int:
     """Rows this rank's experts compute for ``tokens`` local tokens: dropless ``T k``
     (balanced routing), capacity mode ``E C`` (padded buffers); the all-gather dispatcher
     computes the rows of the whole expert-parallel group's tokens chosen for its experts
@@ -149,7 +151,7 @@ def expert_rows(spec: MemorySpec, tokens: int) -> int:
     return int(tokens * spec.moe_topk * spec.moe_rows_factor)
 
 
-def router_saved(spec: MemorySpec, tokens: int) -> int:
+def router_saved(spec: "MemorySpec", tokens: int) -> int:
     """What the router keeps: its fp32 input, the top-k indices and weights, the
     balancing losses' scores (and routed mask) and the z-loss's logits."""
     k, e_count = spec.moe_topk, spec.num_experts
@@ -161,7 +163,7 @@ def router_saved(spec: MemorySpec, tokens: int) -> int:
     return total
 
 
-def moe_mlp_saved(spec: MemorySpec, tokens: int) -> int:
+def moe_mlp_saved(spec: "MemorySpec", tokens: int) -> int:
     """Bytes one MoE block keeps for the backward of one micro-batch (``tokens`` local
     tokens), the router and the shared experts included (see the module docstring).
 
@@ -188,7 +190,7 @@ def moe_mlp_saved(spec: MemorySpec, tokens: int) -> int:
     return total
 
 
-def dense_mlp_saved(spec: MemorySpec, tokens: int) -> int:
+def dense_mlp_saved(spec: "MemorySpec", tokens: int) -> int:
     """What a dense layer's MLP keeps (fc1's input, the activation's input and output):
     the part of :func:`~megatron.memory.activations.gpt2_layer` an MoE layer replaces."""
     copies = 1 + (spec.gated if spec.autocast and spec.separate_projections else 0)
@@ -196,7 +198,7 @@ def dense_mlp_saved(spec: MemorySpec, tokens: int) -> int:
     return h_part + (4 if spec.gated else 2) * tokens * spec.ffn * spec.e // spec.tp
 
 
-def moe_backward_parts(spec: MemorySpec, tokens: int, wg: int):
+def moe_backward_parts(spec: "MemorySpec", tokens: int, wg: int):
     """``(working set, saved bytes it frees, held)`` rows of an MoE block's backward in
     :func:`~megatron.memory.backward.layer_backward`'s order (the combine and the dispatch
     back, fc2, the activation, fc1 and the dispatch forth), replacing the dense MLP's.
