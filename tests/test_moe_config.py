@@ -127,10 +127,21 @@ def test_refused_on_every_rank_before_any_group(gpt2_data):
             assert result is not None and words in result[0] and not result[1], result
 
 
-def test_memory_model_says_it_does_not_describe_moe():
+def test_memory_model_describes_moe_and_says_where_it_does_not():
+    """The spec carries the run's MoE settings (experts, top-k, ep, the layer pattern), and a
+    layout the MoE description does not cover (here sequence parallelism, which the run
+    refuses with MoE) is said, not predicted."""
     from megatron.memory.spec import spec_from_run_config
 
     cfg = _cfg("--num-experts", "4").replace(padded_vocab_size=128)
-    with pytest.raises(ConfigError, match="MoE layers .* are not described yet"):
-        spec_from_run_config(cfg, device="cuda")
-    spec_from_run_config(_cfg().replace(padded_vocab_size=128), device="cuda")  # dense: fine
+    spec = spec_from_run_config(cfg, device="cuda")
+    assert (spec.num_experts, spec.moe_topk, spec.ep) == (4, cfg.moe.moe_router_topk, 1)
+    assert len(spec.moe_layers) == cfg.model.num_layers and all(spec.moe_layers)
+    dense = spec_from_run_config(_cfg().replace(padded_vocab_size=128), device="cuda")
+    assert dense.num_experts in (0, None)
+    from dataclasses import replace
+
+    from megatron.memory.moe import moe_problems
+    assert moe_problems(spec) == []
+    assert any("sequence parallelism" in p
+               for p in moe_problems(replace(spec, sequence_parallel=True)))
