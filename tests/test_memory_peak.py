@@ -15,10 +15,10 @@ the activations peak) or, where it is larger, ``states + the step's temporaries`
 step's own peak is held to 5% of the whole. The vocabulary is 16 x the hidden size, so the
 logits, their gradient copy and the output layer's weight gradient weigh as much as in a
 real model. Not seen: memory outside tensor storages (gloo's, the allocator's), a kernel's
-scratch space freed inside the op. tds's pipeline runner used to keep each micro-batch's
-loss with its graph until the next step (the received inputs and their gradients on the last
-stage: docs/memory.md); it keeps the detached loss now, and the test asserts that nothing is
-kept that way (memory_peak_runs._kept_by_runner walks the kept losses' graphs).
+scratch space freed inside the op. tds's pipeline runner keeps each micro-batch's loss
+detached (with its graph it would hold the last stage's received inputs and their gradients
+until the next step), and the test asserts that nothing is kept that way
+(memory_peak_runs._kept_by_runner walks the kept losses' graphs).
 """
 import json
 import random

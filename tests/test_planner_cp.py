@@ -1,7 +1,7 @@
 """Context parallelism in the planner and the step-time model: the planner offers cp where a
 run allows it and ranks it against tensor parallelism; for the Llama example at 32k tokens
 on 8 x 80 GiB GPUs no layout without it fits unless it recomputes every layer, and it picks
-cp > 1 (docs/memory.md quotes this run). The memory figures themselves are
+cp > 1 (docs/measurements/memory.md quotes this run). The memory figures themselves are
 held to measured peaks in tests/test_memory_peak_cp.py."""
 import json
 import os

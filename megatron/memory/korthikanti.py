@@ -8,7 +8,7 @@ Each row's two runs are evaluated exactly as the planner evaluates a layout
 (:func:`.planner.evaluate`, the :data:`~.step_time.A100` constants, 8 GPUs per node), with
 the constants of the Narayanan et al. 2021 comparison (:mod:`.published`): nothing was
 fitted to this table. What the paper does not list per row is taken as written in
-docs/memory.md ("Against Korthikanti et al. 2022").
+docs/measurements/memory.md ("Against Korthikanti et al. 2022").
 """
 from dataclasses import dataclass, replace
 from typing import List

@@ -8,7 +8,7 @@ TFLOP/s per GPU with the paper's own count (its Eq. 3, recomputation included).
 
 What the paper does not list per row (micro-batch, interleaving, data-parallel
 implementation) is taken from its authors' reproduction script, Megatron-LM's
-``examples/sc21/run_table_1.sh``; docs/memory.md ("Against Narayanan et al. 2021") gives it.
+``examples/sc21/run_table_1.sh``; docs/measurements/memory.md ("Against Narayanan et al. 2021") gives it.
 """
 from dataclasses import dataclass
 from typing import List, Optional
