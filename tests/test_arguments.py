@@ -159,7 +159,9 @@ def test_shipped_configs_parse(path, device):
     family = load_family(default_family(path))
     argv = ["--config", path, "--train-iters", "10"]
     layout = yaml.safe_load(open(path)).get("parallel_config", {})  # e.g. 64 GPUs for 175B
-    world = max(8, layout.get("model_parallel", 1) * layout.get("pipeline_stage", 1))
+    # the layout's own world: ep is carved out of dp x cp, so it needs ep data-parallel ranks
+    world = max(8, layout.get("model_parallel", 1) * layout.get("pipeline_stage", 1)
+                * layout.get("expert_parallel", 1))
     if device is WITHOUT_FP16:
         full = parse_args(argv, world_size=world, rank=0, check_files=False,
                           accelerator=WITH_FP16, family=family)

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from megatron import build_utils, locks
+from megatron.fused_kernels import build_utils
+from megatron.resilience import locks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

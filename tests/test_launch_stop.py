@@ -161,9 +161,12 @@ def test_failure_status_tells_user_errors_from_crashes():
 
 
 def _run_python(code):
-    """``code`` in a fresh interpreter that imports this checkout, its output captured."""
+    """``code`` in a fresh interpreter that imports this checkout, its output captured;
+    SIGINT at its default (a suite started in the background inherits it ignored, and
+    Python then never turns it into KeyboardInterrupt)."""
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO),
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_worker_records_the_first_ctrl_c_and_dies_on_the_second():

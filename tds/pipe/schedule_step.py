@@ -327,6 +327,7 @@ class ScheduleStep(StageCallbacks):
             t = t.to(self.stage.device)
             if self.reentrant and t.is_floating_point() and torch.is_grad_enabled():
                 t = t.detach().requires_grad_()
+                t._tds_reentrant_leaf = True  # for the reentrant checkpoint, not the contract
             return t
 
         return move(inputs) if torch.is_tensor(inputs) else tuple(move(t) for t in inputs)
@@ -384,7 +385,11 @@ class ScheduleStep(StageCallbacks):
                 continue
             where = (f"pipeline stage {self.stage.stage_id}, chunk {chunk} output position "
                      f"{pos}")
-            if tensor.requires_grad and not grads[pos]:
+            # a batch tensor passed through unchanged needs no gradient: it requires one only
+            # because a reentrant checkpoint asks its float inputs to (_device_inputs)
+            passed_through = tensor.grad_fn is None and getattr(tensor, "_tds_reentrant_leaf",
+                                                                False)
+            if tensor.requires_grad and not grads[pos] and not passed_through:
                 self._grad_contract.append(
                     f"{where} carries a gradient (it depends on this stage's parameters or "
                     f"inputs) but _input_grad[{pos}] is False: the earlier stages would "
