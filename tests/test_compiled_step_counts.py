@@ -26,6 +26,7 @@ def _counts():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ~100 s on a cold Inductor cache; the GPU's proxy, run with the GPU issue
 def test_compiled_step_counts_meet_the_cpu_bounds():
     from harness import run_distributed
 

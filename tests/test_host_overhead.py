@@ -9,6 +9,7 @@ from gpt2_runs import REPO
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # a benchmark's smoke run (~20 s)
 def test_host_overhead_reports_times_ops_and_syncs(gpt2_data, t5_data):
     out = subprocess.run(
         [sys.executable, "benchmarks/host_overhead.py", "--steps", "2", "--warmup", "1",

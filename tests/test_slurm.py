@@ -57,6 +57,7 @@ def _sbatch(script, env, job_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ~50 s; the default run's requeue test runs the same sbatch script
 def test_gpt2_sbatch_two_nodes_match_one_node(slurm, gpt2_data, gpt2_one_node_losses,
                                              tmp_path):
     env = launch_env(gpt2_data, tmp_path, GPUS_PER_NODE="2", **slurm)

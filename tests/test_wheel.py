@@ -48,6 +48,7 @@ def _see_running_packages(python, cwd, env):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ~50 s: a wheel built and installed in a fresh venv
 def test_wheel_installs_outside_checkout_and_builds_kernels(gpt2_data, tmp_path):
     # build from a copy, so the checkout gets no build/ or .egg-info folders
     src = tmp_path / "src"
