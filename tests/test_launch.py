@@ -75,6 +75,7 @@ def _step_ms(text, skip=3):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ~30 s: the other launcher; torchrun is the scripts' default
 def test_deepspeed_launcher_matches_torchrun(gpt2_data, gpt2_one_node_losses, tmp_path):
     """One node: the DeepSpeed launcher starts the ranks itself (a hostfile needs ssh), with
     the same losses as torchrun's, and without its launcher's noise on a CPU (its INFO

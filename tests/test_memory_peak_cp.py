@@ -52,6 +52,7 @@ def test_composed_cp_peaks_match_the_model():
 
 
 @pytest.mark.slow  # ~25 s (up to 70 s on a loaded host): six engines stepped twice on 4 ranks
+@pytest.mark.exhaustive  # the default run's test_memory_peak.py holds the model at cp 1
 def test_cp_peaks_match_the_model_and_fall_by_its_factor():
     results = _check(_layouts(2048))
     for rank, got in enumerate(results):
