@@ -23,7 +23,6 @@ of what a GPU run (whose steps do not need the CPU cores the writer uses) gains.
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -33,18 +32,13 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from benchmarks.machine import cpu_model  # noqa: E402
 
 
 def machine():
     import torch
 
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    model = cpu_model()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{model}, {cores} cores available, {gpu}, torch {torch.__version__}"

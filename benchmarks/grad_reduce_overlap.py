@@ -16,7 +16,6 @@ times on this machine; CPU timings are no GPU figure.
 """
 import argparse
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -24,19 +23,14 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from benchmarks.machine import cpu_model  # noqa: E402
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 
 def machine():
     import torch
 
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as handle:
-            model = next(line.split(":", 1)[1].strip() for line in handle
-                         if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    model = cpu_model()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{model}, {cores} cores available, {gpu}, torch {torch.__version__}"

@@ -22,7 +22,6 @@ Absolute CPU times are not quoted in the docs (a GPU's come from the GPU issue).
 """
 import argparse
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -33,16 +32,11 @@ import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from benchmarks.machine import cpu_model  # noqa: E402
 
 
 def machine():
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    model = cpu_model()
     return f"{model}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
