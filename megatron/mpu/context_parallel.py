@@ -169,7 +169,7 @@ def dense_attention_mask(layout: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the loss
-class _ReduceLossOverContextParallel(torch.autograd.Function):
+class _SumOverContextParallel(torch.autograd.Function):
     """Sum over the context-parallel group forward; the gradient times the group size
     backward (the data x context average of the gradients then gives the sum)."""
 
@@ -185,6 +185,13 @@ class _ReduceLossOverContextParallel(torch.autograd.Function):
         return grad * ctx.cp, None
 
 
+def sum_over_context_parallel(partial: torch.Tensor, group) -> torch.Tensor:
+    """``partial`` summed over ``group`` (the ranks sharing each sequence), its gradient
+    times the group's size: what a sum over whole sequences needs under the data x context
+    gradient average (the loss here, MoE's balancing terms)."""
+    return _SumOverContextParallel.apply(partial, group)
+
+
 def reduce_loss_over_context_parallel(loss_sum: torch.Tensor, count: torch.Tensor,
                                       group=None) -> torch.Tensor:
     """The mean loss of the whole sequences from each rank's part: ``sum(loss_sum) /
@@ -198,6 +205,6 @@ def reduce_loss_over_context_parallel(loss_sum: torch.Tensor, count: torch.Tenso
     group = _group_or_default(group)
     if dist.get_world_size(group) == 1:
         return loss_sum / count
-    both = _ReduceLossOverContextParallel.apply(
+    both = _SumOverContextParallel.apply(
         torch.stack([loss_sum.float(), count.float().detach()]), group)  # [2]
     return both[0] / both[1]

@@ -12,21 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-
-class _SumOverSequence(torch.autograd.Function):
-    """All-reduce (sum) over the sequence's ranks forward; the gradient times their count
-    backward (each rank's share of the dp x cp gradient average then adds up to the whole)."""
-
-    @staticmethod
-    def forward(ctx, partial, group):
-        ctx.size = dist.get_world_size(group)
-        total = partial.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.size, None
+from ..context_parallel import sum_over_context_parallel
 
 
 def sum_over_sequence(partial: torch.Tensor, group=None) -> torch.Tensor:
@@ -38,7 +24,7 @@ def sum_over_sequence(partial: torch.Tensor, group=None) -> torch.Tensor:
     """
     if group is None or dist.get_world_size(group) == 1:
         return partial
-    return _SumOverSequence.apply(partial, group)
+    return sum_over_context_parallel(partial, group)
 
 
 def switch_load_balancing_loss(scores: torch.Tensor, routed: torch.Tensor, topk: int,
